@@ -1,0 +1,73 @@
+// te_ops._native: exposes the FFI handlers (as capsules per execution stage), the handler
+// counters, and a few introspection helpers to Python.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/map.h>
+#include <nanobind/stl/string.h>
+
+#include <cuda_runtime.h>
+
+#include "common/runtime.h"
+#include "common/targets.h"
+#include "softmax/softmax.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+std::vector<te::Target> AllTargets() {
+  std::vector<te::Target> t;
+  te::AppendSoftmaxTargets(t);
+  return t;
+}
+
+nb::dict Registrations() {
+  nb::dict out;
+  for (const te::Target& t : AllTargets()) {
+    nb::dict stages;
+    if (t.initialize) stages["initialize"] = nb::capsule(reinterpret_cast<void*>(t.initialize));
+    stages["execute"] = nb::capsule(reinterpret_cast<void*>(t.execute));
+    out[t.name.c_str()] = stages;
+  }
+  return out;
+}
+
+nb::dict SoftmaxConfig(int dtype, int64_t rows, int64_t cols, int mode) {
+  te::softmax::Params p;
+  p.dtype = static_cast<te::softmax::DType>(dtype);
+  p.rows = rows;
+  p.cols = cols;
+  p.mode = static_cast<te::softmax::MaskMode>(mode);
+  const auto c = te::softmax::ChooseConfig(p);
+  nb::dict d;
+  d["vec"] = c.vec;
+  d["vectors_per_thread"] = c.vectors_per_thread;
+  d["threads_per_row"] = c.threads_per_row;
+  d["block"] = c.block;
+  d["grid"] = c.grid;
+  return d;
+}
+
+nb::dict BuildInfo() {
+  nb::dict d;
+  int rt = 0;
+  cudaRuntimeGetVersion(&rt);
+  d["cuda_runtime_version"] = rt;
+#ifdef TE_OPS_CUDA_ARCHITECTURES
+  d["cuda_architectures"] = TE_OPS_CUDA_ARCHITECTURES;
+#endif
+  return d;
+}
+
+}  // namespace
+
+NB_MODULE(_native, m) {
+  m.doc() = "te_ops native CUDA/XLA-FFI handlers";
+  m.def("registrations", &Registrations,
+        "{target name: {stage name: PyCapsule}} for jax.ffi.register_ffi_target(..., platform='CUDA').");
+  m.def("counters", &te::CountersSnapshot,
+        "Per-handler counters: initialize_calls, warmups, executes, captured_executes.");
+  m.def("reset_counters", &te::ResetCounters);
+  m.def("softmax_config", &SoftmaxConfig, nb::arg("dtype"), nb::arg("rows"), nb::arg("cols"), nb::arg("mode"),
+        "Launch configuration the softmax kernels choose (dtype 0=f32 1=bf16 2=f16; mode 0 none 1 mask 2 causal).");
+  m.def("build_info", &BuildInfo);
+}

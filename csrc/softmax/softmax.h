@@ -1,0 +1,49 @@
+// Host interface of the softmax kernels (csrc/softmax/softmax_kernels.cu).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace te::softmax {
+
+enum class MaskMode : int { kNone = 0, kMask = 1, kCausal = 2 };
+enum class DType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+// A softmax over the last axis of a [rows, cols] view. For kCausal and kMask, rows are ordered as
+// [batch, heads, sq] (row = (b * heads + n) * sq + q). For kMask, `mask` is bool (one byte per
+// element) laid out [mb, mn, msq, cols] with strides given in elements (0 on a broadcast axis).
+struct Params {
+  const void* x = nullptr;     // forward input
+  const void* y = nullptr;     // backward: forward output
+  const void* dy = nullptr;    // backward: output cotangent
+  void* out = nullptr;         // forward: y, backward: dx
+  const uint8_t* mask = nullptr;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  int64_t heads = 1;
+  int64_t sq = 1;
+  int64_t mask_stride_b = 0;
+  int64_t mask_stride_n = 0;
+  int64_t mask_stride_q = 0;
+  float scale = 1.0f;
+  MaskMode mode = MaskMode::kNone;
+  DType dtype = DType::kF32;
+};
+
+// Launch configuration chosen for a problem (exposed for tests and the benchmark table).
+struct LaunchConfig {
+  int vec = 1;               // elements per vector access
+  int vectors_per_thread = 1;
+  int threads_per_row = 32;  // 0: the long-row (multi-pass, block per row) kernel
+  int block = 128;
+  int64_t grid = 1;
+};
+
+LaunchConfig ChooseConfig(const Params& p);
+
+// Enqueue on `stream`; returns the launch error (no synchronisation).
+cudaError_t LaunchForward(const Params& p, cudaStream_t stream);
+cudaError_t LaunchBackward(const Params& p, cudaStream_t stream);
+
+}  // namespace te::softmax

@@ -1,0 +1,302 @@
+// Softmax forward/backward kernels. One row is owned by a group of `tpr` threads (a power of two,
+// 4..1024); each thread holds NV vectors of VEC elements of the row in registers, so the row is read
+// once and written once. Rows longer than the register capacity go to the long-row kernels below
+// (block per row, one extra pass over global memory).
+//
+// Masked positions (explicit mask or causal j > i) give probability exactly 0; a row that is
+// masked everywhere gives zeros (forward) and a zero gradient (backward). Whole vectors that are
+// masked are not read at all, which halves the input traffic of a causal softmax.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cmath>
+
+#include "softmax/softmax.h"
+
+namespace te::softmax {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+template <typename T>
+__device__ __forceinline__ float ToF(T v);
+template <>
+__device__ __forceinline__ float ToF<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ float ToF<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <>
+__device__ __forceinline__ float ToF<__half>(__half v) { return __half2float(v); }
+
+template <typename T>
+__device__ __forceinline__ T FromF(float v);
+template <>
+__device__ __forceinline__ float FromF<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 FromF<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
+template <>
+__device__ __forceinline__ __half FromF<__half>(float v) { return __float2half(v); }
+
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Vec {
+  T v[N];
+};
+
+// Reduction over the `tpr` threads of a row group. Groups of <= 32 threads live inside one warp;
+// larger groups combine per-warp partials through shared memory (`smem` holds one float per warp).
+template <bool kMax>
+__device__ __forceinline__ float Combine(float a, float b) {
+  return kMax ? fmaxf(a, b) : a + b;
+}
+
+template <bool kMax>
+__device__ __forceinline__ float GroupReduce(float v, int tpr, float* smem) {
+  const int width = tpr < 32 ? tpr : 32;
+  for (int offset = width / 2; offset > 0; offset /= 2) {
+    v = Combine<kMax>(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  }
+  if (tpr <= 32) return v;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int warps_per_group = tpr / 32;
+  const int first = (warp / warps_per_group) * warps_per_group;
+  __syncthreads();  // smem may still be read by a previous reduction
+  if (lane == 0) smem[warp] = v;
+  __syncthreads();
+  float r = smem[first];
+  for (int w = 1; w < warps_per_group; ++w) r = Combine<kMax>(r, smem[first + w]);
+  return r;
+}
+
+struct RowInfo {
+  int64_t row;
+  bool valid;
+  int64_t q;           // query position (causal / mask row)
+  int64_t mask_offset; // element offset of the mask row
+};
+
+__device__ __forceinline__ RowInfo MakeRow(const Params& p, int64_t row, MaskMode mode) {
+  RowInfo r;
+  r.row = row;
+  r.valid = row < p.rows;
+  r.q = 0;
+  r.mask_offset = 0;
+  if (mode != MaskMode::kNone) {
+    const int64_t q = row % p.sq;
+    const int64_t bn = row / p.sq;
+    r.q = q;
+    if (mode == MaskMode::kMask) {
+      const int64_t n = bn % p.heads;
+      const int64_t b = bn / p.heads;
+      r.mask_offset = b * p.mask_stride_b + n * p.mask_stride_n + q * p.mask_stride_q;
+    }
+  }
+  return r;
+}
+
+template <typename T, int VEC, int NV, MaskMode MODE>
+__global__ void __launch_bounds__(1024) SoftmaxForwardKernel(Params p, int tpr) {
+  __shared__ float smem[32];
+  const int rows_per_block = blockDim.x / tpr;
+  const int lane = threadIdx.x % tpr;
+  const RowInfo r = MakeRow(p, static_cast<int64_t>(blockIdx.x) * rows_per_block + threadIdx.x / tpr, MODE);
+  const T* x = static_cast<const T*>(p.x) + r.row * p.cols;
+  const uint8_t* mrow = p.mask + r.mask_offset;
+  const float scale = p.scale * kLog2e;  // work in base 2: exp(s*x - m) == exp2(s*log2e*x - m')
+
+  float v[NV][VEC];
+  float mx = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    const int64_t col = (static_cast<int64_t>(lane) + static_cast<int64_t>(i) * tpr) * VEC;
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) v[i][e] = -INFINITY;
+    if (!r.valid || col >= p.cols) continue;
+    if (MODE == MaskMode::kCausal && col > r.q) continue;  // the whole vector is masked
+    bool masked[VEC];
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) masked[e] = false;
+    if (MODE == MaskMode::kMask) {
+      Vec<uint8_t, VEC> m = *reinterpret_cast<const Vec<uint8_t, VEC>*>(mrow + col);
+      bool all = true;
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        masked[e] = m.v[e] != 0;
+        all = all && masked[e];
+      }
+      if (all) continue;
+    }
+    if (MODE == MaskMode::kCausal) {
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) masked[e] = col + e > r.q;
+    }
+    Vec<T, VEC> xv = *reinterpret_cast<const Vec<T, VEC>*>(x + col);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      const float t = masked[e] ? -INFINITY : ToF<T>(xv.v[e]) * scale;
+      v[i][e] = t;
+      mx = fmaxf(mx, t);
+    }
+  }
+  mx = GroupReduce<true>(mx, tpr, smem);
+  float sum = 0.f;
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      const float t = mx == -INFINITY ? 0.f : exp2f(v[i][e] - mx);
+      v[i][e] = t;
+      sum += t;
+    }
+  }
+  sum = GroupReduce<false>(sum, tpr, smem);
+  const float inv = sum > 0.f ? 1.f / sum : 0.f;
+  if (!r.valid) return;
+  T* out = static_cast<T*>(p.out) + r.row * p.cols;
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    const int64_t col = (static_cast<int64_t>(lane) + static_cast<int64_t>(i) * tpr) * VEC;
+    if (col >= p.cols) continue;
+    Vec<T, VEC> o;
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) o.v[e] = FromF<T>(v[i][e] * inv);
+    *reinterpret_cast<Vec<T, VEC>*>(out + col) = o;
+  }
+}
+
+template <typename T, int VEC, int NV, MaskMode MODE>
+__global__ void __launch_bounds__(1024) SoftmaxBackwardKernel(Params p, int tpr) {
+  __shared__ float smem[32];
+  const int rows_per_block = blockDim.x / tpr;
+  const int lane = threadIdx.x % tpr;
+  const RowInfo r = MakeRow(p, static_cast<int64_t>(blockIdx.x) * rows_per_block + threadIdx.x / tpr, MODE);
+  const T* y = static_cast<const T*>(p.y) + r.row * p.cols;
+  const T* dy = static_cast<const T*>(p.dy) + r.row * p.cols;
+  const uint8_t* mrow = p.mask + r.mask_offset;
+
+  Vec<T, VEC> yv[NV];
+  Vec<T, VEC> dyv[NV];
+  float dot = 0.f;
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    const int64_t col = (static_cast<int64_t>(lane) + static_cast<int64_t>(i) * tpr) * VEC;
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      yv[i].v[e] = FromF<T>(0.f);
+      dyv[i].v[e] = FromF<T>(0.f);
+    }
+    if (!r.valid || col >= p.cols) continue;
+    // Masked positions have y == 0 exactly, so their gradient is 0: skip reading them.
+    if (MODE == MaskMode::kCausal && col > r.q) continue;
+    if (MODE == MaskMode::kMask) {
+      Vec<uint8_t, VEC> m = *reinterpret_cast<const Vec<uint8_t, VEC>*>(mrow + col);
+      bool all = true;
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) all = all && (m.v[e] != 0);
+      if (all) continue;
+    }
+    yv[i] = *reinterpret_cast<const Vec<T, VEC>*>(y + col);
+    dyv[i] = *reinterpret_cast<const Vec<T, VEC>*>(dy + col);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) dot += ToF<T>(yv[i].v[e]) * ToF<T>(dyv[i].v[e]);
+  }
+  dot = GroupReduce<false>(dot, tpr, smem);
+  if (!r.valid) return;
+  T* dx = static_cast<T*>(p.out) + r.row * p.cols;
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    const int64_t col = (static_cast<int64_t>(lane) + static_cast<int64_t>(i) * tpr) * VEC;
+    if (col >= p.cols) continue;
+    Vec<T, VEC> o;
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      const float yy = ToF<T>(yv[i].v[e]);
+      o.v[e] = FromF<T>(p.scale * yy * (ToF<T>(dyv[i].v[e]) - dot));
+    }
+    *reinterpret_cast<Vec<T, VEC>*>(dx + col) = o;
+  }
+}
+
+// ---- Long rows: one block per row, scalar accesses, online max/sum. ----
+
+__device__ __forceinline__ bool IsMasked(const Params& p, const RowInfo& r, int64_t col, MaskMode mode) {
+  if (mode == MaskMode::kCausal) return col > r.q;
+  if (mode == MaskMode::kMask) return p.mask[r.mask_offset + col] != 0;
+  return false;
+}
+
+template <typename T, MaskMode MODE>
+__global__ void __launch_bounds__(1024) SoftmaxForwardLongKernel(Params p) {
+  __shared__ float smem_m[32];
+  __shared__ float smem_s[32];
+  const RowInfo r = MakeRow(p, blockIdx.x, MODE);
+  const T* x = static_cast<const T*>(p.x) + r.row * p.cols;
+  T* out = static_cast<T*>(p.out) + r.row * p.cols;
+  const float scale = p.scale * kLog2e;
+  float m = -INFINITY, s = 0.f;
+  for (int64_t c = threadIdx.x; c < p.cols; c += blockDim.x) {
+    if (IsMasked(p, r, c, MODE)) continue;
+    const float t = ToF<T>(x[c]) * scale;
+    if (t > m) {
+      s = (m == -INFINITY ? 0.f : s * exp2f(m - t)) + 1.f;
+      m = t;
+    } else if (t != -INFINITY) {
+      s += exp2f(t - m);
+    }
+  }
+  // Combine (m, s) pairs: first within the warp, then across warps.
+  for (int offset = 16; offset > 0; offset /= 2) {
+    const float om = __shfl_xor_sync(0xffffffffu, m, offset);
+    const float os = __shfl_xor_sync(0xffffffffu, s, offset);
+    const float nm = fmaxf(m, om);
+    s = (m == -INFINITY ? 0.f : s * exp2f(m - nm)) + (om == -INFINITY ? 0.f : os * exp2f(om - nm));
+    m = nm;
+  }
+  const int warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
+  if (threadIdx.x % 32 == 0) {
+    smem_m[warp] = m;
+    smem_s[warp] = s;
+  }
+  __syncthreads();
+  m = -INFINITY;
+  s = 0.f;
+  for (int w = 0; w < nwarps; ++w) {
+    const float om = smem_m[w], os = smem_s[w];
+    const float nm = fmaxf(m, om);
+    s = (m == -INFINITY ? 0.f : s * exp2f(m - nm)) + (om == -INFINITY ? 0.f : os * exp2f(om - nm));
+    m = nm;
+  }
+  const float inv = s > 0.f ? 1.f / s : 0.f;
+  for (int64_t c = threadIdx.x; c < p.cols; c += blockDim.x) {
+    float o = 0.f;
+    if (m != -INFINITY && !IsMasked(p, r, c, MODE)) o = exp2f(ToF<T>(x[c]) * scale - m) * inv;
+    out[c] = FromF<T>(o);
+  }
+}
+
+template <typename T, MaskMode MODE>
+__global__ void __launch_bounds__(1024) SoftmaxBackwardLongKernel(Params p) {
+  __shared__ float smem[32];
+  const RowInfo r = MakeRow(p, blockIdx.x, MODE);
+  const T* y = static_cast<const T*>(p.y) + r.row * p.cols;
+  const T* dy = static_cast<const T*>(p.dy) + r.row * p.cols;
+  T* dx = static_cast<T*>(p.out) + r.row * p.cols;
+  float dot = 0.f;
+  for (int64_t c = threadIdx.x; c < p.cols; c += blockDim.x) {
+    if (IsMasked(p, r, c, MODE)) continue;
+    dot += ToF<T>(y[c]) * ToF<T>(dy[c]);
+  }
+  dot = GroupReduce<false>(dot, blockDim.x, smem);
+  for (int64_t c = threadIdx.x; c < p.cols; c += blockDim.x) {
+    float o = 0.f;
+    if (!IsMasked(p, r, c, MODE)) {
+      const float yy = ToF<T>(y[c]);
+      o = p.scale * yy * (ToF<T>(dy[c]) - dot);
+    }
+    dx[c] = FromF<T>(o);
+  }
+}
+
+}  // namespace te::softmax

@@ -1,0 +1,110 @@
+// Launch-configuration choice and dispatch over (VEC, NV, mode) for one element type T.
+// Each csrc/softmax/softmax_<dtype>.cu instantiates this for its T, so the three dtypes compile in
+// parallel.
+#pragma once
+
+#include "softmax/softmax_kernels.cuh"
+
+namespace te::softmax {
+
+constexpr int kMaxTpr = 1024;
+constexpr int kMaxNv = 8;
+
+inline int VecFor(const Params& p, int elem_bytes) {
+  const int full = 16 / elem_bytes;
+  auto aligned = [](const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) % 16) == 0; };
+  const void* ptrs[] = {p.x, p.y, p.dy, p.out};
+  bool ok = p.cols % full == 0;
+  for (const void* ptr : ptrs) ok = ok && (ptr == nullptr || aligned(ptr));
+  if (p.mode == MaskMode::kMask) {
+    ok = ok && (reinterpret_cast<uintptr_t>(p.mask) % full == 0) &&
+         (p.mask_stride_b % full == 0) && (p.mask_stride_n % full == 0) &&
+         (p.mask_stride_q % full == 0);
+  }
+  return ok ? full : 1;
+}
+
+inline LaunchConfig ChooseConfigFor(const Params& p, int elem_bytes) {
+  LaunchConfig c;
+  c.vec = VecFor(p, elem_bytes);
+  const int64_t nvec = (p.cols + c.vec - 1) / c.vec;
+  int tpr = 4, nv = 1;
+  // Grow the row group to a warp first, then the per-thread vectors to 4 (64 bytes in flight per
+  // thread), then the group up to a block of 1024, then the vectors to 8.
+  while (static_cast<int64_t>(tpr) * nv < nvec) {
+    if (tpr < 32) tpr *= 2;
+    else if (nv < 4) nv *= 2;
+    else if (tpr < kMaxTpr) tpr *= 2;
+    else if (nv < kMaxNv) nv *= 2;
+    else { tpr = 0; break; }
+  }
+  if (tpr == 0) {
+    c.threads_per_row = 0;
+    c.vectors_per_thread = 0;
+    c.vec = 1;
+    c.block = 1024;
+    c.grid = p.rows;
+    return c;
+  }
+  c.threads_per_row = tpr;
+  c.vectors_per_thread = nv;
+  c.block = tpr < 128 ? 128 : tpr;
+  const int rows_per_block = c.block / tpr;
+  c.grid = (p.rows + rows_per_block - 1) / rows_per_block;
+  return c;
+}
+
+template <typename T, int VEC, MaskMode MODE, bool kBackward>
+cudaError_t LaunchNv(const Params& p, const LaunchConfig& c, cudaStream_t s) {
+  dim3 grid(static_cast<unsigned>(c.grid)), block(c.block);
+#define TE_SOFTMAX_CASE(NV)                                                     \
+  case NV:                                                                      \
+    if (kBackward)                                                              \
+      SoftmaxBackwardKernel<T, VEC, NV, MODE><<<grid, block, 0, s>>>(p, c.threads_per_row); \
+    else                                                                        \
+      SoftmaxForwardKernel<T, VEC, NV, MODE><<<grid, block, 0, s>>>(p, c.threads_per_row);  \
+    break;
+  switch (c.vectors_per_thread) {
+    TE_SOFTMAX_CASE(1)
+    TE_SOFTMAX_CASE(2)
+    TE_SOFTMAX_CASE(4)
+    TE_SOFTMAX_CASE(8)
+    default: return cudaErrorInvalidConfiguration;
+  }
+#undef TE_SOFTMAX_CASE
+  return cudaGetLastError();
+}
+
+template <typename T, MaskMode MODE, bool kBackward>
+cudaError_t LaunchMode(const Params& p, cudaStream_t s) {
+  if (p.rows == 0 || p.cols == 0) return cudaSuccess;
+  const LaunchConfig c = ChooseConfigFor(p, sizeof(T));
+  if (c.grid > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
+  if (c.threads_per_row == 0) {
+    if (kBackward)
+      SoftmaxBackwardLongKernel<T, MODE><<<static_cast<unsigned>(c.grid), c.block, 0, s>>>(p);
+    else
+      SoftmaxForwardLongKernel<T, MODE><<<static_cast<unsigned>(c.grid), c.block, 0, s>>>(p);
+    return cudaGetLastError();
+  }
+  constexpr int kFull = 16 / sizeof(T);
+  if (c.vec == kFull) return LaunchNv<T, kFull, MODE, kBackward>(p, c, s);
+  return LaunchNv<T, 1, MODE, kBackward>(p, c, s);
+}
+
+template <typename T, bool kBackward>
+cudaError_t LaunchTyped(const Params& p, cudaStream_t s) {
+  switch (p.mode) {
+    case MaskMode::kNone: return LaunchMode<T, MaskMode::kNone, kBackward>(p, s);
+    case MaskMode::kMask: return LaunchMode<T, MaskMode::kMask, kBackward>(p, s);
+    case MaskMode::kCausal: return LaunchMode<T, MaskMode::kCausal, kBackward>(p, s);
+  }
+  return cudaErrorInvalidValue;
+}
+
+// Defined once per dtype file (softmax_<dtype>.cu).
+cudaError_t LaunchF32(const Params& p, cudaStream_t s, bool backward);
+cudaError_t LaunchBF16(const Params& p, cudaStream_t s, bool backward);
+cudaError_t LaunchF16(const Params& p, cudaStream_t s, bool backward);
+
+}  // namespace te::softmax

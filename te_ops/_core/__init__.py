@@ -1,0 +1,1 @@
+"""Shared machinery for te_ops: implementation registry and selection, native loading, partitioning."""

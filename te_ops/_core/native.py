@@ -1,0 +1,129 @@
+"""Loading of the native extension ``te_ops._native`` and registration of its XLA-FFI targets.
+
+The extension is optional: it exists only when the package was built with a CUDA compiler. Without
+it every op runs its pure-JAX reference implementation, and asking for ``implementation="native"``
+raises with the reason recorded here.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any
+
+import jax
+
+_lock = threading.Lock()
+_registered = False
+
+try:  # pragma: no cover - depends on how the package was built
+    from te_ops import _native  # type: ignore[attr-defined]
+
+    _IMPORT_ERROR: str | None = None
+except ImportError as e:  # built without CUDA, or a broken build
+    _native = None
+    _IMPORT_ERROR = (
+        f"the native extension te_ops._native is not available ({e}); the package was built without a "
+        "CUDA compiler. Reinstall on a machine with nvcc to build it (see README.md)."
+    )
+
+
+def module() -> Any:
+    """The loaded ``te_ops._native`` module, or raise with the reason it is missing."""
+    if _native is None:
+        raise RuntimeError(_IMPORT_ERROR)
+    return _native
+
+
+def extension_unavailable_reason() -> str | None:
+    return _IMPORT_ERROR
+
+
+@functools.cache
+def cuda_device_unavailable_reason() -> str | None:
+    """None when JAX sees at least one CUDA device, else why not."""
+    try:
+        devices = jax.devices("cuda")
+    except RuntimeError as e:
+        return f"JAX sees no CUDA device ({str(e).splitlines()[0]})"
+    if not devices:
+        return "JAX sees no CUDA device"
+    return None
+
+
+def native_unavailable_reason() -> str | None:
+    """None when native handlers can run in this process, else a human-readable reason."""
+    return extension_unavailable_reason() or cuda_device_unavailable_reason()
+
+
+def ensure_registered() -> None:
+    """Registers every FFI target of the extension with XLA for the CUDA platform (once)."""
+    global _registered
+    if _registered:
+        return
+    with _lock:
+        if _registered:
+            return
+        for name, stages in module().registrations().items():
+            jax.ffi.register_ffi_target(name, dict(stages), platform="CUDA", api_version=1)
+        _registered = True
+
+
+def counters() -> dict[str, dict[str, int]]:
+    """Per-handler counters from the native module: initialize_calls, warmups, executes,
+    captured_executes (execute calls made while XLA was capturing a CUDA graph)."""
+    return {k: dict(v) for k, v in module().counters().items()}
+
+
+def reset_counters() -> None:
+    module().reset_counters()
+
+
+_poison = threading.local()
+
+
+class poisoned_outputs:  # noqa: N801 - used as a context manager
+    """Inside this block, native calls traced get NaN-filled output buffers (aliased to their
+    results), so any element a kernel fails to write stays NaN. For tests; trace-time setting."""
+
+    def __enter__(self):
+        self._prev = getattr(_poison, "on", False)
+        _poison.on = True
+        return self
+
+    def __exit__(self, *exc):
+        _poison.on = self._prev
+        return False
+
+
+def ffi_call(
+    target: str,
+    result_shape_dtypes: Any,
+    *args: jax.Array,
+    vmap_method: str = "sequential",
+    **attrs: Any,
+) -> Any:
+    """``jax.ffi.ffi_call`` for a te_ops native target (registers targets on first use).
+
+    Honours :class:`poisoned_outputs`: the handlers take trailing operands they ignore, which are
+    aliased to the results.
+    """
+    ensure_registered()
+    multiple = isinstance(result_shape_dtypes, (list, tuple))
+    results = list(result_shape_dtypes) if multiple else [result_shape_dtypes]
+    operands = list(args)
+    aliases = {}
+    if getattr(_poison, "on", False):
+        import jax.numpy as jnp
+
+        for i, r in enumerate(results):
+            aliases[len(operands)] = i
+            fill = jnp.nan if jnp.issubdtype(r.dtype, jnp.floating) else jnp.iinfo(r.dtype).max
+            operands.append(jnp.full(r.shape, fill, r.dtype))
+    call = jax.ffi.ffi_call(
+        target,
+        results if multiple else results[0],
+        vmap_method=vmap_method,
+        input_output_aliases=aliases or None,
+    )
+    return call(*operands, **attrs)
