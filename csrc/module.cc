@@ -14,15 +14,9 @@ namespace nb = nanobind;
 
 namespace {
 
-std::vector<te::Target> AllTargets() {
-  std::vector<te::Target> t;
-  te::AppendSoftmaxTargets(t);
-  return t;
-}
-
 nb::dict Registrations() {
   nb::dict out;
-  for (const te::Target& t : AllTargets()) {
+  for (const te::Target& t : te::AllTargets()) {
     nb::dict stages;
     if (t.initialize) stages["initialize"] = nb::capsule(reinterpret_cast<void*>(t.initialize));
     stages["execute"] = nb::capsule(reinterpret_cast<void*>(t.execute));
@@ -52,6 +46,8 @@ nb::dict BuildInfo() {
   int rt = 0;
   cudaRuntimeGetVersion(&rt);
   d["cuda_runtime_version"] = rt;
+  d["jaxlib_headers_version"] = TE_JAXLIB_HEADERS_VERSION;
+  d["enabled_ops"] = TE_OPS_ENABLED;
 #ifdef TE_OPS_CUDA_ARCHITECTURES
   d["cuda_architectures"] = TE_OPS_CUDA_ARCHITECTURES;
 #endif

@@ -1,4 +1,5 @@
 #include "common/runtime.h"
+#include "common/targets.h"
 
 #include <memory>
 #include <mutex>
@@ -28,6 +29,11 @@ std::unordered_set<std::string>& WarmedKeys() {
 }
 
 }  // namespace
+
+std::vector<Target>& AllTargets() {
+  static auto* t = new std::vector<Target>();
+  return *t;
+}
 
 HandlerCounters& Counters(const std::string& handler) {
   std::lock_guard<std::mutex> lock(CountersMutex());

@@ -1,4 +1,7 @@
-// FFI targets exported to Python: each op folder appends its (name, stage handlers) entries.
+// FFI targets exported to Python. Each op's handler file registers its targets with a static
+// TargetRegistrar, so adding an op never touches module.cc:
+//
+//   static te::TargetRegistrar kRegister({{"te_softmax_fwd", kFwdInit, kFwdExec}, ...});
 #pragma once
 
 #include <string>
@@ -14,6 +17,12 @@ struct Target {
   XLA_FFI_Handler* execute = nullptr;
 };
 
-void AppendSoftmaxTargets(std::vector<Target>& out);
+std::vector<Target>& AllTargets();
+
+struct TargetRegistrar {
+  explicit TargetRegistrar(std::initializer_list<Target> targets) {
+    for (const Target& t : targets) AllTargets().push_back(t);
+  }
+};
 
 }  // namespace te

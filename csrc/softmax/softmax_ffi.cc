@@ -234,13 +234,14 @@ XLA_FFI_DEFINE_HANDLER(kMaskedBwdExec, MaskedSoftmaxBwd<kExec>, BindMaskedBwd<kE
 }  // namespace te::softmax
 
 namespace te {
+namespace {
 
-void AppendSoftmaxTargets(std::vector<Target>& out) {
-  using namespace te::softmax;
-  out.push_back({"te_softmax_fwd", kSoftmaxFwdInit, kSoftmaxFwdExec});
-  out.push_back({"te_softmax_bwd", kSoftmaxBwdInit, kSoftmaxBwdExec});
-  out.push_back({"te_masked_softmax_fwd", kMaskedFwdInit, kMaskedFwdExec});
-  out.push_back({"te_masked_softmax_bwd", kMaskedBwdInit, kMaskedBwdExec});
-}
+const TargetRegistrar kRegister({
+    {"te_softmax_fwd", softmax::kSoftmaxFwdInit, softmax::kSoftmaxFwdExec},
+    {"te_softmax_bwd", softmax::kSoftmaxBwdInit, softmax::kSoftmaxBwdExec},
+    {"te_masked_softmax_fwd", softmax::kMaskedFwdInit, softmax::kMaskedFwdExec},
+    {"te_masked_softmax_bwd", softmax::kMaskedBwdInit, softmax::kMaskedBwdExec},
+});
 
+}  // namespace
 }  // namespace te
