@@ -8,7 +8,9 @@
 
 #include "common/runtime.h"
 #include "common/targets.h"
+#ifdef TE_WITH_SOFTMAX
 #include "softmax/softmax.h"
+#endif
 
 namespace nb = nanobind;
 
@@ -25,6 +27,7 @@ nb::dict Registrations() {
   return out;
 }
 
+#ifdef TE_WITH_SOFTMAX
 nb::dict SoftmaxConfig(int dtype, int64_t rows, int64_t cols, int mode) {
   te::softmax::Params p;
   p.dtype = static_cast<te::softmax::DType>(dtype);
@@ -40,6 +43,7 @@ nb::dict SoftmaxConfig(int dtype, int64_t rows, int64_t cols, int mode) {
   d["grid"] = c.grid;
   return d;
 }
+#endif
 
 nb::dict BuildInfo() {
   nb::dict d;
@@ -56,14 +60,16 @@ nb::dict BuildInfo() {
 
 }  // namespace
 
-NB_MODULE(_native, m) {
+NB_MODULE(TE_MODULE_NAME, m) {
   m.doc() = "te_ops native CUDA/XLA-FFI handlers";
   m.def("registrations", &Registrations,
         "{target name: {stage name: PyCapsule}} for jax.ffi.register_ffi_target(..., platform='CUDA').");
   m.def("counters", &te::CountersSnapshot,
         "Per-handler counters: initialize_calls, warmups, executes, captured_executes.");
   m.def("reset_counters", &te::ResetCounters);
+#ifdef TE_WITH_SOFTMAX
   m.def("softmax_config", &SoftmaxConfig, nb::arg("dtype"), nb::arg("rows"), nb::arg("cols"), nb::arg("mode"),
         "Launch configuration the softmax kernels choose (dtype 0=f32 1=bf16 2=f16; mode 0 none 1 mask 2 causal).");
+#endif
   m.def("build_info", &BuildInfo);
 }

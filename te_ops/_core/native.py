@@ -8,6 +8,7 @@ raises with the reason recorded here.
 from __future__ import annotations
 
 import functools
+import importlib
 import threading
 from typing import Any
 
@@ -16,16 +17,22 @@ import jax
 _lock = threading.Lock()
 _registered = False
 
-try:  # pragma: no cover - depends on how the package was built
-    from te_ops import _native  # type: ignore[attr-defined]
-
-    _IMPORT_ERROR: str | None = None
-except ImportError as e:  # built without CUDA, or a broken build
-    _native = None
-    _IMPORT_ERROR = (
-        f"the native extension te_ops._native is not available ({e}); the package was built without a "
-        "CUDA compiler. Reinstall on a machine with nvcc to build it (see README.md)."
-    )
+# The extension modules: _native (CUDA runtime only) and one per optional library, built only
+# when that library's headers were found (see CMakeLists.txt).
+MODULES = ("_native", "_native_cublaslt", "_native_cudnn")
+_loaded: dict[str, Any] = {}
+_errors: dict[str, str] = {}
+for _name in MODULES:
+    try:  # pragma: no cover - depends on how the package was built
+        _loaded[_name] = importlib.import_module(f"te_ops.{_name}")
+    except ImportError as e:
+        _errors[_name] = (
+            f"the native extension te_ops.{_name} is not available ({e}). It is built only when a CUDA "
+            "compiler (and, for _native_cublaslt/_native_cudnn, that library's headers) is found at "
+            "install time; reinstall on such a machine (see README.md)."
+        )
+_native = _loaded.get("_native")
+_IMPORT_ERROR = _errors.get("_native")
 
 
 def module() -> Any:
@@ -35,8 +42,9 @@ def module() -> Any:
     return _native
 
 
-def extension_unavailable_reason() -> str | None:
-    return _IMPORT_ERROR
+def extension_unavailable_reason(name: str = "_native") -> str | None:
+    """None when extension module ``name`` is loaded, else why not."""
+    return None if name in _loaded else _errors.get(name, f"unknown extension module {name!r}")
 
 
 @functools.cache
@@ -51,9 +59,9 @@ def cuda_device_unavailable_reason() -> str | None:
     return None
 
 
-def native_unavailable_reason() -> str | None:
-    """None when native handlers can run in this process, else a human-readable reason."""
-    return extension_unavailable_reason() or cuda_device_unavailable_reason()
+def native_unavailable_reason(name: str = "_native") -> str | None:
+    """None when the handlers of extension module ``name`` can run in this process, else why not."""
+    return extension_unavailable_reason(name) or cuda_device_unavailable_reason()
 
 
 def ensure_registered() -> None:
@@ -64,19 +72,24 @@ def ensure_registered() -> None:
     with _lock:
         if _registered:
             return
-        for name, stages in module().registrations().items():
-            jax.ffi.register_ffi_target(name, dict(stages), platform="CUDA", api_version=1)
+        for mod in _loaded.values():
+            for name, stages in mod.registrations().items():
+                jax.ffi.register_ffi_target(name, dict(stages), platform="CUDA", api_version=1)
         _registered = True
 
 
 def counters() -> dict[str, dict[str, int]]:
     """Per-handler counters from the native module: initialize_calls, warmups, executes,
     captured_executes (execute calls made while XLA was capturing a CUDA graph)."""
-    return {k: dict(v) for k, v in module().counters().items()}
+    out: dict[str, dict[str, int]] = {}
+    for mod in _loaded.values():
+        out.update({k: dict(v) for k, v in mod.counters().items()})
+    return out
 
 
 def reset_counters() -> None:
-    module().reset_counters()
+    for mod in _loaded.values():
+        mod.reset_counters()
 
 
 _poison = threading.local()

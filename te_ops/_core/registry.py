@@ -60,8 +60,9 @@ class Implementation:
     available: Callable[[], str | None] = lambda: None
 
 
-def native_available() -> str | None:
-    return _native.native_unavailable_reason()
+def native_available(module: str = "_native") -> Callable[[], str | None]:
+    """An ``available`` callable for implementations backed by extension module ``module``."""
+    return lambda: _native.native_unavailable_reason(module)
 
 
 class OpFamily:
