@@ -265,7 +265,7 @@ def scaled_masked_softmax(
       implementation: None (best available), "native" or "reference".
     """
     op = "scaled_masked_softmax"
-    x = _check_x(op, x, 4)
+    x = _check_x(op, x, 0)
     if x.ndim != 4:
         raise ValueError(f"te_ops.{op}: x must have rank 4 [B, N, Sq, Sk], got shape {tuple(x.shape)}.")
     mask = _check_mask(op, mask, x)

@@ -1,0 +1,253 @@
+"""Softmax family on CPU: reference vs jax.nn.softmax, gradients, jit, vmap, sharding, errors."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as Ps
+
+import te_ops
+from te_ops._core import testing as T
+
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+
+
+def _key(seed):
+    return jax.random.key(seed)
+
+
+def _x(seed, shape, dtype):
+    return (3.0 * jax.random.normal(_key(seed), shape, jnp.float32)).astype(dtype)
+
+
+def _expected(x, scale, keep=None):
+    """jax.nn.softmax with `where`, rows with nothing kept -> 0 (the documented semantics)."""
+    z = scale * x.astype(jnp.float32)
+    if keep is None:
+        return jax.nn.softmax(z, axis=-1)
+    keep = jnp.broadcast_to(keep, z.shape)
+    y = jax.nn.softmax(z, axis=-1, where=keep)
+    return jnp.where(keep.any(-1, keepdims=True) & keep, y, 0.0)
+
+
+def _causal_keep(s):
+    return jnp.tril(jnp.ones((s, s), bool))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(7,), (3, 33), (2, 3, 5, 130)])
+def test_scaled_softmax_matches_jax(dtype, shape):
+    x = _x(0, shape, dtype)
+    y = te_ops.scaled_softmax(x, 0.37)
+    assert y.dtype == dtype and y.shape == x.shape
+    T.assert_close(y, _expected(x, 0.37), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mask_shape", [(2, 1, 6, 40), (1, 1, 6, 40), (2, 1, 1, 40), (6, 40), (2, 3, 6, 40)])
+def test_scaled_masked_softmax_matches_jax(dtype, mask_shape):
+    x = _x(1, (2, 3, 6, 40), dtype)
+    mask = jax.random.bernoulli(_key(2), 0.4, mask_shape)
+    y = te_ops.scaled_masked_softmax(x, mask, 0.5)
+    exp = _expected(x, 0.5, keep=~mask.reshape((1,) * (4 - mask.ndim) + mask.shape))
+    T.assert_close(y, exp, dtype)
+    # masked positions are exactly zero
+    m = jnp.broadcast_to(mask.reshape((1,) * (4 - mask.ndim) + mask.shape), x.shape)
+    assert bool(jnp.all(jnp.where(m, y, 0) == 0))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_upper_triang_matches_jax(dtype):
+    x = _x(3, (2, 2, 17, 17), dtype)
+    y = te_ops.scaled_upper_triang_masked_softmax(x, 1.3)
+    T.assert_close(y, _expected(x, 1.3, keep=_causal_keep(17)), dtype)
+    assert bool(jnp.all(jnp.triu(y.astype(jnp.float32), k=1) == 0))
+
+
+def test_fully_masked_rows_give_zeros_and_zero_grad():
+    x = _x(4, (1, 2, 4, 16), jnp.float32)
+    mask = jax.random.bernoulli(_key(5), 0.3, (1, 1, 4, 16)).at[0, 0, 2].set(True)
+    y = te_ops.scaled_masked_softmax(x, mask, 1.0)
+    assert bool(jnp.all(y[:, :, 2] == 0)) and not bool(jnp.isnan(y).any())
+    g = jax.grad(lambda x: jnp.sum(te_ops.scaled_masked_softmax(x, mask, 1.0) * jnp.arange(16.0)))(x)
+    assert bool(jnp.all(g[:, :, 2] == 0)) and not bool(jnp.isnan(g).any())
+    assert float(jnp.abs(g).sum()) > 0  # other rows do get a gradient
+
+
+def _cotangent(seed, shape):
+    return jax.random.normal(_key(seed), shape, jnp.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("variant", ["plain", "masked", "causal"])
+def test_gradients_match_jax(dtype, variant):
+    shape = (2, 2, 9, 9)
+    x = _x(6, shape, dtype)
+    ct = _cotangent(7, shape)
+    mask = jax.random.bernoulli(_key(8), 0.3, (2, 1, 9, 9))
+    scale = 0.8
+    if variant == "plain":
+        ours = lambda x: te_ops.scaled_softmax(x, scale)
+        keep = None
+    elif variant == "masked":
+        ours = lambda x: te_ops.scaled_masked_softmax(x, mask, scale)
+        keep = ~mask
+    else:
+        ours = lambda x: te_ops.scaled_upper_triang_masked_softmax(x, scale)
+        keep = _causal_keep(9)
+    g = jax.grad(lambda x: jnp.sum(ours(x).astype(jnp.float32) * ct))(x)
+    x32 = x.astype(jnp.float32)
+    g_ref = jax.grad(lambda x: jnp.sum(_expected(x, scale, keep) * ct))(x32)
+    assert g.dtype == dtype
+    T.assert_close(g, g_ref, dtype, scale=float(jnp.abs(g_ref).max()))
+
+
+def test_backward_formula():
+    """dx = scale * y * (dy - sum(dy * y)) exactly as the spec writes it."""
+    x = _x(9, (3, 11), jnp.float32)
+    dy = _cotangent(10, (3, 11))
+    y, vjp = jax.vjp(lambda x: te_ops.scaled_softmax(x, 2.0), x)
+    (dx,) = vjp(dy)
+    T.assert_close(dx, 2.0 * y * (dy - jnp.sum(dy * y, -1, keepdims=True)), jnp.float32)
+
+
+def test_jit_and_vmap():
+    x = _x(11, (3, 2, 2, 8, 8), jnp.bfloat16)
+    mask = jax.random.bernoulli(_key(12), 0.3, (2, 1, 8, 8))
+    f = jax.jit(jax.vmap(lambda x: te_ops.scaled_masked_softmax(x, mask, 0.7)))
+    y = f(x)
+    T.assert_close(y, jax.vmap(lambda x: _expected(x, 0.7, ~mask))(x), jnp.bfloat16)
+    # vmapped mask too (batched over the same axis)
+    masks = jax.random.bernoulli(_key(13), 0.3, (3, 1, 1, 8, 8))
+    y2 = jax.vmap(lambda x, m: te_ops.scaled_masked_softmax(x, m, 0.7))(x, masks)
+    T.assert_close(y2, jax.vmap(lambda x, m: _expected(x, 0.7, ~m))(x, masks), jnp.bfloat16)
+    # vmap of the gradient of the causal variant
+    gx = jax.jit(jax.vmap(jax.grad(lambda x: jnp.sum(te_ops.scaled_upper_triang_masked_softmax(x, 0.7) ** 2))))(
+        x.astype(jnp.float32)
+    )
+    gr = jax.vmap(jax.grad(lambda x: jnp.sum(_expected(x, 0.7, _causal_keep(8)) ** 2)))(x.astype(jnp.float32))
+    T.assert_close(gx, gr, jnp.float32, scale=float(jnp.abs(gr).max()))
+
+
+def test_scaled_softmax_vmap_over_non_leading_axis():
+    x = _x(14, (4, 5, 6), jnp.float32)
+    y = jax.vmap(lambda r: te_ops.scaled_softmax(r, 1.5), in_axes=1, out_axes=1)(x)
+    T.assert_close(y, _expected(x, 1.5), jnp.float32)
+
+
+# ------------------------------------------------------------------------------------------------
+# Sharding on 8 virtual CPU devices
+# ------------------------------------------------------------------------------------------------
+
+
+def test_sharded_batch_heads_query_no_collectives():
+    mesh = T.cpu_mesh((2, 2, 2), ("b", "n", "q"))
+    x = _x(15, (4, 4, 8, 32), jnp.float32)
+    mask = jax.random.bernoulli(_key(16), 0.3, (4, 1, 8, 32))
+    fn = lambda x, m: te_ops.scaled_masked_softmax(x, m, 0.3)
+    spec = Ps("b", "n", "q", None)
+    out, ref, counts = T.run_sharded(fn, (x, mask), (spec, Ps("b", None, "q", None)), spec, mesh=mesh)
+    T.assert_close(out, ref, jnp.float32)
+    assert sum(counts.values()) == 0, counts
+
+
+def test_sharded_grad_no_collectives():
+    mesh = T.cpu_mesh((8,), ("b",))
+    x = _x(17, (8, 2, 8, 16), jnp.float32)
+    fn = jax.grad(lambda x: jnp.sum(te_ops.scaled_softmax(x, 0.9) ** 2))
+    out, ref, counts = T.run_sharded(fn, (x,), (Ps("b"),), Ps("b"), mesh=mesh)
+    T.assert_close(out, ref, jnp.float32, scale=float(jnp.abs(ref).max()))
+    assert sum(counts.values()) == 0, counts
+
+
+def test_sharded_softmax_axis_is_gathered():
+    mesh = T.cpu_mesh((8,), ("k",))
+    x = _x(18, (2, 2, 4, 64), jnp.float32)
+    fn = lambda x: te_ops.scaled_softmax(x, 1.0)
+    out, ref, counts = T.run_sharded(fn, (x,), (Ps(None, None, None, "k"),), None, mesh=mesh)
+    T.assert_close(out, ref, jnp.float32)
+    assert counts["all-gather"] + counts["all-to-all"] + counts["collective-permute"] >= 1, counts
+
+
+def test_sharded_causal_query_axis():
+    """The causal kernel reads the query index from the local row: a sharded Sq must be gathered."""
+    mesh = T.cpu_mesh((4, 2), ("b", "q"))
+    x = _x(19, (4, 2, 16, 16), jnp.float32)
+    fn = lambda x: te_ops.scaled_upper_triang_masked_softmax(x, 1.0)
+    out, ref, _ = T.run_sharded(fn, (x,), (Ps("b", None, "q", None),), None, mesh=mesh)
+    T.assert_close(out, ref, jnp.float32)
+    T.assert_close(ref, _expected(x, 1.0, _causal_keep(16)), jnp.float32)
+
+
+# ------------------------------------------------------------------------------------------------
+# Implementation selection and errors
+# ------------------------------------------------------------------------------------------------
+
+
+def test_named_native_raises_with_reason_on_cpu():
+    if te_ops.native_unavailable_reason() is None:
+        pytest.skip("a CUDA device is present: native can run here")
+    x = _x(20, (2, 8), jnp.float32)
+    with pytest.raises(te_ops.ImplementationUnavailableError, match="native.*cannot run"):
+        te_ops.scaled_softmax(x, 1.0, implementation="native")
+    with te_ops.use_implementation(softmax="native"):
+        with pytest.raises(te_ops.ImplementationUnavailableError):
+            te_ops.scaled_softmax(x, 1.0)
+
+
+def test_reference_by_name_and_context_manager():
+    x = _x(21, (2, 8), jnp.float32)
+    y1 = te_ops.scaled_softmax(x, 1.0, implementation="reference")
+    with te_ops.use_implementation("reference"):
+        y2 = te_ops.scaled_softmax(x, 1.0)
+    T.assert_close(y1, y2, jnp.float32)
+    with pytest.raises(ValueError, match="unknown implementation='cutlass'"):
+        te_ops.scaled_softmax(x, 1.0, implementation="cutlass")
+
+
+def test_one_jitted_function_has_no_ffi_call_in_cpu_hlo():
+    x = _x(22, (2, 8, 8), jnp.float32)
+    text = jax.jit(lambda x: te_ops.scaled_upper_triang_masked_softmax(x, 1.0)).lower(x).as_text()
+    assert "te_softmax" not in text
+
+
+@pytest.mark.parametrize(
+    "call, exc, match",
+    [
+        (lambda: te_ops.scaled_softmax(jnp.ones((2, 3), jnp.int32)), TypeError, "x must be float32.*int32"),
+        (lambda: te_ops.scaled_softmax(jnp.ones((2, 3)), jnp.float32(2.0)), TypeError, "scale must be a static"),
+        (lambda: te_ops.scaled_softmax(jnp.ones((2, 3)), float("nan")), ValueError, "scale must be finite"),
+        (lambda: te_ops.scaled_masked_softmax(jnp.ones((2, 3, 4)), jnp.zeros((4,), bool)), ValueError, "rank 4"),
+        (
+            lambda: te_ops.scaled_masked_softmax(jnp.ones((2, 3, 4, 5)), jnp.zeros((2, 1, 4, 5), jnp.int32)),
+            TypeError,
+            "mask must be a bool",
+        ),
+        (
+            lambda: te_ops.scaled_masked_softmax(jnp.ones((2, 3, 4, 5)), jnp.zeros((3, 1, 4, 5), bool)),
+            ValueError,
+            "not broadcastable",
+        ),
+        (lambda: te_ops.scaled_upper_triang_masked_softmax(jnp.ones((2, 3, 4))), ValueError, "square"),
+        (lambda: te_ops.scaled_upper_triang_masked_softmax(jnp.ones((4,))), ValueError, "rank >= 2"),
+    ],
+)
+def test_bad_input_errors(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
+
+
+def test_traced_scale_rejected_under_jit():
+    with pytest.raises(TypeError, match="scale must be a static"):
+        jax.jit(lambda x, s: te_ops.scaled_softmax(x, s))(jnp.ones((2, 3)), 2.0)
+
+
+def test_large_row_and_extreme_values():
+    """Rows longer than one block and logits far apart stay finite and normalised."""
+    x = jnp.concatenate([jnp.full((2, 1), 80.0), _x(23, (2, 9000), jnp.float32)], axis=1)
+    y = te_ops.scaled_softmax(x, 1.0)
+    np.testing.assert_allclose(np.asarray(y.sum(-1)), 1.0, rtol=1e-5)
+    T.assert_close(y, _expected(x, 1.0), jnp.float32)
+    assert math.isclose(float(y[0, 0]), 1.0, rel_tol=1e-6)
