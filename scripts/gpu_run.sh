@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The one GPU command: build te_ops in place (no build isolation, the image's packages), run the
+# GPU-marked tests, run the benchmarks, and collect everything into $OUT (or ./gpu_out).
+#
+#   bash scripts/gpu_run.sh                      # everything
+#   TESTS="tests/gpu/test_softmax_gpu.py" BENCHES="softmax" bash scripts/gpu_run.sh
+#
+# Outputs: $OUT/run.log (all output), $OUT/results.tar.gz (benchmark JSON + junit XML).
+# Wheels for packages missing on the GPU image (e.g. nvidia-cudnn-frontend) are taken from .whl/.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT/results"
+LOG="$OUT/run.log"
+exec > >(tee -a "$LOG") 2>&1
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+PY=${PYTHON:-python3}
+t0=$(date +%s)
+stamp() { echo "[gpu_run +$(( $(date +%s) - t0 ))s] $*"; }
+
+stamp "host: $(hostname) $(date -u)"; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv || true
+
+if compgen -G ".whl/*.whl" > /dev/null; then
+  stamp "installing carried wheels: $(ls .whl)"
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/te_site .whl/*.whl \
+    && export PYTHONPATH=/tmp/te_site${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+stamp "building (pip install --no-build-isolation --no-deps -e .)"
+if ! $PY -m pip install --no-build-isolation --no-deps -e . -Cbuild.verbose=false > "$OUT/results/build.log" 2>&1; then
+  tail -60 "$OUT/results/build.log"; stamp "BUILD FAILED"
+fi
+grep -E "te_ops:|warning|error" "$OUT/results/build.log" | grep -v "^--" | head -40
+$PY - <<'PY'
+import te_ops
+from te_ops._core import native
+print("native modules:", {k: v.build_info() for k, v in native._loaded.items()})
+print("missing:", native._errors)
+print("native_unavailable_reason:", te_ops.native_unavailable_reason())
+PY
+
+stamp "GPU tests"
+$PY -m pytest -m gpu ${TESTS:-tests/gpu} -q -rs -p no:cacheprovider --junitxml "$OUT/results/gpu_tests.xml" \
+  -o junit_family=xunit2 ${PYTEST_ARGS:-}
+test_rc=$?
+
+for b in ${BENCHES:-softmax router dense attention permutation grouped_dense}; do
+  if [ -f "benchmarks/$b.py" ]; then
+    stamp "benchmark $b"
+    TE_BENCH_OUT="$OUT/results" timeout ${BENCH_TIMEOUT:-240} $PY "benchmarks/$b.py" ${BENCH_ARGS:-} || stamp "benchmark $b FAILED rc=$?"
+  fi
+done
+tar -czf "$OUT/results.tar.gz" -C "$OUT" results && rm -rf "$OUT/results"
+stamp "done (tests rc=$test_rc)"
+exit $test_rc

@@ -1,0 +1,36 @@
+"""Helper for GPU tests: run tests.gpu.cmdbuf_check in a subprocess with command buffers on."""
+
+import json
+import os
+import subprocess
+import sys
+
+CMDBUF_FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run_under_command_buffers(builder: str, flags: str = CMDBUF_FLAGS, timeout: int = 300) -> dict:
+    """Runs builder ("module:function") in a fresh process with XLA_FLAGS=flags; returns its report."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + flags).strip()
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.gpu.cmdbuf_check", builder],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+    )
+    for line in proc.stdout.splitlines():
+        if line.startswith("CMDBUF_REPORT "):
+            return json.loads(line[len("CMDBUF_REPORT "):])
+    raise AssertionError(f"no report from subprocess (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+
+
+def assert_graph_captured_and_warmed_once(report: dict, handlers: dict[str, int]) -> None:
+    """Every handler executed only inside CUDA-graph capture and warmed exactly once per key."""
+    counters = report["counters"]
+    for name, keys in handlers.items():
+        c = counters.get(name)
+        assert c is not None, f"handler {name} never ran: {counters}"
+        assert c["captured_executes"] >= 1, f"{name} never ran inside a CUDA graph capture: {c}"
+        assert c["captured_executes"] == c["executes"], f"{name} executed outside a CUDA graph: {c}"
+        assert c["warmups"] == keys, f"{name}: expected {keys} warm-ups (one per key), got {c}"
+        assert c["initialize_calls"] >= c["warmups"], c

@@ -1,0 +1,144 @@
+"""Native CUDA softmax vs the reference on the GPU (outputs poisoned), and under command buffers."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import te_ops
+from te_ops._core import native
+from te_ops._core import testing as T
+from tests.gpu.cmdbuf import assert_graph_captured_and_warmed_once, run_under_command_buffers
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+
+
+def _x(seed, shape, dtype):
+    return (3.0 * jax.random.normal(jax.random.key(seed), shape, jnp.float32)).astype(dtype)
+
+
+def _run(fn, x, ct, impl):
+    def loss_and_grad(x):
+        y, vjp = jax.vjp(lambda x: fn(x, impl), x)
+        return y, vjp(ct.astype(y.dtype))[0]
+
+    with native.poisoned_outputs():
+        return jax.jit(loss_and_grad)(x)
+
+
+def _compare(fn, shape, dtype, seed=0):
+    x = _x(seed, shape, dtype)
+    ct = jax.random.normal(jax.random.key(seed + 1), shape, jnp.float32)
+    y, dx = _run(fn, x, ct, "native")
+    y_ref, dx_ref = _run(fn, x, ct, "reference")
+    assert not bool(jnp.isnan(y.astype(jnp.float32)).any()), "unwritten (NaN-poisoned) output element"
+    assert not bool(jnp.isnan(dx.astype(jnp.float32)).any()), "unwritten (NaN-poisoned) gradient element"
+    T.assert_close(y, y_ref, dtype)
+    T.assert_close(dx, dx_ref, dtype, scale=float(jnp.abs(dx_ref.astype(jnp.float32)).max()) + 1e-6)
+    return y
+
+
+# Row lengths cover: tiny rows (4 threads per row), a vector path, odd lengths (scalar path),
+# a full-block row, and rows longer than the register capacity (long-row kernel).
+SHAPES = [(3, 5, 16), (2, 4, 128), (7, 33), (2, 3, 1000), (4, 4096), (2, 8200), (2, 70000)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_scaled_softmax_native(dtype, shape):
+    _compare(lambda x, impl: te_ops.scaled_softmax(x, 0.7, implementation=impl), shape, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("s", [1, 8, 37, 128, 1024, 2048])
+def test_upper_triang_native(dtype, s):
+    y = _compare(lambda x, impl: te_ops.scaled_upper_triang_masked_softmax(x, 0.5, implementation=impl),
+                 (2, 3, s, s), dtype)
+    assert bool(jnp.all(jnp.triu(y.astype(jnp.float32), k=1) == 0))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "x_shape, mask_shape",
+    [((2, 3, 16, 64), (2, 1, 16, 64)), ((2, 3, 16, 64), (1, 1, 16, 64)), ((2, 3, 16, 64), (2, 1, 1, 64)),
+     ((2, 3, 16, 64), (2, 3, 16, 64)), ((2, 2, 9, 37), (2, 1, 9, 37)), ((1, 2, 4, 9000), (1, 1, 4, 9000)),
+     ((2, 4, 256, 256), (1, 1, 256, 256))],
+)
+def test_masked_native(dtype, x_shape, mask_shape):
+    mask = jax.random.bernoulli(jax.random.key(3), 0.35, mask_shape)
+    # one fully masked row where the mask has a query axis
+    if mask_shape[2] > 1:
+        mask = mask.at[0, 0, 1].set(True)
+    y = _compare(lambda x, impl: te_ops.scaled_masked_softmax(x, mask, 0.9, implementation=impl), x_shape, dtype)
+    assert bool(jnp.all(jnp.where(jnp.broadcast_to(mask, x_shape), y.astype(jnp.float32), 0) == 0))
+
+
+def test_causal_mask_native_matches_upper_triang():
+    x = _x(5, (2, 4, 512, 512), jnp.bfloat16)
+    causal = ~jnp.tril(jnp.ones((512, 512), bool))[None, None]
+    a = jax.jit(lambda x: te_ops.scaled_masked_softmax(x, causal, 0.125, implementation="native"))(x)
+    b = jax.jit(lambda x: te_ops.scaled_upper_triang_masked_softmax(x, 0.125, implementation="native"))(x)
+    T.assert_close(a, b, jnp.bfloat16)
+
+
+def test_default_implementation_is_native_on_gpu():
+    x = _x(6, (4, 256), jnp.float32)
+    text = jax.jit(lambda x: te_ops.scaled_softmax(x, 1.0)).lower(x).as_text()
+    assert "te_softmax_fwd" in text
+
+
+def test_vmap_native():
+    x = _x(7, (3, 2, 2, 16, 16), jnp.bfloat16)
+    mask = jax.random.bernoulli(jax.random.key(8), 0.3, (2, 1, 16, 16))
+    f = lambda impl: jax.jit(jax.vmap(lambda x: te_ops.scaled_masked_softmax(x, mask, 0.5, implementation=impl)))
+    T.assert_close(f("native")(x), f("reference")(x), jnp.bfloat16)
+
+
+# ---- command buffers --------------------------------------------------------------------------
+
+
+def build_cmdbuf_step():
+    """A training-like step using all three ops, fwd+bwd; 4 calls with fresh inputs."""
+    shape = (2, 4, 128, 128)
+    mask = jax.random.bernoulli(jax.random.key(0), 0.3, (2, 1, 128, 128))
+
+    def make(impl):
+        def step(x, ct):
+            def f(x):
+                a = te_ops.scaled_softmax(x, 0.5, implementation=impl)
+                b = te_ops.scaled_masked_softmax(x, mask, 0.5, implementation=impl)
+                c = te_ops.scaled_upper_triang_masked_softmax(x, 0.5, implementation=impl)
+                return a + b + c
+
+            y, vjp = jax.vjp(f, x)
+            return y, vjp(ct)[0]
+
+        return step
+
+    inputs = []
+    for i in range(4):
+        x = (3 * jax.random.normal(jax.random.key(10 + i), shape)).astype(jnp.bfloat16)
+        ct = jax.random.normal(jax.random.key(20 + i), shape).astype(jnp.bfloat16)
+        inputs.append((x, ct))
+    keys = {"scaled_softmax_fwd": 2, "scaled_softmax_bwd": 2, "scaled_masked_softmax_fwd": 1,
+            "scaled_masked_softmax_bwd": 1}
+    return make("native"), make("reference"), inputs, keys
+
+
+def test_under_command_buffers_graph_captured_and_warmed_once():
+    report = run_under_command_buffers("tests.gpu.test_softmax_gpu:build_cmdbuf_step")
+    assert report["xla_flags_ok"]
+    assert not report["any_nan"]
+    assert report["max_rel_error"] < 2e-2, report
+    # scaled_softmax_* serve two keys each: the plain and the causal launch of the same shape.
+    assert_graph_captured_and_warmed_once(report, report["expected_keys"])
+
+
+def test_without_command_buffers_executes_eagerly():
+    report = run_under_command_buffers("tests.gpu.test_softmax_gpu:build_cmdbuf_step",
+                                       flags="--xla_gpu_enable_command_buffer=")
+    c = report["counters"]["scaled_softmax_fwd"]
+    assert c["executes"] >= 4 and c["captured_executes"] == 0, c
+    assert c["warmups"] == 2 and c["initialize_calls"] >= c["executes"], c
+    assert report["max_rel_error"] < 2e-2, report
