@@ -3,7 +3,7 @@
 # GPU-marked tests, run the benchmarks, and collect everything into $OUT (or ./gpu_out).
 #
 #   bash scripts/gpu_run.sh                      # everything
-#   TESTS="tests/gpu/test_softmax_gpu.py" BENCHES="softmax" bash scripts/gpu_run.sh
+#   OPS="softmax" TESTS="tests/gpu/test_softmax_gpu.py" BENCHES="softmax" bash scripts/gpu_run.sh
 #
 # Outputs: $OUT/run.log (all output), $OUT/results.tar.gz (benchmark JSON + junit XML).
 # Wheels for packages missing on the GPU image (e.g. nvidia-cudnn-frontend) are taken from .whl/.
@@ -28,7 +28,9 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 
 stamp "building (pip install --no-build-isolation --no-deps -e .)"
-if ! $PY -m pip install --no-build-isolation --no-deps -e . -Cbuild.verbose=false > "$OUT/results/build.log" 2>&1; then
+BUILD_ARGS=()
+[ -n "${OPS:-}" ] && BUILD_ARGS+=("-Ccmake.define.TE_OPS_ONLY=${OPS}")
+if ! $PY -m pip install --no-build-isolation --no-deps -e . "${BUILD_ARGS[@]}" > "$OUT/results/build.log" 2>&1; then
   tail -60 "$OUT/results/build.log"; stamp "BUILD FAILED"
 fi
 grep -E "te_ops:|warning|error" "$OUT/results/build.log" | grep -v "^--" | head -40
