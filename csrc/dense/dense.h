@@ -1,0 +1,32 @@
+// Host interface of the dense elementwise kernels (csrc/dense/dense_kernels.cu). The GEMMs themselves
+// run in cuBLASLt (dense_ffi.cc); these kernels do what cuBLASLt's epilogues cannot:
+//   * forward: y = act(z [+ bias]) for activations without a cuBLASLt epilogue (exact-erf GELU, SiLU),
+//     or when the fused epilogue is not available for a shape (e.g. GELU_AUX needs N % 8 == 0);
+//   * backward: dz = dy * act'(saved), fused with deterministic per-chunk column sums of dz (dbias).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace te::dense {
+
+enum class Act : int { kNone = 0, kGelu = 1, kGeluTanh = 2, kRelu = 3, kSilu = 4 };
+enum class DType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+// y[M, N] = act(z[M, N] + bias[N]) (bias may be null). z and y may be the same buffer (in place).
+// If z_out is non-null (and distinct from z), z + bias is written there too (the saved pre-activation).
+cudaError_t LaunchActForward(DType dt, Act act, const void* z, const void* bias, void* y, void* z_out, int64_t m,
+                             int64_t n, cudaStream_t stream);
+
+// dz[M, N] = dy * act'(saved) (act kNone: dz = dy; kRelu: saved is y, others: saved is z).
+// dz may be null (not written). If partials is non-null it receives, for each of `chunks` consecutive
+// row chunks, the float32 column sums of dz over the chunk: partials[chunks, N].
+cudaError_t LaunchActBackward(DType dt, Act act, const void* dy, const void* saved, void* dz, float* partials,
+                              int64_t chunks, int64_t m, int64_t n, cudaStream_t stream);
+
+// out[N] = sum over chunks of partials[chunks, N], rounded to dt.
+cudaError_t LaunchReducePartials(DType dt, const float* partials, int64_t chunks, int64_t n, void* out,
+                                 cudaStream_t stream);
+
+}  // namespace te::dense

@@ -1,0 +1,362 @@
+// cuBLASLt plans for dense (see dense_gemm.h).
+#include "dense/dense_gemm.h"
+
+#include <algorithm>
+#include <map>
+#include <sstream>
+#include <vector>
+
+namespace te::dense {
+namespace {
+
+constexpr size_t kWorkspaceBytes = size_t{32} << 20;  // cuBLAS's recommendation for Hopper
+constexpr int kMaxCandidates = 8;
+// Timing scratch is cudaMalloc'd and freed in the initialize stage; above this we take the
+// heuristic's first choice instead of timing.
+constexpr size_t kMaxTimingScratchBytes = size_t{4} << 30;
+
+ffi::Error LtError(const char* op, cublasStatus_t st, const std::string& what) {
+  std::ostringstream os;
+  os << "te_ops." << op << ": cuBLASLt error " << cublasLtGetStatusName(st) << " (" << cublasLtGetStatusString(st)
+     << ") in " << what;
+  return ffi::Error(ffi::ErrorCode::kInternal, os.str());
+}
+
+#define TE_LT_CHECK(op, expr, what)                                   \
+  do {                                                                \
+    cublasStatus_t te_lt_st_ = (expr);                                \
+    if (te_lt_st_ != CUBLAS_STATUS_SUCCESS) {                         \
+      return LtError((op), te_lt_st_, std::string(#expr) + " for " + (what)); \
+    }                                                                 \
+  } while (0)
+
+std::mutex& StateMutex() {
+  static std::mutex m;
+  return m;
+}
+std::map<int, DeviceState*>& Devices() {
+  static auto* m = new std::map<int, DeviceState*>();
+  return *m;
+}
+std::map<std::string, std::unique_ptr<GemmPlan>>& Plans() {
+  static auto* m = new std::map<std::string, std::unique_ptr<GemmPlan>>();
+  return *m;
+}
+
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    if (cudaGetDevice(&prev_) == cudaSuccess && prev_ != device) {
+      ok_ = cudaSetDevice(device) == cudaSuccess;
+      restore_ = true;
+    }
+  }
+  ~DeviceGuard() {
+    if (restore_) cudaSetDevice(prev_);
+  }
+  bool ok() const { return ok_; }
+
+ private:
+  int prev_ = -1;
+  bool restore_ = false;
+  bool ok_ = true;
+};
+
+size_t ElementBytes(cudaDataType_t t) {
+  switch (t) {
+    case CUDA_R_32F: return 4;
+    case CUDA_R_16BF:
+    case CUDA_R_16F: return 2;
+    default: return 4;
+  }
+}
+
+bool HasBias(cublasLtEpilogue_t e) {
+  switch (e) {
+    case CUBLASLT_EPILOGUE_BIAS:
+    case CUBLASLT_EPILOGUE_RELU_BIAS:
+    case CUBLASLT_EPILOGUE_GELU_BIAS:
+    case CUBLASLT_EPILOGUE_GELU_AUX_BIAS:
+    case CUBLASLT_EPILOGUE_BGRADA:
+    case CUBLASLT_EPILOGUE_BGRADB: return true;
+    default: return false;
+  }
+}
+
+bool HasAux(cublasLtEpilogue_t e) {
+  return e == CUBLASLT_EPILOGUE_GELU_AUX || e == CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
+}
+
+// Rows/cols of the stored (column-major) A and B.
+void StoredA(const GemmSpec& s, uint64_t* rows, uint64_t* cols) {
+  *rows = s.trans_a ? s.k : s.m;
+  *cols = s.trans_a ? s.m : s.k;
+}
+void StoredB(const GemmSpec& s, uint64_t* rows, uint64_t* cols) {
+  *rows = s.trans_b ? s.n : s.k;
+  *cols = s.trans_b ? s.k : s.n;
+}
+
+ffi::Error SetPointers(const char* op, GemmPlan& plan, const GemmPtrs& p) {
+  const std::string what = plan.spec.Describe();
+  if (HasBias(plan.spec.epilogue)) {
+    TE_LT_CHECK(op,
+                cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &p.bias, sizeof(p.bias)),
+                what);
+  }
+  if (HasAux(plan.spec.epilogue)) {
+    TE_LT_CHECK(op,
+                cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &p.aux,
+                                               sizeof(p.aux)),
+                what);
+  }
+  return ffi::Error::Success();
+}
+
+cublasStatus_t Matmul(DeviceState& dev, GemmPlan& plan, const GemmPtrs& p, const cublasLtMatmulAlgo_t& algo,
+                      cudaStream_t stream) {
+  const float alpha = 1.0f, beta = 0.0f;
+  return cublasLtMatmul(dev.handle, plan.desc, &alpha, p.a, plan.la, p.b, plan.lb, &beta, p.d, plan.ld, p.d,
+                        plan.ld, &algo, dev.workspace, plan.workspace_bytes, stream);
+}
+
+// Times the candidates on scratch buffers; returns the index of the fastest (or 0 when timing is
+// not possible, e.g. scratch does not fit). Never touches XLA's buffers.
+int TimeCandidates(DeviceState& dev, GemmPlan& plan, const std::vector<cublasLtMatmulHeuristicResult_t>& cands,
+                   float* best_ms) {
+  *best_ms = -1.0f;
+  if (cands.size() < 2) return 0;
+  const GemmSpec& s = plan.spec;
+  uint64_t ar, ac, br, bc;
+  StoredA(s, &ar, &ac);
+  StoredB(s, &br, &bc);
+  const size_t eab = ElementBytes(s.ab_type), ed = ElementBytes(s.d_type);
+  const size_t bytes_a = static_cast<size_t>(s.lda) * ac * eab;
+  const size_t bytes_b = static_cast<size_t>(s.ldb) * bc * eab;
+  const size_t bytes_d = static_cast<size_t>(s.ldd) * s.n * ed;
+  const size_t bytes_bias = HasBias(s.epilogue) ? s.m * ed + 256 : 0;
+  const size_t bytes_aux = HasAux(s.epilogue) ? static_cast<size_t>(s.aux_ld) * s.n * ed : 0;
+  if (bytes_a + bytes_b + bytes_d + bytes_bias + bytes_aux > kMaxTimingScratchBytes) return 0;
+
+  void *a = nullptr, *b = nullptr, *d = nullptr, *bias = nullptr, *aux = nullptr;
+  cudaStream_t stream = nullptr;
+  cudaEvent_t start = nullptr, stop = nullptr;
+  int best = 0;
+  auto cleanup = [&] {
+    if (a) cudaFree(a);
+    if (b) cudaFree(b);
+    if (d) cudaFree(d);
+    if (bias) cudaFree(bias);
+    if (aux) cudaFree(aux);
+    if (start) cudaEventDestroy(start);
+    if (stop) cudaEventDestroy(stop);
+    if (stream) cudaStreamDestroy(stream);
+    cudaGetLastError();  // a failed allocation must not leave a sticky error behind
+  };
+  bool ok = cudaMalloc(&a, bytes_a) == cudaSuccess && cudaMalloc(&b, bytes_b) == cudaSuccess &&
+            cudaMalloc(&d, bytes_d) == cudaSuccess &&
+            (bytes_bias == 0 || cudaMalloc(&bias, bytes_bias) == cudaSuccess) &&
+            (bytes_aux == 0 || cudaMalloc(&aux, bytes_aux) == cudaSuccess) &&
+            cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess &&
+            cudaEventCreate(&start) == cudaSuccess && cudaEventCreate(&stop) == cudaSuccess;
+  // Small non-zero values (byte 0x3c: ~0.01 in bf16/fp16/fp32), like real data for the tensor cores.
+  ok = ok && cudaMemsetAsync(a, 0x3c, bytes_a, stream) == cudaSuccess &&
+       cudaMemsetAsync(b, 0x3c, bytes_b, stream) == cudaSuccess &&
+       (bytes_bias == 0 || cudaMemsetAsync(bias, 0x3c, bytes_bias, stream) == cudaSuccess);
+  if (!ok) {
+    cleanup();
+    return 0;
+  }
+  GemmPtrs p{a, b, d, bias, aux};
+  if (SetPointers("dense", plan, p).failure()) {
+    cleanup();
+    return 0;
+  }
+  float best_t = -1.0f;
+  for (size_t i = 0; i < cands.size(); ++i) {
+    if (Matmul(dev, plan, p, cands[i].algo, stream) != CUBLAS_STATUS_SUCCESS) continue;  // warm-up
+    if (cudaEventRecord(start, stream) != cudaSuccess) break;
+    int reps = 3;
+    bool failed = false;
+    for (int r = 0; r < reps && !failed; ++r) {
+      failed = Matmul(dev, plan, p, cands[i].algo, stream) != CUBLAS_STATUS_SUCCESS;
+    }
+    if (cudaEventRecord(stop, stream) != cudaSuccess || cudaEventSynchronize(stop) != cudaSuccess) break;
+    if (failed) continue;
+    float ms = 0.0f;
+    if (cudaEventElapsedTime(&ms, start, stop) != cudaSuccess) break;
+    ms /= reps;
+    if (best_t < 0.0f || ms < best_t) {
+      best_t = ms;
+      best = static_cast<int>(i);
+    }
+  }
+  cudaStreamSynchronize(stream);
+  cleanup();
+  *best_ms = best_t;
+  return best;
+}
+
+}  // namespace
+
+int Alignment(const void* p) {
+  const uintptr_t v = reinterpret_cast<uintptr_t>(p);
+  if (v == 0) return 16;
+  int a = 1;
+  while (a < 16 && (v % (2 * a)) == 0) a *= 2;
+  return a;
+}
+
+std::string GemmSpec::Key() const {
+  std::ostringstream os;
+  os << ab_type << "/" << d_type << "|" << trans_a << trans_b << "|" << m << "x" << n << "x" << k << "|" << lda
+     << "," << ldb << "," << ldd << "|e" << static_cast<int>(epilogue) << "|aux" << aux_ld << "|al" << align_a << ","
+     << align_b << "," << align_d << "," << align_bias << "," << align_aux;
+  return os.str();
+}
+
+std::string GemmSpec::Describe() const {
+  std::ostringstream os;
+  os << "GEMM m=" << m << " n=" << n << " k=" << k << " (column-major, transa=" << (trans_a ? "T" : "N")
+     << " transb=" << (trans_b ? "T" : "N") << ", lda=" << lda << " ldb=" << ldb << " ldd=" << ldd
+     << ", epilogue=" << static_cast<int>(epilogue) << ", types A/B=" << ab_type << " D=" << d_type << ")";
+  return os.str();
+}
+
+GemmPlan::~GemmPlan() {
+  if (la) cublasLtMatrixLayoutDestroy(la);
+  if (lb) cublasLtMatrixLayoutDestroy(lb);
+  if (ld) cublasLtMatrixLayoutDestroy(ld);
+  if (desc) cublasLtMatmulDescDestroy(desc);
+}
+
+ffi::Error GetDeviceState(const char* op, int device, bool create, DeviceState** out) {
+  std::lock_guard<std::mutex> lock(StateMutex());
+  auto it = Devices().find(device);
+  if (it != Devices().end()) {
+    *out = it->second;
+    return ffi::Error::Success();
+  }
+  if (!create) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      std::string("te_ops.") + op + ": no cuBLASLt state for device " + std::to_string(device) +
+                          " (the handler's initialize stage did not run)");
+  }
+  DeviceGuard guard(device);
+  if (!guard.ok()) return CudaError(op, cudaGetLastError(), "cudaSetDevice(" + std::to_string(device) + ")");
+  auto* st = new DeviceState();
+  cublasStatus_t s = cublasLtCreate(&st->handle);
+  if (s != CUBLAS_STATUS_SUCCESS) {
+    delete st;
+    return LtError(op, s, "cublasLtCreate on device " + std::to_string(device));
+  }
+  cudaError_t e = cudaMalloc(&st->workspace, kWorkspaceBytes);
+  if (e != cudaSuccess) {
+    cublasLtDestroy(st->handle);
+    delete st;
+    return CudaError(op, e, "cudaMalloc of the " + std::to_string(kWorkspaceBytes >> 20) +
+                                " MiB cuBLASLt workspace on device " + std::to_string(device));
+  }
+  st->workspace_bytes = kWorkspaceBytes;
+  Devices()[device] = st;  // lives for the process (handles outlive every XLA executable)
+  *out = st;
+  return ffi::Error::Success();
+}
+
+ffi::Error GetPlan(const char* op, int device, DeviceState& dev, const GemmSpec& spec, const GemmPtrs& ptrs,
+                   bool create, bool time_candidates, GemmPlan** plan) {
+  const std::string key = std::to_string(device) + "|" + spec.Key();
+  {
+    std::lock_guard<std::mutex> lock(StateMutex());
+    auto it = Plans().find(key);
+    if (it != Plans().end()) {
+      *plan = it->second.get();  // null: no algorithm for this spec (cached)
+      return ffi::Error::Success();
+    }
+  }
+  if (!create) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      std::string("te_ops.") + op + ": no cuBLASLt plan prepared for " + spec.Describe() +
+                          " (the handler's initialize stage did not run for this shape)");
+  }
+  DeviceGuard guard(device);
+  const std::string what = spec.Describe();
+  auto p = std::make_unique<GemmPlan>();
+  p->spec = spec;
+  TE_LT_CHECK(op, cublasLtMatmulDescCreate(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), what);
+  const int32_t ta = spec.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const int32_t tb = spec.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  TE_LT_CHECK(op, cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)), what);
+  TE_LT_CHECK(op, cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)), what);
+  const cublasLtEpilogue_t epi = spec.epilogue;
+  TE_LT_CHECK(op, cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)), what);
+  if (HasAux(epi)) {
+    const int64_t aux_ld = spec.aux_ld;
+    TE_LT_CHECK(op,
+                cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &aux_ld, sizeof(aux_ld)),
+                what);
+  }
+  // Pointers the heuristic sees (it reads their alignment): the real ones of this call.
+  TE_RETURN_IF_ERROR(SetPointers(op, *p, ptrs));
+
+  uint64_t ar, ac, br, bc;
+  StoredA(spec, &ar, &ac);
+  StoredB(spec, &br, &bc);
+  TE_LT_CHECK(op, cublasLtMatrixLayoutCreate(&p->la, spec.ab_type, ar, ac, spec.lda), what);
+  TE_LT_CHECK(op, cublasLtMatrixLayoutCreate(&p->lb, spec.ab_type, br, bc, spec.ldb), what);
+  TE_LT_CHECK(op, cublasLtMatrixLayoutCreate(&p->ld, spec.d_type, spec.m, spec.n, spec.ldd), what);
+
+  cublasLtMatmulPreference_t pref = nullptr;
+  TE_LT_CHECK(op, cublasLtMatmulPreferenceCreate(&pref), what);
+  const uint64_t ws = dev.workspace_bytes;
+  const uint32_t al_a = spec.align_a, al_b = spec.align_b, al_d = spec.align_d;
+  cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
+  if (st == CUBLAS_STATUS_SUCCESS)
+    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof(al_a));
+  if (st == CUBLAS_STATUS_SUCCESS)
+    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof(al_b));
+  if (st == CUBLAS_STATUS_SUCCESS)
+    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_d, sizeof(al_d));
+  if (st == CUBLAS_STATUS_SUCCESS)
+    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_d, sizeof(al_d));
+  std::vector<cublasLtMatmulHeuristicResult_t> results(kMaxCandidates);
+  int returned = 0;
+  if (st == CUBLAS_STATUS_SUCCESS) {
+    st = cublasLtMatmulAlgoGetHeuristic(dev.handle, p->desc, p->la, p->lb, p->ld, p->ld, pref, kMaxCandidates,
+                                        results.data(), &returned);
+  }
+  cublasLtMatmulPreferenceDestroy(pref);
+  std::vector<cublasLtMatmulHeuristicResult_t> cands;
+  if (st == CUBLAS_STATUS_SUCCESS) {
+    for (int i = 0; i < returned; ++i) {
+      if (results[i].state == CUBLAS_STATUS_SUCCESS && results[i].workspaceSize <= ws) cands.push_back(results[i]);
+    }
+  } else if (st != CUBLAS_STATUS_NOT_SUPPORTED && st != CUBLAS_STATUS_INVALID_VALUE) {
+    return LtError(op, st, "cublasLtMatmulAlgoGetHeuristic for " + what);
+  }
+  GemmPlan* raw = nullptr;
+  if (!cands.empty()) {
+    float best_ms = -1.0f;
+    const int best = time_candidates ? TimeCandidates(dev, *p, cands, &best_ms) : 0;
+    p->algo = cands[best].algo;
+    p->workspace_bytes = dev.workspace_bytes;  // any size >= the algorithm's need is allowed
+    p->candidates = static_cast<int>(cands.size());
+    p->best_ms = best_ms;
+    raw = p.get();
+  }
+  std::lock_guard<std::mutex> lock(StateMutex());
+  auto& slot = Plans()[key];
+  if (slot == nullptr && raw != nullptr) slot = std::move(p);
+  *plan = slot.get();
+  return ffi::Error::Success();
+}
+
+ffi::Error RunGemm(const char* op, DeviceState& dev, GemmPlan& plan, const GemmPtrs& ptrs, cudaStream_t stream) {
+  std::lock_guard<std::mutex> lock(plan.mu);
+  TE_RETURN_IF_ERROR(SetPointers(op, plan, ptrs));
+  cublasStatus_t st = Matmul(dev, plan, ptrs, plan.algo, stream);
+  if (st != CUBLAS_STATUS_SUCCESS) return LtError(op, st, "cublasLtMatmul for " + plan.spec.Describe());
+  return ffi::Error::Success();
+}
+
+}  // namespace te::dense

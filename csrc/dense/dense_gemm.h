@@ -1,0 +1,86 @@
+// cuBLASLt plumbing for dense: per-device state (handle + workspace) and cached GEMM plans
+// (descriptors, layouts, chosen algorithm). Everything here is created in the FFI initialize stage;
+// the execute stage only looks plans up and enqueues cublasLtMatmul on XLA's stream.
+//
+// Layout convention. JAX arrays are row-major; cuBLAS is column-major. A row-major [R, C] array is
+// the column-major C x R matrix with leading dimension C, i.e. its transpose. So for
+// y[M, N] = x[M, K] @ w[K, N] we ask cuBLASLt for the column-major product
+//     y^T (N x M) = w^T (N x K, ld N) * x^T (K x M, ld K)        (m = N, n = M, k = K, no transposes)
+// and the bias (length N) is per row of cuBLAS's D, which is what the BIAS epilogues broadcast.
+// Backward:
+//     dx^T (K x M) = op_T(w^T) * dz^T           (m = K, n = M, k = N, transa = T)
+//     dw^T (N x K) = dz^T * op_T(x^T)           (m = N, n = K, k = M, transb = T; BGRADA = sum_M dz)
+// No array is ever transposed in memory: only the cuBLAS op flags change.
+#pragma once
+
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "common/ffi_util.h"
+
+namespace te::dense {
+
+struct DeviceState {
+  cublasLtHandle_t handle = nullptr;
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+};
+
+// The device's state, created (handle + cudaMalloc'd workspace) on first use when `create`.
+ffi::Error GetDeviceState(const char* op, int device, bool create, DeviceState** out);
+
+struct GemmSpec {
+  cudaDataType_t ab_type = CUDA_R_32F;  // A and B
+  cudaDataType_t d_type = CUDA_R_32F;   // C and D (and bias / aux / bias gradient)
+  bool trans_a = false;
+  bool trans_b = false;
+  uint64_t m = 0, n = 0, k = 0;
+  int64_t lda = 0, ldb = 0, ldd = 0;
+  cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_DEFAULT;
+  int64_t aux_ld = 0;  // GELU_AUX: leading dimension of the aux (pre-activation) matrix
+  // Pointer alignments (bytes, capped at 16) the algorithm must accept.
+  int align_a = 16, align_b = 16, align_d = 16, align_bias = 16, align_aux = 16;
+
+  std::string Key() const;
+  std::string Describe() const;  // for error messages
+};
+
+struct GemmPtrs {
+  const void* a = nullptr;
+  const void* b = nullptr;
+  void* d = nullptr;
+  void* bias = nullptr;  // bias (read) or bias gradient (written)
+  void* aux = nullptr;
+};
+
+struct GemmPlan {
+  GemmSpec spec;
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t la = nullptr, lb = nullptr, ld = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  size_t workspace_bytes = 0;
+  int candidates = 0;     // heuristic results considered
+  float best_ms = -1.0f;  // timed (initialize stage) or -1 when the heuristic's first choice was taken
+  std::mutex mu;          // the descriptor's pointer attributes are set per call
+  ~GemmPlan();
+};
+
+int Alignment(const void* p);
+
+// The cached plan for `spec` on `device`. When missing it is created: descriptors, layouts and the
+// heuristic's top candidates; when `time_candidates` the candidates are timed once on scratch buffers
+// (cudaMalloc'd and freed here, never XLA's buffers, which may still be in use by earlier work) and
+// the fastest is kept. *plan is null (and the result Success) when cuBLASLt has no algorithm for the
+// spec (e.g. an epilogue it does not support for these shapes): the caller falls back.
+ffi::Error GetPlan(const char* op, int device, DeviceState& dev, const GemmSpec& spec, const GemmPtrs& ptrs,
+                   bool create, bool time_candidates, GemmPlan** plan);
+
+// Enqueues the GEMM on `stream` (no allocation, no synchronisation).
+ffi::Error RunGemm(const char* op, DeviceState& dev, GemmPlan& plan, const GemmPtrs& ptrs, cudaStream_t stream);
+
+}  // namespace te::dense

@@ -1,0 +1,231 @@
+// Elementwise kernels of dense (see dense.h). Math in float32; vectorised 16-byte accesses when N
+// is a multiple of the vector width and the pointers are 16-byte aligned, scalar otherwise.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "dense/dense.h"
+
+namespace te::dense {
+namespace {
+
+__device__ __forceinline__ float ToF(float v) { return v; }
+__device__ __forceinline__ float ToF(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float ToF(__half v) { return __half2float(v); }
+
+template <typename T>
+__device__ __forceinline__ T FromF(float v);
+template <>
+__device__ __forceinline__ float FromF<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 FromF<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <>
+__device__ __forceinline__ __half FromF<__half>(float v) { return __float2half_rn(v); }
+
+constexpr float kSqrt2OverPi = 0.7978845608028654f;
+constexpr float kInvSqrt2 = 0.7071067811865476f;
+constexpr float kInvSqrt2Pi = 0.3989422804014327f;
+
+template <int ACT>
+__device__ __forceinline__ float Activate(float z) {
+  if constexpr (ACT == static_cast<int>(Act::kGelu)) {
+    return 0.5f * z * (1.0f + erff(z * kInvSqrt2));
+  } else if constexpr (ACT == static_cast<int>(Act::kGeluTanh)) {
+    return 0.5f * z * (1.0f + tanhf(kSqrt2OverPi * (z + 0.044715f * z * z * z)));
+  } else if constexpr (ACT == static_cast<int>(Act::kRelu)) {
+    return z > 0.0f ? z : 0.0f;
+  } else if constexpr (ACT == static_cast<int>(Act::kSilu)) {
+    return z / (1.0f + expf(-z));
+  } else {
+    return z;
+  }
+}
+
+// d act / dz from the saved value (y for relu, z otherwise).
+template <int ACT>
+__device__ __forceinline__ float ActGrad(float s) {
+  if constexpr (ACT == static_cast<int>(Act::kGelu)) {
+    const float cdf = 0.5f * (1.0f + erff(s * kInvSqrt2));
+    return cdf + s * expf(-0.5f * s * s) * kInvSqrt2Pi;
+  } else if constexpr (ACT == static_cast<int>(Act::kGeluTanh)) {
+    const float t = tanhf(kSqrt2OverPi * (s + 0.044715f * s * s * s));
+    return 0.5f * (1.0f + t) + 0.5f * s * (1.0f - t * t) * kSqrt2OverPi * (1.0f + 3.0f * 0.044715f * s * s);
+  } else if constexpr (ACT == static_cast<int>(Act::kRelu)) {
+    return s > 0.0f ? 1.0f : 0.0f;
+  } else if constexpr (ACT == static_cast<int>(Act::kSilu)) {
+    const float sig = 1.0f / (1.0f + expf(-s));
+    return sig * (1.0f + s * (1.0f - sig));
+  } else {
+    return 1.0f;
+  }
+}
+
+template <typename T, int VEC>
+struct alignas(sizeof(T) * VEC) Vec {
+  T v[VEC];
+};
+
+template <typename T, int ACT, int VEC>
+__global__ void ActForwardKernel(const T* z, const T* __restrict__ bias, T* y, T* z_out, int64_t m, int64_t n) {
+  using V = Vec<T, VEC>;
+  const int64_t nvec = m * n / VEC;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < nvec;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t col = (i * VEC) % n;
+    V zv = reinterpret_cast<const V*>(z)[i];
+    V yv;
+    V zo;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      float f = ToF(zv.v[j]);
+      if (bias != nullptr) f += ToF(bias[col + j]);
+      zo.v[j] = FromF<T>(f);
+      yv.v[j] = FromF<T>(Activate<ACT>(f));
+    }
+    if (z_out != nullptr) reinterpret_cast<V*>(z_out)[i] = zo;
+    reinterpret_cast<V*>(y)[i] = yv;
+  }
+}
+
+// grid: (ceil(N / VEC / blockDim.x), chunks). Each thread owns VEC consecutive columns and walks the
+// rows of its chunk, so column sums need no atomics (deterministic).
+template <typename T, int ACT, int VEC>
+__global__ void ActBackwardKernel(const T* __restrict__ dy, const T* __restrict__ saved, T* __restrict__ dz,
+                                  float* __restrict__ partials, int64_t m, int64_t n, int64_t rows_per_chunk) {
+  using V = Vec<T, VEC>;
+  const int64_t col = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) * VEC;
+  if (col >= n) return;
+  const int64_t row0 = blockIdx.y * rows_per_chunk;
+  const int64_t row1 = min(m, row0 + rows_per_chunk);
+  float acc[VEC];
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) acc[j] = 0.0f;
+#pragma unroll 4
+  for (int64_t r = row0; r < row1; ++r) {
+    const int64_t off = (r * n + col) / VEC;
+    V g = reinterpret_cast<const V*>(dy)[off];
+    V s;
+    if constexpr (ACT != static_cast<int>(Act::kNone)) s = reinterpret_cast<const V*>(saved)[off];
+    V out;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      float d = ToF(g.v[j]);
+      if constexpr (ACT != static_cast<int>(Act::kNone)) d *= ActGrad<ACT>(ToF(s.v[j]));
+      acc[j] += d;
+      out.v[j] = FromF<T>(d);
+    }
+    if (dz != nullptr) reinterpret_cast<V*>(dz)[off] = out;
+  }
+  if (partials != nullptr) {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) partials[blockIdx.y * n + col + j] = acc[j];
+  }
+}
+
+template <typename T>
+__global__ void ReducePartialsKernel(const float* __restrict__ partials, int64_t chunks, int64_t n, T* out) {
+  const int64_t col = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (col >= n) return;
+  float s = 0.0f;
+  for (int64_t c = 0; c < chunks; ++c) s += partials[c * n + col];
+  out[col] = FromF<T>(s);
+}
+
+bool Aligned16(const void* p) { return p == nullptr || (reinterpret_cast<uintptr_t>(p) % 16) == 0; }
+
+template <typename T, int VEC, int ACT>
+cudaError_t FwdTyped(const void* z, const void* bias, void* y, void* z_out, int64_t m, int64_t n, cudaStream_t s) {
+  const int threads = 256;
+  const int64_t nvec = m * n / VEC;
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((nvec + threads - 1) / threads, 1 << 16));
+  ActForwardKernel<T, ACT, VEC><<<static_cast<unsigned>(blocks), threads, 0, s>>>(
+      static_cast<const T*>(z), static_cast<const T*>(bias), static_cast<T*>(y), static_cast<T*>(z_out), m, n);
+  return cudaGetLastError();
+}
+
+template <typename T, int VEC, int ACT>
+cudaError_t BwdTyped(const void* dy, const void* saved, void* dz, float* partials, int64_t chunks, int64_t m,
+                     int64_t n, cudaStream_t s) {
+  const int threads = 256;
+  const int64_t cols = (n + VEC - 1) / VEC;
+  const int64_t gx = (cols + threads - 1) / threads;
+  const int64_t rows_per_chunk = (m + chunks - 1) / chunks;
+  dim3 grid(static_cast<unsigned>(gx), static_cast<unsigned>(chunks));
+  ActBackwardKernel<T, ACT, VEC><<<grid, threads, 0, s>>>(static_cast<const T*>(dy), static_cast<const T*>(saved),
+                                                          static_cast<T*>(dz), partials, m, n, rows_per_chunk);
+  return cudaGetLastError();
+}
+
+template <typename T, int VEC, typename Fn>
+cudaError_t ByAct(Act act, Fn&& fn) {
+  switch (act) {
+    case Act::kNone: return fn(std::integral_constant<int, 0>{});
+    case Act::kGelu: return fn(std::integral_constant<int, 1>{});
+    case Act::kGeluTanh: return fn(std::integral_constant<int, 2>{});
+    case Act::kRelu: return fn(std::integral_constant<int, 3>{});
+    case Act::kSilu: return fn(std::integral_constant<int, 4>{});
+  }
+  return cudaErrorInvalidValue;
+}
+
+template <typename Fn>
+cudaError_t ByType(DType dt, Fn&& fn) {
+  switch (dt) {
+    case DType::kF32: return fn(float{});
+    case DType::kBF16: return fn(__nv_bfloat16{});
+    case DType::kF16: return fn(__half{});
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace
+
+cudaError_t LaunchActForward(DType dt, Act act, const void* z, const void* bias, void* y, void* z_out, int64_t m,
+                             int64_t n, cudaStream_t stream) {
+  if (m == 0 || n == 0) return cudaSuccess;
+  if (z_out == z) z_out = nullptr;
+  return ByType(dt, [&](auto t) -> cudaError_t {
+    using T = decltype(t);
+    constexpr int kVec = 16 / sizeof(T);
+    const bool vec = n % kVec == 0 && Aligned16(z) && Aligned16(y) && Aligned16(z_out);
+    return ByAct<T, 1>(act, [&](auto a) -> cudaError_t {
+      constexpr int A = decltype(a)::value;
+      return vec ? FwdTyped<T, kVec, A>(z, bias, y, z_out, m, n, stream)
+                 : FwdTyped<T, 1, A>(z, bias, y, z_out, m, n, stream);
+    });
+  });
+}
+
+cudaError_t LaunchActBackward(DType dt, Act act, const void* dy, const void* saved, void* dz, float* partials,
+                              int64_t chunks, int64_t m, int64_t n, cudaStream_t stream) {
+  if (n == 0 || chunks <= 0) return cudaSuccess;
+  if (chunks > 65535) return cudaErrorInvalidValue;
+  return ByType(dt, [&](auto t) -> cudaError_t {
+    using T = decltype(t);
+    constexpr int kVec = 16 / sizeof(T);
+    const bool vec = n % kVec == 0 && Aligned16(dy) && Aligned16(saved) && Aligned16(dz);
+    return ByAct<T, 1>(act, [&](auto a) -> cudaError_t {
+      constexpr int A = decltype(a)::value;
+      return vec ? BwdTyped<T, kVec, A>(dy, saved, dz, partials, chunks, m, n, stream)
+                 : BwdTyped<T, 1, A>(dy, saved, dz, partials, chunks, m, n, stream);
+    });
+  });
+}
+
+cudaError_t LaunchReducePartials(DType dt, const float* partials, int64_t chunks, int64_t n, void* out,
+                                 cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  return ByType(dt, [&](auto t) -> cudaError_t {
+    using T = decltype(t);
+    const int threads = 256;
+    const int64_t blocks = (n + threads - 1) / threads;
+    ReducePartialsKernel<T><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(partials, chunks, n,
+                                                                                     static_cast<T*>(out));
+    return cudaGetLastError();
+  });
+}
+
+}  // namespace te::dense

@@ -1,0 +1,107 @@
+"""CUDA implementation of dense (csrc/dense): cuBLASLt GEMMs with fused epilogues, graph-safe.
+
+Targets (extension module ``te_ops._native_cublaslt``):
+
+* ``te_dense_fwd(x[M,K], kernel[K,N], bias[N] or [0]) -> y[M,N]`` (mode primal, or partial: float32
+  ``x @ kernel`` for row-parallel sharding);
+* ``te_dense_fwd_aux(...) -> (y, z)`` (mode train for gelu/gelu_tanh/silu: z is the pre-activation);
+* ``te_dense_bwd(x, kernel, saved or [0], dy) -> (dx, dkernel, dbias or [0], dz scratch, partials
+  scratch)``. The two scratch results are XLA-allocated temporaries (the handler allocates nothing);
+  ``partials`` holds deterministic per-chunk column sums of dz for dbias.
+
+See csrc/dense/dense_ffi.cc for which epilogue each activation uses.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from te_ops._core import native as _native
+from te_ops.dense.reference import SAVES_PRE_ACTIVATION, Residuals
+
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_ACT_CODE = {None: 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "silu": 4}
+_MODE_CODE = {"primal": 0, "train": 1, "partial": 2}
+
+
+def _sds(shape, dtype):
+    return jax.ShapeDtypeStruct(tuple(int(s) for s in shape), dtype)
+
+
+def partial_chunks(m: int, n: int, itemsize: int) -> int:
+    """Row chunks of the dbias column-sum kernel (one float32 [chunks, N] scratch row each).
+
+    Enough blocks to fill the GPU (~512 of 256 threads), at most 512 rows per chunk."""
+    vec = 16 // itemsize if n % (16 // itemsize) == 0 else 1
+    gx = math.ceil(n / vec / 256)
+    chunks = max(math.ceil(512 / gx), math.ceil(m / 512))
+    return int(max(1, min(m, chunks, 65535)))
+
+
+def forward(x, kernel, bias=None, *, activation, has_bias: bool, mode: str = "train"):
+    lead = x.shape[:-1]
+    k = x.shape[-1]
+    n = kernel.shape[1]
+    m = math.prod(lead)
+    x2 = x.reshape(m, k)
+    b = bias if has_bias and mode != "partial" else jnp.zeros((0,), x.dtype)
+    attrs = dict(
+        activation=np.int32(_ACT_CODE[activation] if mode != "partial" else 0),
+        mode=np.int32(_MODE_CODE[mode]),
+        has_bias=np.int32(1 if (has_bias and mode != "partial") else 0),
+    )
+    if mode == "train" and activation in SAVES_PRE_ACTIVATION:
+        y, z = _native.ffi_call(
+            "te_dense_fwd_aux", [_sds((m, n), x.dtype), _sds((m, n), x.dtype)], x2, kernel, b, **attrs
+        )
+        return y.reshape(*lead, n), Residuals(x, kernel, z.reshape(*lead, n))
+    out_dtype = jnp.float32 if mode == "partial" else x.dtype
+    y = _native.ffi_call("te_dense_fwd", _sds((m, n), out_dtype), x2, kernel, b, **attrs).reshape(*lead, n)
+    if mode == "train":
+        return y, Residuals(x, kernel, y if activation == "relu" else None)
+    return y, None
+
+
+def backward(res: Residuals, dy, *, activation, has_bias: bool, **_):
+    x, kernel = res.x, res.kernel
+    dtype = x.dtype
+    k = x.shape[-1]
+    n = kernel.shape[1]
+    m = math.prod(x.shape[:-1])
+    x2 = x.reshape(m, k)
+    dy2 = dy.astype(dtype).reshape(m, n)
+    saved = res.saved.reshape(m, n) if activation is not None else jnp.zeros((0,), dtype)
+    chunks = partial_chunks(m, n, jnp.dtype(dtype).itemsize)
+    results = [
+        _sds((m, k), dtype),
+        _sds((k, n), dtype),
+        _sds((n,) if has_bias else (0,), dtype),
+        _sds((m, n) if activation is not None else (0,), dtype),
+        _sds((chunks, n) if has_bias else (0,), jnp.float32),
+    ]
+    dx, dk, db, _, _ = _native.ffi_call(
+        "te_dense_bwd",
+        results,
+        x2,
+        kernel,
+        saved,
+        dy2,
+        activation=np.int32(_ACT_CODE[activation]),
+        has_bias=np.int32(1 if has_bias else 0),
+    )
+    return dx.reshape(x.shape), dk, (db if has_bias else None)
+
+
+def unsupported_reason(*, dtype, x_shape, kernel_shape, activation=None, **_) -> str | None:
+    if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
+        return f"native dense supports float32, bfloat16 and float16, got {jnp.dtype(dtype)}"
+    if activation not in _ACT_CODE:
+        return f"unknown activation {activation!r}"
+    m = math.prod(x_shape[:-1])
+    if m == 0 or x_shape[-1] == 0 or kernel_shape[1] == 0:
+        return f"native dense needs non-empty M, K and N, got x {tuple(x_shape)} and kernel {tuple(kernel_shape)}"
+    return None
