@@ -1,0 +1,301 @@
+"""cuDNN implementation of fused_attention (csrc/fused_attention, extension ``te_ops._native_cudnn``).
+
+The FFI handlers build cuDNN SDPA graphs with the cuDNN frontend, once per (device, shape, dtype,
+config) key, in XLA's initialize stage, and execute them graph-safely (kCmdBufferCompatible).
+
+Support and workspace: before using the native path, :func:`unsupported_reason` asks the extension
+(``te_fused_attention_query``, an exported C symbol reached through ctypes) to build the forward and
+backward graphs for the call; cuDNN's own verdict becomes the reason (so ``implementation=None`` falls
+back to the reference for anything this cuDNN cannot run), and the plan's workspace size becomes an
+extra FFI result buffer: XLA owns that memory and nothing is allocated at run time.
+
+Mapping of the te_ops semantics onto cuDNN:
+
+* causal (top-left) -> diagonal band right bound 0, TOP_LEFT alignment;
+* window (left, right) -> left bound ``left + 1`` (cuDNN keeps ``j > i - left_bound``), right bound ``right``;
+* padding -> cuDNN padding mask with ``seq_len_q`` / ``seq_len_kv`` int32 tensors;
+* segment ids -> an additive ``[B, 1, Sq, Sk]`` bias (0 / -inf) built here, added to any user bias
+  (cuDNN's fused kernels take no per-token ids);
+* dropout -> cuDNN Philox dropout, int64 seed and offset read on the device from the op's uint32[4] seed.
+
+Rows (queries) with no visible key, keys that no query sees, and the gradient entries of masked bias
+positions are set to exactly 0 here with cheap ``where`` ops (cuDNN leaves some of them unwritten or
+undefined); such rows' logsumexp is +inf, as in the reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from te_ops._core import native as _native
+from te_ops.fused_attention import reference
+from te_ops.fused_attention.reference import Residuals
+
+MODULE = "_native_cudnn"
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_PADDING = ("padding", "padding_causal")
+_CAUSAL = ("causal", "padding_causal")
+
+
+# ----------------------------------------------------------------------------------------------
+# Support query (ctypes into the extension)
+# ----------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _query_fn():
+    mod = importlib.import_module(f"te_ops.{MODULE}")
+    lib = ctypes.CDLL(mod.__file__)
+    fn = lib.te_fused_attention_query
+    fn.restype = ctypes.c_int
+    fn.argtypes = [
+        ctypes.POINTER(ctypes.c_int64),
+        ctypes.c_int,
+        ctypes.c_double,
+        ctypes.c_double,
+        ctypes.POINTER(ctypes.c_int64),
+        ctypes.c_char_p,
+        ctypes.c_int,
+    ]
+    return fn
+
+
+@functools.cache
+def query(ints: tuple[int, ...], scale: float, dropout: float) -> tuple[str | None, int]:
+    """(reason or None, workspace bytes) for one graph configuration (see te_fused_attention_query)."""
+    try:
+        fn = _query_fn()
+    except (ImportError, OSError, AttributeError) as e:
+        return f"cannot reach te_fused_attention_query in te_ops.{MODULE}: {e}", 0
+    arr = (ctypes.c_int64 * len(ints))(*ints)
+    ws = ctypes.c_int64(0)
+    err = ctypes.create_string_buffer(4096)
+    rc = fn(arr, len(ints), float(scale), float(dropout), ctypes.byref(ws), err, len(err))
+    if rc != 0:
+        return err.value.decode(errors="replace") or f"te_fused_attention_query returned {rc}", 0
+    return None, int(ws.value)
+
+
+def _graph_config(*, dtype, q_shape, k_shape, v_shape, bias_shape, has_segments, mask_type, window):
+    """The ints of te_fused_attention_query minus (device, backward)."""
+    b, s_q, hq, d = q_shape
+    _, s_k, hk, _ = k_shape
+    dv = v_shape[3]
+    bias_b = bias_h = 0
+    if bias_shape is not None:
+        bias_b, bias_h = bias_shape[0], bias_shape[1]
+    if has_segments:
+        bias_b, bias_h = b, (bias_h if bias_h else 1)
+    left_bound = right_bound = -1
+    if mask_type in _CAUSAL:
+        right_bound = 0
+    if window is not None:
+        left, right = window
+        if left >= 0:
+            left_bound = left + 1
+        if right >= 0 and mask_type not in _CAUSAL:
+            right_bound = right
+    io = 0 if jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) else 1
+    return io, b, s_q, s_k, hq, hk, d, dv, bias_b, bias_h, int(mask_type in _PADDING), left_bound, right_bound
+
+
+def _ints(cfg, backward: bool, device: int = 0) -> tuple[int, ...]:
+    io, *rest = cfg
+    return (device, io, int(backward), *rest)
+
+
+def unsupported_reason(
+    *,
+    dtype,
+    q_shape,
+    k_shape,
+    v_shape,
+    bias_shape=None,
+    has_segments=False,
+    mask_type="none",
+    window=None,
+    scale=1.0,
+    dropout_rate=0.0,
+    **_,
+) -> str | None:
+    if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
+        return f"native (cuDNN) fused_attention supports bfloat16 and float16, got {jnp.dtype(dtype)}"
+    cfg = _graph_config(
+        dtype=dtype, q_shape=q_shape, k_shape=k_shape, v_shape=v_shape, bias_shape=bias_shape,
+        has_segments=has_segments, mask_type=mask_type, window=window,
+    )
+    for backward in (False, True):
+        why, _ = query(_ints(cfg, backward), float(scale), float(dropout_rate))
+        if why is not None:
+            kind = "backward" if backward else "forward"
+            return f"cuDNN cannot run this {kind} configuration: {why}"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Visibility helpers (rows with no key, keys with no query)
+# ----------------------------------------------------------------------------------------------
+
+
+def _valid(b, s_q, s_k, *, mask_type, window, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids):
+    """(row_valid [B|1, Sq], col_valid [B|1, Sk]) or (None, None) when nothing can be empty."""
+    if mask_type == "none" and window is None and q_segment_ids is None:
+        return None, None
+    if q_segment_ids is not None:
+        vis = reference.visible(
+            b, s_q, s_k, mask_type=mask_type, window=window, q_seqlens=q_seqlens, kv_seqlens=kv_seqlens,
+            q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+        )[:, 0]
+        return vis.any(-1), vis.any(-2)
+    big = s_q + s_k + 1
+    i = jnp.arange(s_q)[None, :]
+    j = jnp.arange(s_k)[None, :]
+    qlen = q_seqlens[:, None] if mask_type in _PADDING else jnp.full((1, 1), s_q, jnp.int32)
+    kvlen = kv_seqlens[:, None] if mask_type in _PADDING else jnp.full((1, 1), s_k, jnp.int32)
+    left = window[0] if window is not None and window[0] >= 0 else big
+    right = window[1] if window is not None and window[1] >= 0 else big
+    if mask_type in _CAUSAL:
+        right = min(right, 0)
+    row = (jnp.maximum(0, i - left) <= jnp.minimum(kvlen - 1, i + right)) & (i < qlen)
+    col = (jnp.maximum(0, j - right) <= jnp.minimum(qlen - 1, j + left)) & (j < kvlen)
+    return row, col
+
+
+def _bias_for_cudnn(q, bias, q_segment_ids, kv_segment_ids):
+    """The additive bias cuDNN receives (user bias + segment mask), in q's dtype, or None."""
+    total = None if bias is None else bias.astype(q.dtype)
+    if q_segment_ids is not None:
+        same = (q_segment_ids[:, :, None] == kv_segment_ids[:, None, :])[:, None]
+        seg = jnp.where(same, jnp.zeros((), q.dtype), jnp.array(-jnp.inf, q.dtype))
+        total = seg if total is None else total + seg
+    return total
+
+
+def _operands(q, bias_total, q_seqlens, kv_seqlens, seed, mask_type):
+    dummy_f = jnp.zeros((1,), q.dtype)
+    dummy_i = jnp.zeros((1,), jnp.int32)
+    padding = mask_type in _PADDING
+    return (
+        bias_total if bias_total is not None else dummy_f,
+        q_seqlens.astype(jnp.int32) if padding else dummy_i,
+        kv_seqlens.astype(jnp.int32) if padding else dummy_i,
+        seed.astype(jnp.uint32) if seed is not None else jnp.zeros((4,), jnp.uint32),
+    )
+
+
+def _attrs(cfg, scale, dropout_rate, has_bias):
+    _, _, _, _, _, _, _, _, _, _, padding, left_bound, right_bound = cfg
+    return dict(
+        scale=np.float32(scale),
+        dropout=np.float32(dropout_rate),
+        has_bias=np.int32(has_bias),
+        padding=np.int32(padding),
+        left_bound=np.int32(left_bound),
+        right_bound=np.int32(right_bound),
+    )
+
+
+def _setup(q, k, v, bias, q_segment_ids, mask_type, window):
+    has_seg = q_segment_ids is not None
+    cfg = _graph_config(
+        dtype=q.dtype, q_shape=q.shape, k_shape=k.shape, v_shape=v.shape,
+        bias_shape=None if bias is None else bias.shape, has_segments=has_seg, mask_type=mask_type, window=window,
+    )
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------------
+# forward / backward
+# ----------------------------------------------------------------------------------------------
+
+
+def forward(
+    q, k, v, bias=None, q_seqlens=None, kv_seqlens=None, q_segment_ids=None, kv_segment_ids=None, seed=None, *,
+    mask_type: str, window, scale: float, dropout_rate: float,
+):
+    b, s_q, hq, _ = q.shape
+    s_k = k.shape[1]
+    cfg = _setup(q, k, v, bias, q_segment_ids, mask_type, window)
+    why, ws = query(_ints(cfg, False), float(scale), float(dropout_rate))
+    if why is not None:
+        raise RuntimeError(f"te_ops.fused_attention: cuDNN cannot run this forward configuration: {why}")
+    bias_total = _bias_for_cudnn(q, bias, q_segment_ids, kv_segment_ids)
+    out, lse, _ = _native.ffi_call(
+        "te_fused_attention_fwd",
+        (
+            jax.ShapeDtypeStruct((b, s_q, hq, v.shape[3]), q.dtype),
+            jax.ShapeDtypeStruct((b, hq, s_q), jnp.float32),
+            jax.ShapeDtypeStruct((max(ws, 1),), jnp.uint8),
+        ),
+        q, k, v,
+        *_operands(q, bias_total, q_seqlens, kv_seqlens, seed, mask_type),
+        **_attrs(cfg, scale, dropout_rate, bias_total is not None),
+    )
+    row, _ = _valid(
+        b, s_q, s_k, mask_type=mask_type, window=window, q_seqlens=q_seqlens, kv_seqlens=kv_seqlens,
+        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+    )
+    if row is not None:
+        out = jnp.where(row[:, :, None, None], out, jnp.zeros((), out.dtype))
+        lse = jnp.where(row[:, None, :], lse, jnp.inf)
+    res = Residuals(q, k, v, bias, out, lse, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, seed)
+    return out, res
+
+
+def backward(res: Residuals, g, *, mask_type: str, window, scale: float, dropout_rate: float):
+    q, k, v, bias = res.q, res.k, res.v, res.bias
+    b, s_q, hq, d = q.shape
+    s_k = k.shape[1]
+    cfg = _setup(q, k, v, bias, res.q_segment_ids, mask_type, window)
+    why, ws = query(_ints(cfg, True), float(scale), float(dropout_rate))
+    if why is not None:
+        raise RuntimeError(f"te_ops.fused_attention: cuDNN cannot run this backward configuration: {why}")
+    row, col = _valid(
+        b, s_q, s_k, mask_type=mask_type, window=window, q_seqlens=res.q_seqlens, kv_seqlens=res.kv_seqlens,
+        q_segment_ids=res.q_segment_ids, kv_segment_ids=res.kv_segment_ids,
+    )
+    g = g.astype(q.dtype)
+    out, lse = res.out, res.lse
+    if row is not None:
+        g = jnp.where(row[:, :, None, None], g, jnp.zeros((), g.dtype))
+        out = jnp.where(row[:, :, None, None], out, jnp.zeros((), out.dtype))
+        lse = jnp.where(row[:, None, :], lse, jnp.inf)
+    bias_total = _bias_for_cudnn(q, bias, res.q_segment_ids, res.kv_segment_ids)
+    dbias_shape = bias_total.shape if bias_total is not None else (1,)
+    dq, dk, dv, dbias, _ = _native.ffi_call(
+        "te_fused_attention_bwd",
+        (
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct(k.shape, k.dtype),
+            jax.ShapeDtypeStruct(v.shape, v.dtype),
+            jax.ShapeDtypeStruct(dbias_shape, q.dtype),
+            jax.ShapeDtypeStruct((max(ws, 1),), jnp.uint8),
+        ),
+        q, k, v, out, g, lse.astype(jnp.float32),
+        *_operands(q, bias_total, res.q_seqlens, res.kv_seqlens, res.seed, mask_type),
+        **_attrs(cfg, scale, dropout_rate, bias_total is not None),
+    )
+    if row is not None:
+        zero = jnp.zeros((), q.dtype)
+        dq = jnp.where(row[:, :, None, None], dq, zero)
+        dk = jnp.where(col[:, :, None, None], dk, zero)
+        dv = jnp.where(col[:, :, None, None], dv, zero)
+    if bias is None:
+        return dq, dk, dv, None
+    vis = reference.visible(
+        b, s_q, s_k, mask_type=mask_type, window=window, q_seqlens=res.q_seqlens, kv_seqlens=res.kv_seqlens,
+        q_segment_ids=res.q_segment_ids, kv_segment_ids=res.kv_segment_ids,
+    )
+    if vis is not None:
+        if dbias.shape[0] == 1 and vis.shape[0] != 1:
+            vis = vis.any(0, keepdims=True)  # a batch-broadcast bias position counts if any batch sees it
+        dbias = jnp.where(vis, dbias, jnp.zeros((), dbias.dtype))
+    if bias.shape[0] == 1 and dbias.shape[0] != 1:
+        dbias = dbias.astype(jnp.float32).sum(0, keepdims=True)
+    return dq, dk, dv, dbias.astype(bias.dtype)
