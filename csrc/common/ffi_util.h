@@ -6,7 +6,6 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
-#include <sstream>
 #include <string>
 #include <string_view>
 
@@ -16,19 +15,21 @@ namespace te {
 
 namespace ffi = xla::ffi;
 
+// Note: no iostreams anywhere in csrc/. In XLA's initialize stage on the H200 image, formatting
+// through std::ostringstream inside the handler crashed (segfault in basic_ostream::_M_insert),
+// while std::to_string/concatenation is safe; keep it that way.
+
 // "[2, 3, 4]" for error messages.
 template <typename Dims>
 std::string ShapeStr(const Dims& dims) {
-  std::ostringstream os;
-  os << "[";
+  std::string s = "[";
   bool first = true;
   for (auto d : dims) {
-    if (!first) os << ", ";
-    os << d;
+    if (!first) s += ", ";
+    s += std::to_string(static_cast<long long>(d));
     first = false;
   }
-  os << "]";
-  return os.str();
+  return s + "]";
 }
 
 inline const char* DTypeName(ffi::DataType dt) {
@@ -47,10 +48,9 @@ inline const char* DTypeName(ffi::DataType dt) {
 
 // CUDA status -> ffi::Error naming the op and the failing call.
 inline ffi::Error CudaError(std::string_view op, cudaError_t status, std::string_view what) {
-  std::ostringstream os;
-  os << "te_ops." << op << ": CUDA error " << cudaGetErrorName(status) << " ("
-     << cudaGetErrorString(status) << ") in " << what;
-  return ffi::Error(ffi::ErrorCode::kInternal, os.str());
+  std::string msg = "te_ops." + std::string(op) + ": CUDA error " + cudaGetErrorName(status) + " (" +
+                    cudaGetErrorString(status) + ") in " + std::string(what);
+  return ffi::Error(ffi::ErrorCode::kInternal, msg);
 }
 
 inline ffi::Error InvalidArgument(std::string_view op, const std::string& msg) {
