@@ -1,0 +1,286 @@
+"""CPU tests of te_ops dense: reference vs jnp, gradients, jit, vmap, errors, dispatch, sharding."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as Ps
+
+from te_ops._core import registry
+from te_ops._core import testing as T
+from te_ops.dense import dense
+from te_ops.dense import native as dense_native
+from te_ops.dense import reference as ref
+
+ACTS = [None, "gelu", "gelu_tanh", "relu", "silu"]
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+
+_JNP_ACT = {
+    None: lambda z: z,
+    "gelu": lambda z: jax.nn.gelu(z, approximate=False),
+    "gelu_tanh": jax.nn.gelu,
+    "relu": jax.nn.relu,
+    "silu": jax.nn.silu,
+}
+
+
+def jnp_dense(x, w, b, act):
+    """The direct jnp formulation in float32 (the oracle)."""
+    z = jnp.matmul(x.astype(jnp.float32), w.astype(jnp.float32), precision="highest")
+    if b is not None:
+        z = z + b.astype(jnp.float32)
+    return _JNP_ACT[act](z)
+
+
+def inputs(shape_x, n, dtype, seed=0, bias=True):
+    k = jax.random.split(jax.random.key(seed), 3)
+    K = shape_x[-1]
+    x = jax.random.normal(k[0], shape_x, jnp.float32).astype(dtype)
+    w = (jax.random.normal(k[1], (K, n), jnp.float32) / np.sqrt(K)).astype(dtype)
+    b = jax.random.normal(k[2], (n,), jnp.float32).astype(dtype) if bias else None
+    return x, w, b
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("act", ACTS)
+def test_forward_matches_jnp(dtype, act):
+    x, w, b = inputs((3, 5, 24), 40, dtype, seed=1)
+    y = dense(x, w, b, activation=act)
+    assert y.dtype == dtype and y.shape == (3, 5, 40)
+    T.assert_close(y, jnp_dense(x, w, b, act), dtype)
+
+
+@pytest.mark.parametrize("act", ACTS)
+def test_forward_no_bias_rank1_and_odd_sizes(act):
+    x, w, _ = inputs((7, 13), 11, jnp.float32, seed=2, bias=False)
+    T.assert_close(dense(x, w, activation=act), jnp_dense(x, w, None, act))
+    T.assert_close(dense(x[0], w, activation=act), jnp_dense(x[0], w, None, act))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("bias", [True, False])
+def test_gradients_match_jax(dtype, act, bias):
+    x, w, b = inputs((2, 6, 16), 24, dtype, seed=3, bias=bias)
+    ct = jax.random.normal(jax.random.key(9), (2, 6, 24), jnp.float32)
+
+    def loss_ours(x, w, b):
+        return (dense(x, w, b, activation=act).astype(jnp.float32) * ct).sum()
+
+    def loss_jnp(x, w, b):
+        return (jnp_dense(x, w, b, act) * ct).sum()
+
+    argnums = (0, 1, 2) if bias else (0, 1)
+    g_ours = jax.grad(loss_ours, argnums)(x, w, b)
+    # the oracle in float32 from float32 copies of the inputs
+    f32 = lambda a: None if a is None else a.astype(jnp.float32)
+    g_ref = jax.grad(loss_jnp, argnums)(f32(x), f32(w), f32(b))
+    for name, a, e in zip(("dx", "dkernel", "dbias"), g_ours, g_ref, strict=False):
+        assert a.dtype == dtype, name
+        scale = float(jnp.abs(e).max()) + 1.0
+        T.assert_close(a, e, dtype, scale=scale, err_msg=f"{name} act={act}")
+
+
+def test_backward_formula_direct():
+    """reference.backward on hand-built residuals equals jax.vjp of the fp32 formulation."""
+    x, w, b = inputs((4, 8), 12, jnp.float32, seed=4)
+    for act in ACTS:
+        y, res = ref.forward(x, w, b, activation=act, has_bias=True, mode="train")
+        dy = jax.random.normal(jax.random.key(5), y.shape)
+        dx, dk, db = ref.backward(res, dy, activation=act, has_bias=True)
+        _, vjp = jax.vjp(lambda x, w, b: jnp_dense(x, w, b, act), x, w, b)
+        ex, ek, eb = vjp(dy)
+        for a, e in ((dx, ex), (dk, ek), (db, eb)):
+            T.assert_close(a, e, jnp.float32, scale=10.0)
+        if act in ref.SAVES_PRE_ACTIVATION:
+            T.assert_close(res.saved, x @ w + b)
+        elif act == "relu":
+            assert res.saved is y
+
+
+def test_jit_and_grad_under_jit():
+    x, w, b = inputs((4, 16), 8, jnp.bfloat16, seed=6)
+    f = jax.jit(lambda x, w, b: dense(x, w, b, activation="gelu_tanh"))
+    T.assert_close(f(x, w, b), jnp_dense(x, w, b, "gelu_tanh"), jnp.bfloat16)
+    g = jax.jit(jax.grad(lambda x, w, b: dense(x, w, b, activation="silu").astype(jnp.float32).sum(), (0, 1, 2)))
+    out = g(x, w, b)
+    assert [o.shape for o in out] == [x.shape, w.shape, b.shape]
+
+
+def test_vmap_over_x_folds_and_matches():
+    x, w, b = inputs((3, 4, 16), 8, jnp.float32, seed=7)
+    y = jax.vmap(lambda xi: dense(xi, w, b, activation="relu"))(x)
+    T.assert_close(y, jnp_dense(x, w, b, "relu"))
+    # non-leading vmapped axis
+    y1 = jax.vmap(lambda xi: dense(xi, w, b, activation="relu"), in_axes=1, out_axes=1)(x)
+    T.assert_close(y1, jnp_dense(x, w, b, "relu"))
+
+
+def test_vmap_over_kernel_and_bias():
+    x, w, b = inputs((4, 16), 8, jnp.float32, seed=8)
+    ws = jnp.stack([w, 2 * w, -w])
+    bs = jnp.stack([b, -b, 0 * b])
+    y = jax.vmap(lambda wi, bi: dense(x, wi, bi, activation="silu"))(ws, bs)
+    T.assert_close(y, jax.vmap(lambda wi, bi: jnp_dense(x, wi, bi, "silu"))(ws, bs))
+
+
+def test_vmap_of_grad_per_example():
+    x, w, b = inputs((5, 16), 8, jnp.float32, seed=10)
+
+    def loss(f):
+        return lambda xi, w, b: (f(xi, w, b) ** 2).sum()
+
+    ours = jax.vmap(jax.grad(loss(lambda xi, w, b: dense(xi, w, b, activation="gelu")), (1, 2)), (0, None, None))
+    theirs = jax.vmap(jax.grad(loss(lambda xi, w, b: jnp_dense(xi, w, b, "gelu")), (1, 2)), (0, None, None))
+    for a, e in zip(ours(x, w, b), theirs(x, w, b), strict=True):
+        assert a.shape[0] == 5
+        T.assert_close(a, e, scale=10.0)
+    # grad of a vmapped function: summed over the vmapped axis
+    g1 = jax.grad(lambda w: jax.vmap(lambda xi: dense(xi, w, b, activation="gelu"))(x).sum())(w)
+    g2 = jax.grad(lambda w: jnp_dense(x, w, b, "gelu").sum())(w)
+    T.assert_close(g1, g2, scale=10.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors
+# ----------------------------------------------------------------------------------------------
+
+_X = jnp.ones((4, 8))
+_W = jnp.ones((8, 6))
+
+
+@pytest.mark.parametrize(
+    "call, exc, match",
+    [
+        (lambda: dense(jnp.ones((4, 7)), _W), ValueError, r"last axis of x \(K = 7.*first axis of kernel \(got 8"),
+        (lambda: dense(_X, jnp.ones((8,))), ValueError, r"kernel must have rank 2 \[K, N\], got shape \(8,\)"),
+        (lambda: dense(_X, jnp.ones((2, 8, 6))), ValueError, r"kernel must have rank 2"),
+        (lambda: dense(jnp.float32(1.0), _W), ValueError, r"x must have rank >= 1"),
+        (lambda: dense(_X, _W, activation="tanh"), ValueError, r"activation must be one of .*got 'tanh'"),
+        (lambda: dense(_X, _W.astype(jnp.bfloat16)), TypeError, r"same dtype.*x float32.*kernel bfloat16.*astype"),
+        (lambda: dense(_X, _W, jnp.ones((6,), jnp.bfloat16)), TypeError, r"bias must have the compute dtype float32"),
+        (lambda: dense(_X, _W, jnp.ones((5,))), ValueError, r"bias must have shape \[N\] = \(6,\).*got shape \(5,\)"),
+        (lambda: dense(_X, _W, jnp.ones((1, 6))), ValueError, r"bias must have shape"),
+        (lambda: dense(_X.astype(jnp.int32), _W.astype(jnp.int32)), TypeError, r"x must be float32, bfloat16"),
+    ],
+)
+def test_bad_input_errors(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
+
+
+def test_named_native_raises_with_reason_on_cpu():
+    with pytest.raises(registry.ImplementationUnavailableError, match="implementation='native'"):
+        dense(_X, _W, implementation="native")
+
+
+def test_unknown_implementation_name():
+    with pytest.raises(ValueError, match="unknown implementation"):
+        dense(_X, _W, implementation="cutlass")
+
+
+def test_reference_by_name_and_context_manager():
+    x, w, b = inputs((4, 8), 6, jnp.float32, seed=11)
+    a = dense(x, w, b, activation="gelu", implementation="reference")
+    with registry.use_implementation(dense="reference"):
+        c = dense(x, w, b, activation="gelu")
+    T.assert_close(a, c)
+
+
+def test_cpu_hlo_has_no_ffi_call():
+    x, w, b = inputs((4, 8), 6, jnp.float32, seed=12)
+    f = jax.jit(jax.grad(lambda x, w, b: dense(x, w, b, activation="gelu").sum(), (0, 1, 2)))
+    text = f.lower(x, w, b).compile().as_text()
+    assert "te_dense" not in text
+
+
+def test_native_unsupported_reason_and_chunks():
+    ok = dict(dtype=jnp.bfloat16, x_shape=(4, 8), kernel_shape=(8, 6), activation="gelu")
+    assert dense_native.unsupported_reason(**ok) is None
+    assert "float64" in dense_native.unsupported_reason(**{**ok, "dtype": jnp.float64})
+    assert "non-empty" in dense_native.unsupported_reason(**{**ok, "x_shape": (0, 8)})
+    assert dense_native.partial_chunks(16384, 14336, 2) >= 32
+    assert 1 <= dense_native.partial_chunks(1, 5, 4) <= 1
+
+
+# ----------------------------------------------------------------------------------------------
+# Sharding on 8 CPU devices: sharded vs unsharded, with collective counts.
+# ----------------------------------------------------------------------------------------------
+
+
+def _np(a):
+    return np.asarray(jax.device_get(a), dtype=np.float32)
+
+
+def _check_sharded(fn, args, in_specs, out_specs, mesh, expect):
+    out, ref_out, counts = T.run_sharded(fn, args, in_specs, out_specs, mesh=mesh)
+    for a, e in zip(jax.tree.leaves(out), jax.tree.leaves(ref_out), strict=True):
+        np.testing.assert_allclose(_np(a), _np(e), rtol=1e-5, atol=1e-4)
+    got = {k: v for k, v in counts.items() if v}
+    assert got == expect, got
+
+
+_SX = (8, 16, 32)
+_SN = 64
+
+
+def _fwd(act="gelu"):
+    return lambda x, w, b: dense(x, w, b, activation=act)
+
+
+def _grad(act="gelu"):
+    return lambda x, w, b: jax.grad(lambda x, w, b: (dense(x, w, b, activation=act) ** 2).sum(), (0, 1, 2))(x, w, b)
+
+
+def test_sharded_data_parallel():
+    mesh = T.cpu_mesh((8,), ("d",))
+    args = inputs(_SX, _SN, jnp.float32, seed=20)
+    _check_sharded(_fwd(), args, (Ps("d"), None, None), Ps("d"), mesh, {})
+    # gradients: one all-reduce of dkernel/dbias over the data axis
+    _check_sharded(_grad(), args, (Ps("d"), None, None), None, mesh, {"all-reduce": 1})
+
+
+def test_sharded_sequence_parallel_axis():
+    mesh = T.cpu_mesh((8,), ("s",))
+    args = inputs(_SX, _SN, jnp.float32, seed=21)
+    _check_sharded(_fwd("silu"), args, (Ps(None, "s"), None, None), Ps(None, "s"), mesh, {})
+
+
+def test_sharded_column_parallel_no_collective():
+    mesh = T.cpu_mesh((8,), ("t",))
+    args = inputs(_SX, _SN, jnp.float32, seed=22)
+    _check_sharded(_fwd(), args, (None, Ps(None, "t"), Ps("t")), Ps(None, None, "t"), mesh, {})
+    # backward: dx is a sum over the N shards: one all-reduce
+    _check_sharded(_grad(), args, (None, Ps(None, "t"), Ps("t")), None, mesh, {"all-reduce": 1})
+
+
+@pytest.mark.parametrize("act", ["gelu", "relu", None])
+def test_sharded_row_parallel_reduces_before_activation(act):
+    mesh = T.cpu_mesh((8,), ("t",))
+    args = inputs(_SX, _SN, jnp.float32, seed=23)
+    _check_sharded(_fwd(act), args, (Ps(None, None, "t"), Ps("t", None), None), Ps(), mesh, {"all-reduce": 1})
+    # the backward of a row-parallel layer needs no collective (dx and dkernel stay sharded on K)
+    _check_sharded(_grad(act), args, (Ps(None, None, "t"), Ps("t", None), None), None, mesh, {"all-reduce": 1})
+
+
+def test_sharded_row_parallel_reduce_scatter_when_output_sharded():
+    mesh = T.cpu_mesh((8,), ("t",))
+    args = inputs(_SX, _SN, jnp.float32, seed=24)
+    spec_in = (Ps(None, None, "t"), Ps("t", None), None)
+    _check_sharded(_fwd(), args, spec_in, Ps(None, "t", None), mesh, {"reduce-scatter": 1})
+    _check_sharded(_fwd(), args, spec_in, Ps(None, None, "t"), mesh, {"reduce-scatter": 1})
+
+
+def test_sharded_2d_data_and_tensor_parallel():
+    mesh = T.cpu_mesh((2, 4), ("d", "t"))
+    args = inputs(_SX, _SN, jnp.float32, seed=25)
+    _check_sharded(_fwd(), args, (Ps("d"), Ps(None, "t"), Ps("t")), Ps("d", None, "t"), mesh, {})
+    _check_sharded(_fwd(), args, (Ps("d", None, "t"), Ps("t", None), None), Ps("d"), mesh, {"all-reduce": 1})
+
+
+def test_sharded_bf16_row_parallel_close_to_unsharded():
+    mesh = T.cpu_mesh((8,), ("t",))
+    args = inputs(_SX, _SN, jnp.bfloat16, seed=26)
+    out, ref_out, counts = T.run_sharded(_fwd(), args, (Ps(None, None, "t"), Ps("t", None), None), Ps(), mesh=mesh)
+    T.assert_close(out, ref_out, jnp.bfloat16)
+    assert counts["all-reduce"] == 1
