@@ -1,0 +1,79 @@
+"""The op framework itself: implementation selection, the context manager, native loading status,
+collective counting and the sharding helper."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as Ps
+
+import te_ops
+from te_ops._core import native, registry
+from te_ops._core import testing as T
+
+
+def _family(name, gpu_reason=None, gpu_unsupported=None):
+    fam = registry.OpFamily(name)
+    fam.register(registry.Implementation(
+        name="fast", forward=lambda x, *, k: x * k + 1000.0, backward=lambda r, g, *, k: g,
+        unsupported_reason=lambda **c: gpu_unsupported, platform="cuda", available=lambda: gpu_reason))
+    fam.register(registry.Implementation(
+        name=registry.REFERENCE, forward=lambda x, *, k: x * k, backward=lambda r, g, *, k: g))
+    return fam
+
+
+def test_default_on_cpu_runs_reference_and_keeps_gpu_branch_out_of_cpu_hlo():
+    fam = _family("fake1")
+    x = jnp.arange(4.0)
+    out = jax.jit(lambda x: fam.dispatch(None, "forward", (x,), {"k": 2.0}, {}))(x)
+    assert jnp.allclose(out, 2 * x)  # CPU: the default branch
+    hlo = jax.jit(lambda x: fam.dispatch(None, "forward", (x,), {"k": 2.0}, {})).lower(x).as_text()
+    assert "1.000000e+03" not in hlo  # the CUDA branch is dropped from CPU HLO
+
+
+def test_default_skips_unavailable_or_unsupported_gpu_impl():
+    for fam in (_family("fake2", gpu_reason="not built"), _family("fake3", gpu_unsupported="odd shape")):
+        x = jnp.arange(3.0)
+        hlo = jax.jit(lambda x: fam.dispatch(None, "forward", (x,), {"k": 3.0}, {})).lower(x).as_text()
+        assert "1.000000e+03" not in hlo  # the GPU branch was never staged
+
+
+def test_named_implementation_that_cannot_run_raises_with_reason():
+    fam = _family("fake4", gpu_reason="the extension was built without CUDA")
+    with pytest.raises(registry.ImplementationUnavailableError, match="fast.*built without CUDA"):
+        fam.dispatch("fast", "forward", (jnp.ones(2),), {"k": 1.0}, {})
+    with pytest.raises(ValueError, match="unknown implementation='nope'.*'fast', 'reference'"):
+        fam.dispatch("nope", "forward", (jnp.ones(2),), {"k": 1.0}, {})
+
+
+def test_context_manager_nesting_and_per_family():
+    fam = _family("fake5")
+    assert fam.resolve(None) is None
+    with registry.use_implementation("reference"):
+        assert fam.resolve(None) == "reference"
+        with registry.use_implementation(fake5="fast"):
+            assert fam.resolve(None) == "fast"
+            assert fam.resolve("reference") == "reference"  # the argument wins
+        assert fam.resolve(None) == "reference"
+    assert fam.resolve(None) is None
+
+
+def test_native_status_is_explained():
+    why = te_ops.native_unavailable_reason()
+    if why is None:
+        assert isinstance(native.counters(), dict)
+    else:
+        assert "CUDA" in why or "native extension" in why
+
+
+def test_count_collectives_parses_async_forms():
+    text = "%a = all-reduce(x) %b = all-gather-start(y) %c = all-gather-done(b) %d = reduce-scatter(z)"
+    c = T.count_collectives(text)
+    assert c["all-reduce"] == 1 and c["all-gather"] == 1 and c["reduce-scatter"] == 1 and c["all-to-all"] == 0
+
+
+def test_run_sharded_detects_a_reduction():
+    mesh = T.cpu_mesh((8,), ("x",))
+    x = jax.random.normal(jax.random.key(0), (16, 4))
+    out, ref, counts = T.run_sharded(lambda x: jnp.sum(x, axis=0), (x,), (Ps("x"),), Ps(), mesh=mesh)
+    T.assert_close(out, ref, jnp.float32)
+    assert counts["all-reduce"] >= 1
