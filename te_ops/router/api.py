@@ -183,8 +183,11 @@ def _rowwise_rule(operand_kinds: tuple[str, ...], result_kinds: tuple[str, ...])
         del shapes
         ops = ", ".join(names[k] for k in operand_kinds)
         res = ", ".join(names[k] for k in result_kinds)
-        used = set(" ".join(names[k] for k in operand_kinds + result_kinds).split())
-        return f"{ops} -> {res}", {"need_replication_factors": tuple(sorted(used - {"t"}))}
+        order = []  # factors in order of first appearance (Shardy wants special factors sorted by index)
+        for f in " ".join(names[k] for k in operand_kinds + result_kinds).split():
+            if f not in order:
+                order.append(f)
+        return f"{ops} -> {res}", {"need_replication_factors": tuple(f for f in order if f != "t")}
 
     return rule
 
