@@ -13,7 +13,7 @@
 // Epilogue choices (forward). cuBLASLt fuses bias, ReLU and tanh-GELU:
 //   none -> BIAS / DEFAULT; relu -> RELU_BIAS / RELU (the backward derives the mask from y itself);
 //   gelu_tanh -> GELU_BIAS / GELU (primal), GELU_AUX_BIAS / GELU_AUX writing z to aux (train; aux
-//   ld must be a multiple of 8, so N % 8 != 0 takes the split path).
+//   ld must be a multiple of 8, so N % 8 != 0 takes the split path; float32 takes the split path too).
 // cuBLASLt has no exact-erf GELU and no SiLU epilogue: those (and any fused epilogue for which the
 // heuristic returns no algorithm) take the split path: GEMM with the BIAS epilogue writes z (into y
 // itself in primal mode), then our elementwise kernel applies the activation. If even BIAS has no
@@ -114,6 +114,12 @@ cublasLtEpilogue_t FusedEpilogue(const FwdProblem& p, bool* possible) {
     case Act::kNone: return b ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
     case Act::kRelu: return b ? CUBLASLT_EPILOGUE_RELU_BIAS : CUBLASLT_EPILOGUE_RELU;
     case Act::kGeluTanh:
+      // float32: our kernel (precise tanhf) rather than the epilogue, whose GELU may use a faster,
+      // less exact tanh; float32 callers ask for float32 accuracy, and speed matters for 16-bit.
+      if (p.dt == DType::kF32) {
+        *possible = false;
+        return CUBLASLT_EPILOGUE_DEFAULT;
+      }
       if (p.mode == kTrain) {
         *possible = p.n % 8 == 0;  // aux leading dimension must be a multiple of 8
         return b ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;

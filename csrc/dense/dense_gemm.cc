@@ -3,7 +3,6 @@
 
 #include <algorithm>
 #include <map>
-#include <sstream>
 #include <vector>
 
 namespace te::dense {
@@ -16,10 +15,10 @@ constexpr int kMaxCandidates = 8;
 constexpr size_t kMaxTimingScratchBytes = size_t{4} << 30;
 
 ffi::Error LtError(const char* op, cublasStatus_t st, const std::string& what) {
-  std::ostringstream os;
-  os << "te_ops." << op << ": cuBLASLt error " << cublasLtGetStatusName(st) << " (" << cublasLtGetStatusString(st)
-     << ") in " << what;
-  return ffi::Error(ffi::ErrorCode::kInternal, os.str());
+  // No iostreams in csrc/ (see common/ffi_util.h): plain string concatenation only.
+  std::string msg = std::string("te_ops.") + op + ": cuBLASLt error " + cublasLtGetStatusName(st) + " (" +
+                    cublasLtGetStatusString(st) + ") in " + what;
+  return ffi::Error(ffi::ErrorCode::kInternal, msg);
 }
 
 #define TE_LT_CHECK(op, expr, what)                                   \
@@ -207,20 +206,21 @@ int Alignment(const void* p) {
   return a;
 }
 
+namespace {
+std::string I(long long v) { return std::to_string(v); }
+std::string U(unsigned long long v) { return std::to_string(v); }
+}  // namespace
+
 std::string GemmSpec::Key() const {
-  std::ostringstream os;
-  os << ab_type << "/" << d_type << "|" << trans_a << trans_b << "|" << m << "x" << n << "x" << k << "|" << lda
-     << "," << ldb << "," << ldd << "|e" << static_cast<int>(epilogue) << "|aux" << aux_ld << "|al" << align_a << ","
-     << align_b << "," << align_d << "," << align_bias << "," << align_aux;
-  return os.str();
+  return I(ab_type) + "/" + I(d_type) + "|" + I(trans_a) + I(trans_b) + "|" + U(m) + "x" + U(n) + "x" + U(k) + "|" +
+         I(lda) + "," + I(ldb) + "," + I(ldd) + "|e" + I(static_cast<int>(epilogue)) + "|aux" + I(aux_ld) + "|al" +
+         I(align_a) + "," + I(align_b) + "," + I(align_d) + "," + I(align_bias) + "," + I(align_aux);
 }
 
 std::string GemmSpec::Describe() const {
-  std::ostringstream os;
-  os << "GEMM m=" << m << " n=" << n << " k=" << k << " (column-major, transa=" << (trans_a ? "T" : "N")
-     << " transb=" << (trans_b ? "T" : "N") << ", lda=" << lda << " ldb=" << ldb << " ldd=" << ldd
-     << ", epilogue=" << static_cast<int>(epilogue) << ", types A/B=" << ab_type << " D=" << d_type << ")";
-  return os.str();
+  return "GEMM m=" + U(m) + " n=" + U(n) + " k=" + U(k) + " (column-major, transa=" + (trans_a ? "T" : "N") +
+         " transb=" + (trans_b ? "T" : "N") + ", lda=" + I(lda) + " ldb=" + I(ldb) + " ldd=" + I(ldd) +
+         ", epilogue=" + I(static_cast<int>(epilogue)) + ", cudaDataType A/B=" + I(ab_type) + " D=" + I(d_type) + ")";
 }
 
 GemmPlan::~GemmPlan() {
