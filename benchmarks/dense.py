@@ -1,0 +1,144 @@
+"""Dense benchmark: te_ops.dense (cuBLASLt, fused bias+GELU epilogue) vs XLA's jnp formulation.
+
+Both are jitted and timed in the same process (benchmarks/_timing.py: warm-up, block_until_ready,
+median of repeats). "gelu" here is the tanh approximation (activation="gelu_tanh" for te_ops), since
+the XLA baseline is ``jax.nn.gelu(x @ w + b)`` with jax.nn.gelu's default (approximate=True).
+
+Forward: ``jit(f)(x, w, b)``. Forward+backward: ``jit`` of ``y, vjp = jax.vjp(f, x, w, b);
+(y, *vjp(dy))`` with a random cotangent dy (so neither side can constant-fold the gradient).
+
+    python benchmarks/dense.py            # prints a table, writes benchmarks/results/dense.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _timing  # noqa: E402
+
+from te_ops._core import native as _native  # noqa: E402
+from te_ops.dense import dense  # noqa: E402
+
+# (name, M, K, N, bias, activation)
+CASES = [
+    ("mlp 16384x4096x14336 bias+gelu", 16384, 4096, 14336, True, "gelu_tanh"),
+    ("square 8192^3 bias+gelu", 8192, 8192, 8192, True, "gelu_tanh"),
+    ("square 8192^3 plain", 8192, 8192, 8192, False, None),
+    ("small-batch 256x4096x14336 bias+gelu", 256, 4096, 14336, True, "gelu_tanh"),
+]
+TARGETS = {"mlp 16384x4096x14336 bias+gelu": {"forward": 1.1, "forward+backward": 1.05}}
+
+
+def xla_fn(act, has_bias):
+    def f(x, w, b):
+        z = x @ w
+        if has_bias:
+            z = z + b
+        return jax.nn.gelu(z) if act == "gelu_tanh" else z
+
+    return f
+
+
+def ours_fn(act, has_bias):
+    def f(x, w, b):
+        return dense(x, w, b if has_bias else None, activation=act)
+
+    return f
+
+
+def fwd_bwd(f):
+    def g(x, w, b, dy):
+        y, vjp = jax.vjp(f, x, w, b)
+        return (y, *vjp(dy))
+
+    return g
+
+
+def make_args(m, k, n, dtype, n_sets, seed=0):
+    sets = []
+    for i in range(n_sets):
+        ks = jax.random.split(jax.random.key(seed + i), 4)
+        x = jax.random.normal(ks[0], (m, k), jnp.float32).astype(dtype)
+        w = (jax.random.normal(ks[1], (k, n), jnp.float32) / np.sqrt(k)).astype(dtype)
+        b = jax.random.normal(ks[2], (n,), jnp.float32).astype(dtype)
+        dy = jax.random.normal(ks[3], (m, n), jnp.float32).astype(dtype)
+        sets.append((x, w, b, dy))
+    return jax.block_until_ready(sets)
+
+
+def rel_err(a, b):
+    a = np.asarray(jnp.asarray(a, jnp.float32))
+    b = np.asarray(jnp.asarray(b, jnp.float32))
+    return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-6))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--only", default=None, help="substring of a case name")
+    args = parser.parse_args()
+
+    dtype = jnp.bfloat16
+    impl = "native" if _native.native_unavailable_reason("_native_cublaslt") is None else "reference"
+    if impl != "native":
+        print(f"WARNING: native dense unavailable ({_native.native_unavailable_reason('_native_cublaslt')}); "
+              "timing the reference path")
+    rows = []
+    for name, m, k, n, has_bias, act in CASES:
+        if args.only and args.only not in name:
+            continue
+        sets = make_args(m, k, n, dtype, n_sets=2)
+        fwd_sets = [s[:3] for s in sets]
+        ours_f, xla_f = jax.jit(ours_fn(act, has_bias)), jax.jit(xla_fn(act, has_bias))
+        ours_g, xla_g = jax.jit(fwd_bwd(ours_fn(act, has_bias))), jax.jit(fwd_bwd(xla_fn(act, has_bias)))
+        hlo = ours_f.lower(*fwd_sets[0]).as_text()
+        used = "native" if "te_dense_fwd" in hlo else "reference"
+        # correctness sanity (bf16 vs bf16: both round once; the baseline rounds x@w before bias/gelu)
+        err_f = rel_err(ours_f(*fwd_sets[0]), xla_f(*fwd_sets[0]))
+        go, gx = ours_g(*sets[0]), xla_g(*sets[0])
+        err_b = max(rel_err(a, b) for a, b in zip(go, gx, strict=True))
+        flops = 2.0 * m * n * k
+        for stage, fo, fx, fl, arg_sets, err in (
+            ("forward", ours_f, xla_f, flops, fwd_sets, err_f),
+            ("forward+backward", ours_g, xla_g, 3 * flops, sets, err_b),
+        ):
+            t_ours = _timing.time_fn(fo, arg_sets, repeats=args.repeats, calls=args.calls)
+            t_xla = _timing.time_fn(fx, arg_sets, repeats=args.repeats, calls=args.calls)
+            target = TARGETS.get(name, {}).get(stage)
+            speedup = t_xla / t_ours
+            rows.append(
+                {
+                    "case": name,
+                    "stage": stage,
+                    "impl": used,
+                    "ours_ms": t_ours,
+                    "xla_ms": t_xla,
+                    "ours_TFLOPs": fl / t_ours / 1e9,
+                    "xla_TFLOPs": fl / t_xla / 1e9,
+                    "speedup": speedup,
+                    "target": target,
+                    "meets_target": None if target is None else bool(speedup >= target),
+                    "max_rel_diff_vs_xla": err,
+                }
+            )
+            print(f"{name:40s} {stage:17s} ours {t_ours:8.3f} ms  xla {t_xla:8.3f} ms  x{speedup:.3f}", flush=True)
+        del sets, fwd_sets, go, gx
+    _timing.print_table(
+        "dense (bf16)",
+        rows,
+        ["case", "stage", "impl", "ours_ms", "xla_ms", "ours_TFLOPs", "xla_TFLOPs", "speedup", "target",
+         "max_rel_diff_vs_xla"],
+    )
+    _timing.write_json("dense", {"dtype": "bfloat16", "rows": rows, "counters": _native.counters()})
+
+
+if __name__ == "__main__":
+    main()
