@@ -39,6 +39,13 @@ _FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.
 OPTIONAL = ("bias", "q_seqlens", "kv_seqlens", "q_segment_ids", "kv_segment_ids", "seed")
 
 
+def dropout_seeds(rng: jax.Array, b: int, hq: int) -> jax.Array:
+    """uint32 [B, Hq, 4]: one seed per (batch, query head), a function of the key only."""
+    bits = jax.random.bits(rng, (b, hq, 4), jnp.uint32)
+    # bytes 8..15 are cuDNN's int64 Philox offset: keep it a small non-negative number.
+    return bits.at[..., 3].set(0).at[..., 2].set(bits[..., 2] >> 8)
+
+
 def _err(msg: str) -> str:
     return f"te_ops.{OP}: {msg}"
 
@@ -186,7 +193,7 @@ def _factor_strings(shapes, present, stage):
         elif name == "kv_segment_ids":
             ops.append("b sk")
         elif name == "seed":
-            ops.append("r")
+            ops.append(f"b {qh} r")
             replicated.append("r")
     if stage == "fwd":
         results = [f"b sq {qh} e", f"b {qh} sq"]
@@ -208,10 +215,14 @@ def _bias_blocks(shapes, names, n0, q_shape):
 def _rule(present, stage):
     def rule(*shapes):
         ops, results, replicated, extra, _ = _factor_strings(shapes, present, stage)
-        return f"{', '.join(ops)} -> {', '.join(results)}", {
-            "need_replication_factors": tuple(sorted(set(replicated))),
-            **extra,
-        }
+        rule_str = f"{', '.join(ops)} -> {', '.join(results)}"
+        # Shardy wants special factors in the order of their indices (first appearance in the rule).
+        order = []
+        for f in _split(rule_str.replace(",", " ").replace("->", " ").replace("(", " ").replace(")", " ")):
+            if f not in order:
+                order.append(f)
+        need = tuple(f for f in order if f in set(replicated))
+        return rule_str, {"need_replication_factors": need, **extra}
 
     return rule
 
@@ -251,7 +262,7 @@ def _split(factors: str) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------
-# vmap: fold the vmapped axis into the batch axis (axis 0 of every operand except the seed).
+# vmap: fold the vmapped axis into the batch axis (axis 0 of every operand, the dropout seeds too).
 # ----------------------------------------------------------------------------------------------
 
 
@@ -266,14 +277,6 @@ def _fold(present, stage):
         batch = args[0].shape[1] if in_batched[0] else args[0].shape[0]
         folded = []
         for kind, a, batched in zip(kinds, args, in_batched, strict=True):
-            if kind == "seed":
-                if batched:
-                    raise NotImplementedError(
-                        _err("vmap over rng (one dropout key per vmapped element) is not supported; vmap over "
-                             "the data with one key, or fold the vmapped axis into the batch yourself.")
-                    )
-                folded.append(a)
-                continue
             if kind == "bias" and not batched and a.shape[0] == 1:
                 folded.append(a)  # broadcast over the folded batch as it was over the batch
                 continue
@@ -492,7 +495,7 @@ def fused_attention(
         opt["q_segment_ids"] = _check_segments("q_segment_ids", q_segment_ids, b, s_q, "Sq")
         opt["kv_segment_ids"] = _check_segments("kv_segment_ids", kv_segment_ids, b, s_k, "Sk")
     if dropout_rate > 0.0:
-        opt["seed"] = jax.random.bits(rng, (4,), jnp.uint32)
+        opt["seed"] = dropout_seeds(rng, b, hq)
     present = tuple(opt[n] is not None for n in OPTIONAL)
     optional = tuple(opt[n] for n in OPTIONAL if opt[n] is not None)
     return _build(mask_type, window, scale, dropout_rate, implementation, present)(q, k, v, optional)

@@ -16,7 +16,8 @@ Mapping of the te_ops semantics onto cuDNN:
 * padding -> cuDNN padding mask with ``seq_len_q`` / ``seq_len_kv`` int32 tensors;
 * segment ids -> an additive ``[B, 1, Sq, Sk]`` bias (0 / -inf) built here, added to any user bias
   (cuDNN's fused kernels take no per-token ids);
-* dropout -> cuDNN Philox dropout, int64 seed and offset read on the device from the op's uint32[4] seed.
+* dropout -> cuDNN Philox dropout; int64 seed and offset read on the device from the first of the
+  op's per-(batch, head) uint32[4] seeds of this shard (so shards draw different masks).
 
 Rows (queries) with no visible key, keys that no query sees, and the gradient entries of masked bias
 positions are set to exactly 0 here with cheap ``where`` ops (cuDNN leaves some of them unwritten or
@@ -185,7 +186,8 @@ def _operands(q, bias_total, q_seqlens, kv_seqlens, seed, mask_type):
         bias_total if bias_total is not None else dummy_f,
         q_seqlens.astype(jnp.int32) if padding else dummy_i,
         kv_seqlens.astype(jnp.int32) if padding else dummy_i,
-        seed.astype(jnp.uint32) if seed is not None else jnp.zeros((4,), jnp.uint32),
+        # cuDNN takes one seed per call: the first (batch, head) seed of this shard.
+        seed.reshape(-1, 4)[0].astype(jnp.uint32) if seed is not None else jnp.zeros((4,), jnp.uint32),
     )
 
 

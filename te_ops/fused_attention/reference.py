@@ -8,8 +8,9 @@ Signatures shared by every fused_attention implementation::
 
 Shapes: ``q [B, Sq, Hq, D]``, ``k [B, Sk, Hk, D]``, ``v [B, Sk, Hk, Dv]``, ``out [B, Sq, Hq, Dv]``;
 ``bias [B|1, Hq|1, Sq, Sk]`` (already broadcast to full Sq, Sk by the api); ``q_seqlens`` /
-``kv_seqlens`` int32 ``[B]``; segment ids int32 ``[B, Sq]`` / ``[B, Sk]``; ``seed`` uint32 ``[4]``
-(derived from the JAX PRNG key by the api; None when dropout is off). Query head ``h`` reads key/value
+``kv_seqlens`` int32 ``[B]``; segment ids int32 ``[B, Sq]`` / ``[B, Sk]``; ``seed`` uint32 ``[B, Hq, 4]``: one dropout seed per (batch, query head),
+derived from the JAX PRNG key by the api (None when dropout is off), so that a shard of the batch or
+head axes holds the seeds of exactly its own rows. Query head ``h`` reads key/value
 head ``h // (Hq // Hk)`` (GQA/MQA).
 
 Mask rules (a key j is visible to query i of batch b when ALL that apply hold):
@@ -25,8 +26,11 @@ recomputes ``exp(s - lse)`` from the residuals gets exactly 0 for it).
 
 Dropout (rate p > 0): after the softmax, each probability is kept with probability 1 - p and scaled by
 1 / (1 - p); the statistics (logsumexp) are those before dropout. The mask is a function of ``seed`` only,
-so the same key gives the same result; different implementations draw different (equally distributed)
-masks, so a dropout forward must pair with the backward of the same implementation.
+so the same key gives the same result. The reference draws the mask of (b, h) from ``seed[b, h]`` alone,
+so it is the same sharded and unsharded. cuDNN draws one Philox stream per call from the first seed of
+its shard: same key, same result for a given sharding, equally distributed otherwise. Different
+implementations draw different masks, so a dropout forward must pair with the backward of the same
+implementation.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ class Residuals(NamedTuple):
     kv_seqlens: jax.Array | None
     q_segment_ids: jax.Array | None
     kv_segment_ids: jax.Array | None
-    seed: jax.Array | None  # uint32[4] dropout seed, None without dropout
+    seed: jax.Array | None  # uint32[B, Hq, 4] dropout seeds, None without dropout
 
 
 def visible(
@@ -93,9 +97,14 @@ def visible(
 
 
 def dropout_keep(seed: jax.Array, shape: tuple[int, ...], rate: float) -> jax.Array:
-    """Bool keep-mask of ``shape``, a function of ``seed`` (uint32[4]) only."""
-    key = jax.random.wrap_key_data(seed[:2], impl="threefry2x32")
-    return jax.random.bernoulli(key, 1.0 - rate, shape)
+    """Bool keep-mask ``[B, Hq, Sq, Sk]``; the slice (b, h) is a function of ``seed[b, h]`` only."""
+    s_q, s_k = shape[-2:]
+
+    def one(sd):
+        key = jax.random.wrap_key_data(sd[:2], impl="threefry2x32")
+        return jax.random.bernoulli(key, 1.0 - rate, (s_q, s_k))
+
+    return jax.vmap(jax.vmap(one))(seed)
 
 
 def _expand_kv(x: jax.Array, hq: int) -> jax.Array:
