@@ -186,7 +186,7 @@ cudaError_t ByType(DType dt, Fn&& fn) {
 cudaError_t LaunchActForward(DType dt, Act act, const void* z, const void* bias, void* y, void* z_out, int64_t m,
                              int64_t n, cudaStream_t stream) {
   if (m == 0 || n == 0) return cudaSuccess;
-  if (z_out == z) z_out = nullptr;
+  // z_out may equal z (train mode, bias added here): each element is read, then written, by one thread.
   return ByType(dt, [&](auto t) -> cudaError_t {
     using T = decltype(t);
     constexpr int kVec = 16 / sizeof(T);

@@ -175,7 +175,8 @@ def _build(activation: str | None, has_bias: bool, implementation: str | None):
 
     def make_fwd(mode: str):
         statics = dict(activation=activation, has_bias=has_bias, mode=mode)
-        n_results = 2 if (mode == "train" and has_saved) else 1
+        # relu's residual is y itself, so only the pre-activation activations return a second output
+        n_results = 2 if (mode == "train" and activation in SAVES_PRE_ACTIVATION) else 1
 
         def full(x, kernel, *bias):
             b = bias[0] if bias else None
@@ -228,7 +229,10 @@ def _build(activation: str | None, has_bias: bool, implementation: str | None):
 
     def op_fwd(x, kernel, bias):
         out = fwd_train(*fwd_args(x, kernel, bias))
-        y, saved = out if has_saved else (out, None)
+        if activation in SAVES_PRE_ACTIVATION:
+            y, saved = out
+        else:
+            y, saved = out, (out if activation == "relu" else None)
         return y, (x, kernel, saved)
 
     def op_bwd(res, g):
