@@ -399,3 +399,115 @@ def test_sharded_matches_unsharded_without_collectives(case):
 
 def test_count_collectives_helper_sees_hlo():
     assert count_collectives("%x = f32[] all-reduce(%y)")["all-reduce"] == 1
+
+
+# ----------------------------------------------------------------------------------------------
+# The Python glue of the native path (te_ops/fused_attention/native.py) against an emulation of the
+# cuDNN handlers' contract: cuDNN mask attributes, rows/keys it may leave undefined (NaN here).
+# ----------------------------------------------------------------------------------------------
+
+
+def _emulated_ffi_call(target, result_shapes, *args, **attrs):
+    from te_ops.fused_attention import native as nat
+
+    lb, rb = int(attrs["left_bound"]), int(attrs["right_bound"])
+    scale, padding, has_bias = float(attrs["scale"]), int(attrs["padding"]), int(attrs["has_bias"])
+    assert float(attrs["dropout"]) == 0.0
+    if target == "te_fused_attention_fwd":
+        q, k, v, bias, ql, kl, _seed = args
+    else:
+        q, k, v, out, g, lse, bias, ql, kl, _seed = args
+    b, s_q, hq, _ = q.shape
+    s_k = k.shape[1]
+    i, j = jnp.arange(s_q)[:, None], jnp.arange(s_k)[None]
+    keep = jnp.ones((1, 1, s_q, s_k), bool)
+    if rb >= 0:
+        keep = keep & (j <= i + rb)
+    if lb >= 0:
+        keep = keep & (j > i - lb)
+    rows_ok = jnp.ones((b, s_q), bool)
+    cols_ok = jnp.ones((b, s_k), bool)
+    if padding:
+        rows_ok, cols_ok = jnp.arange(s_q)[None] < ql[:, None], jnp.arange(s_k)[None] < kl[:, None]
+        keep = keep & (rows_ok[:, :, None] & cols_ok[:, None, :])[:, None]
+    kk, vv = (jnp.repeat(x, hq // k.shape[2], 2).astype(F32) for x in (k, v))
+    s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(F32), kk) * scale
+    if has_bias:
+        s = s + bias.astype(F32)
+    s = jnp.where(keep, s, -jnp.inf)
+    nan = jnp.float32(jnp.nan)
+    if target == "te_fused_attention_fwd":
+        lse_ = jax.nn.logsumexp(s, -1)  # fully masked rows: -inf, and p = NaN below (undefined)
+        p = jnp.exp(s - lse_[..., None])
+        o = jnp.einsum("bhqk,bkhd->bqhd", p, vv)
+        o = jnp.where(rows_ok[:, :, None, None], o, nan)  # padded rows unwritten
+        return o.astype(q.dtype), lse_, jnp.zeros(result_shapes[2].shape, jnp.uint8)
+    p = jnp.exp(s - lse[..., None])
+    gf = g.astype(F32)
+    dp = jnp.einsum("bqhd,bkhd->bhqk", gf, vv)
+    delta = jnp.einsum("bqhd,bqhd->bhq", gf, out.astype(F32))[..., None]
+    ds = p * (dp - delta)
+    dq = jnp.einsum("bhqk,bkhd->bqhd", ds, kk) * scale
+    grp = hq // k.shape[2]
+    dk = (jnp.einsum("bhqk,bqhd->bkhd", ds, q.astype(F32)) * scale).reshape(b, s_k, k.shape[2], grp, -1).sum(3)
+    dv = jnp.einsum("bhqk,bqhd->bkhd", p, gf).reshape(b, s_k, k.shape[2], grp, -1).sum(3)
+    dk = jnp.where(cols_ok[:, :, None, None], dk, nan)  # padded keys unwritten
+    dv = jnp.where(cols_ok[:, :, None, None], dv, nan)
+    dbias = jnp.zeros(result_shapes[3].shape, F32)
+    if has_bias:
+        dsb, seen = jnp.where(keep, ds, 0.0), jnp.broadcast_to(keep, ds.shape)
+        if bias.shape[0] == 1:
+            dsb, seen = dsb.sum(0, keepdims=True), seen.any(0, keepdims=True)
+        if bias.shape[1] == 1:
+            dsb, seen = dsb.sum(1, keepdims=True), seen.any(1, keepdims=True)
+        dbias = jnp.where(seen, dsb, nan)  # positions no batch/head sees: unwritten
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias.astype(result_shapes[3].dtype),
+            jnp.zeros(result_shapes[4].shape, jnp.uint8))
+
+
+GLUE_CASES = {
+    "causal_gqa": dict(mask_type="causal", hk=2),
+    "causal_sk_gt_sq": dict(mask_type="causal", sk=24),
+    "padding_causal_bias_heads": dict(mask_type="padding_causal", lens=True, bias="heads"),
+    "padding_bias_full": dict(mask_type="padding", lens=True, bias="full"),
+    "window": dict(window=(3, 1)),
+    "window_causal_sq_gt_sk": dict(window=(2, -1), mask_type="causal", sk=8),
+    "segments": dict(segments=True),
+    "segments_causal_bias_heads": dict(segments=True, mask_type="causal", bias="heads"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GLUE_CASES))
+def test_native_glue_with_emulated_cudnn(case, monkeypatch):
+    from te_ops._core import native as core_native
+    from te_ops.fused_attention import native as nat
+
+    monkeypatch.setattr(core_native, "ffi_call", _emulated_ffi_call)
+    monkeypatch.setattr(nat, "query", lambda ints, scale, dropout: (None, 256))
+    c = dict(GLUE_CASES[case])
+    b, sq, sk, hq, hk, d = 2, 16, c.pop("sk", 16), 4, c.pop("hk", 4), 16
+    q, k, v, g = _qkv(30, b, sq, sk, hq, hk, d, dtype=jnp.float16)
+    mask_type, window = c.pop("mask_type", "none"), c.pop("window", None)
+    bias = _bias(c.pop("bias"), b, hq, sq, sk).astype(jnp.float16) if "bias" in c else None
+    ql = kl = qs = ks = None
+    if c.pop("lens", False):
+        ql, kl = jnp.array([sq, 5], jnp.int32), jnp.array([3, sk], jnp.int32)
+    if c.pop("segments", False):
+        qs = ks = jnp.array([[1] * 5 + [2] * 6 + [3] * 5, [4] * 16], jnp.int32)[:, :sq]
+        ks = jnp.array([[1] * 5 + [2] * 6 + [3] * 5, [4] * 16], jnp.int32)[:, :sk]
+    assert not c
+    statics = dict(mask_type=mask_type, window=window, scale=0.25, dropout_rate=0.0)
+    args = (q, k, v, bias, ql, kl, qs, ks, None)
+    out_n, res_n = nat.forward(*args, **statics)
+    out_r, res_r = ref.forward(*args, **statics)
+    _close(out_n, out_r, jnp.float16, msg=case)
+    fin = np.isfinite(np.asarray(res_r.lse))
+    np.testing.assert_array_equal(fin, np.isfinite(np.asarray(res_n.lse)))
+    _close(jnp.where(fin, res_n.lse, 0), jnp.where(fin, res_r.lse, 0), jnp.float16, msg=case)
+    grads_n = nat.backward(res_n, g, **statics)
+    grads_r = ref.backward(res_r, g, **statics)
+    for gn, gr in zip(grads_n, grads_r, strict=True):
+        if gr is None:
+            assert gn is None
+            continue
+        _close(gn, gr, jnp.float16, scale=8.0, msg=case)
