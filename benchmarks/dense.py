@@ -89,8 +89,10 @@ def main():
     dtype = jnp.bfloat16
     impl = "native" if _native.native_unavailable_reason("_native_cublaslt") is None else "reference"
     if impl != "native":
-        print(f"WARNING: native dense unavailable ({_native.native_unavailable_reason('_native_cublaslt')}); "
-              "timing the reference path")
+        print(
+            f"WARNING: native dense unavailable ({_native.native_unavailable_reason('_native_cublaslt')}); "
+            "timing the reference path"
+        )
     rows = []
     for name, m, k, n, has_bias, act in CASES:
         if args.only and args.only not in name:
@@ -129,13 +131,26 @@ def main():
                     "max_rel_diff_vs_xla": err,
                 }
             )
-            print(f"{name:40s} {stage:17s} ours {t_ours:8.3f} ms  xla {t_xla:8.3f} ms  x{speedup:.3f}", flush=True)
+            print(
+                f"{name:40s} {stage:17s} ours {t_ours:8.3f} ms  xla {t_xla:8.3f} ms  x{speedup:.3f}",
+                flush=True,
+            )
         del sets, fwd_sets, go, gx
     _timing.print_table(
         "dense (bf16)",
         rows,
-        ["case", "stage", "impl", "ours_ms", "xla_ms", "ours_TFLOPs", "xla_TFLOPs", "speedup", "target",
-         "max_rel_diff_vs_xla"],
+        [
+            "case",
+            "stage",
+            "impl",
+            "ours_ms",
+            "xla_ms",
+            "ours_TFLOPs",
+            "xla_TFLOPs",
+            "speedup",
+            "target",
+            "max_rel_diff_vs_xla",
+        ],
     )
     _timing.write_json("dense", {"dtype": "bfloat16", "rows": rows, "counters": _native.counters()})
 

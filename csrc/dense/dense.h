@@ -21,7 +21,8 @@ cudaError_t LaunchActForward(DType dt, Act act, const void* z, const void* bias,
 
 // dz[M, N] = dy * act'(saved) (act kNone: dz = dy; kRelu: saved is y, others: saved is z).
 // dz may be null (not written). If partials is non-null it receives, for each of `chunks` consecutive
-// row chunks, the float32 column sums of dz over the chunk: partials[chunks, N].
+// row chunks, the float32 column sums of dz over the chunk: partials[chunks, N]. Without partials,
+// chunks <= 0 lets the launcher choose the row chunking (it only shapes the grid then).
 cudaError_t LaunchActBackward(DType dt, Act act, const void* dy, const void* saved, void* dz, float* partials,
                               int64_t chunks, int64_t m, int64_t n, cudaStream_t stream);
 

@@ -201,12 +201,18 @@ cudaError_t LaunchActForward(DType dt, Act act, const void* z, const void* bias,
 
 cudaError_t LaunchActBackward(DType dt, Act act, const void* dy, const void* saved, void* dz, float* partials,
                               int64_t chunks, int64_t m, int64_t n, cudaStream_t stream) {
-  if (n == 0 || chunks <= 0) return cudaSuccess;
-  if (chunks > 65535) return cudaErrorInvalidValue;
+  if (n == 0 || m == 0) return cudaSuccess;
+  if (chunks > 65535 || (partials != nullptr && chunks <= 0)) return cudaErrorInvalidValue;
   return ByType(dt, [&](auto t) -> cudaError_t {
     using T = decltype(t);
     constexpr int kVec = 16 / sizeof(T);
     const bool vec = n % kVec == 0 && Aligned16(dy) && Aligned16(saved) && Aligned16(dz);
+    if (chunks <= 0) {
+      // No column sums wanted: the row chunking only sets the grid (same rule as te_ops/dense/native.py).
+      const int64_t gx = ((n + (vec ? kVec : 1) - 1) / (vec ? kVec : 1) + 255) / 256;
+      chunks = std::max<int64_t>((512 + gx - 1) / gx, (m + 511) / 512);
+      chunks = std::max<int64_t>(1, std::min<int64_t>({chunks, m, int64_t{65535}}));
+    }
     return ByAct<T, 1>(act, [&](auto a) -> cudaError_t {
       constexpr int A = decltype(a)::value;
       return vec ? BwdTyped<T, kVec, A>(dy, saved, dz, partials, chunks, m, n, stream)

@@ -103,5 +103,8 @@ def unsupported_reason(*, dtype, x_shape, kernel_shape, activation=None, **_) ->
         return f"unknown activation {activation!r}"
     m = math.prod(x_shape[:-1])
     if m == 0 or x_shape[-1] == 0 or kernel_shape[1] == 0:
-        return f"native dense needs non-empty M, K and N, got x {tuple(x_shape)} and kernel {tuple(kernel_shape)}"
+        return (
+            "native dense needs non-empty M, K and N, got x "
+            f"{tuple(x_shape)} and kernel {tuple(kernel_shape)}"
+        )
     return None

@@ -163,8 +163,12 @@ def backward_partitioned(full: Callable[..., Any], *, has_bias: bool, has_saved:
         batch, k_axes, n_axes = _plan(x_spec, k_spec)
         b = [_entry(a) for a in batch]
         bn = b + [_entry(n_axes)]
-        in_specs = [b + [_entry(k_axes)], [_entry(k_axes), _entry(n_axes)]] + ([bn] if has_saved else []) + [bn]
-        out_specs = [b + [_entry(k_axes)], [_entry(k_axes), _entry(n_axes)]] + ([[_entry(n_axes)]] if has_bias else [])
+        in_specs = (
+            [b + [_entry(k_axes)], [_entry(k_axes), _entry(n_axes)]] + ([bn] if has_saved else []) + [bn]
+        )
+        out_specs = [b + [_entry(k_axes)], [_entry(k_axes), _entry(n_axes)]] + (
+            [[_entry(n_axes)]] if has_bias else []
+        )
         sh = lambda s: NamedSharding(mesh, PartitionSpec(*s))
         batch_axes = tuple(a for ax in batch for a in ax)
         return (

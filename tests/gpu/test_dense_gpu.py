@@ -59,7 +59,9 @@ def _scale(a):
 @pytest.mark.parametrize("act", ACTS, ids=str)
 @pytest.mark.parametrize("x_shape, n, has_bias", SHAPES, ids=lambda v: str(v))
 def test_native_matches_reference_fwd_bwd_poisoned(dtype, act, x_shape, n, has_bias):
-    x, w, b, ct = _inputs(x_shape, n, dtype, has_bias, seed=zlib.crc32(f"{jnp.dtype(dtype).name}-{act}-{n}".encode()) % 1000)
+    x, w, b, ct = _inputs(
+        x_shape, n, dtype, has_bias, seed=zlib.crc32(f"{jnp.dtype(dtype).name}-{act}-{n}".encode()) % 1000
+    )
     # Trace inside poisoned_outputs: every native result buffer starts as NaN, so an element the
     # handler fails to write shows up as NaN (assert_close rejects NaN).
     with native.poisoned_outputs():
@@ -82,7 +84,9 @@ def test_native_primal_only_path(dtype):
     x, w, b, _ = _inputs((64, 96), 80, dtype, True, seed=3)
     for act in ACTS:
         with native.poisoned_outputs():
-            y = jax.jit(lambda x, w, b, act=act: dense(x, w, b, activation=act, implementation="native"))(x, w, b)
+            y = jax.jit(lambda x, w, b, act=act: dense(x, w, b, activation=act, implementation="native"))(
+                x, w, b
+            )
         y_ref = dense(x, w, b, activation=act, implementation="reference")
         T.assert_close(y, y_ref, dtype, scale=_scale(y_ref), err_msg=f"act={act}")
 
@@ -159,7 +163,8 @@ _CMD_BUFFER_SCRIPT = textwrap.dedent(
 def test_command_buffers_capture_and_warm_once():
     env = dict(os.environ)
     env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
+        env.get("XLA_FLAGS", "")
+        + " --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
     ).strip()
     env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     proc = subprocess.run(

@@ -88,7 +88,7 @@ def test_backward_formula_direct():
         y, res = ref.forward(x, w, b, activation=act, has_bias=True, mode="train")
         dy = jax.random.normal(jax.random.key(5), y.shape)
         dx, dk, db = ref.backward(res, dy, activation=act, has_bias=True)
-        _, vjp = jax.vjp(lambda x, w, b: jnp_dense(x, w, b, act), x, w, b)
+        _, vjp = jax.vjp(lambda x, w, b, act=act: jnp_dense(x, w, b, act), x, w, b)
         ex, ek, eb = vjp(dy)
         for a, e in ((dx, ex), (dk, ek), (db, eb)):
             T.assert_close(a, e, jnp.float32, scale=10.0)
@@ -102,7 +102,9 @@ def test_jit_and_grad_under_jit():
     x, w, b = inputs((4, 16), 8, jnp.bfloat16, seed=6)
     f = jax.jit(lambda x, w, b: dense(x, w, b, activation="gelu_tanh"))
     T.assert_close(f(x, w, b), jnp_dense(x, w, b, "gelu_tanh"), jnp.bfloat16)
-    g = jax.jit(jax.grad(lambda x, w, b: dense(x, w, b, activation="silu").astype(jnp.float32).sum(), (0, 1, 2)))
+    g = jax.jit(
+        jax.grad(lambda x, w, b: dense(x, w, b, activation="silu").astype(jnp.float32).sum(), (0, 1, 2))
+    )
     out = g(x, w, b)
     assert [o.shape for o in out] == [x.shape, w.shape, b.shape]
 
@@ -130,7 +132,9 @@ def test_vmap_of_grad_per_example():
     def loss(f):
         return lambda xi, w, b: (f(xi, w, b) ** 2).sum()
 
-    ours = jax.vmap(jax.grad(loss(lambda xi, w, b: dense(xi, w, b, activation="gelu")), (1, 2)), (0, None, None))
+    ours = jax.vmap(
+        jax.grad(loss(lambda xi, w, b: dense(xi, w, b, activation="gelu")), (1, 2)), (0, None, None)
+    )
     theirs = jax.vmap(jax.grad(loss(lambda xi, w, b: jnp_dense(xi, w, b, "gelu")), (1, 2)), (0, None, None))
     for a, e in zip(ours(x, w, b), theirs(x, w, b), strict=True):
         assert a.shape[0] == 5
@@ -152,16 +156,40 @@ _W = jnp.ones((8, 6))
 @pytest.mark.parametrize(
     "call, exc, match",
     [
-        (lambda: dense(jnp.ones((4, 7)), _W), ValueError, r"last axis of x \(K = 7.*first axis of kernel \(got 8"),
-        (lambda: dense(_X, jnp.ones((8,))), ValueError, r"kernel must have rank 2 \[K, N\], got shape \(8,\)"),
+        (
+            lambda: dense(jnp.ones((4, 7)), _W),
+            ValueError,
+            r"last axis of x \(K = 7.*first axis of kernel \(got 8",
+        ),
+        (
+            lambda: dense(_X, jnp.ones((8,))),
+            ValueError,
+            r"kernel must have rank 2 \[K, N\], got shape \(8,\)",
+        ),
         (lambda: dense(_X, jnp.ones((2, 8, 6))), ValueError, r"kernel must have rank 2"),
         (lambda: dense(jnp.float32(1.0), _W), ValueError, r"x must have rank >= 1"),
         (lambda: dense(_X, _W, activation="tanh"), ValueError, r"activation must be one of .*got 'tanh'"),
-        (lambda: dense(_X, _W.astype(jnp.bfloat16)), TypeError, r"same dtype.*x float32.*kernel bfloat16.*astype"),
-        (lambda: dense(_X, _W, jnp.ones((6,), jnp.bfloat16)), TypeError, r"bias must have the compute dtype float32"),
-        (lambda: dense(_X, _W, jnp.ones((5,))), ValueError, r"bias must have shape \[N\] = \(6,\).*got shape \(5,\)"),
+        (
+            lambda: dense(_X, _W.astype(jnp.bfloat16)),
+            TypeError,
+            r"same dtype.*x float32.*kernel bfloat16.*astype",
+        ),
+        (
+            lambda: dense(_X, _W, jnp.ones((6,), jnp.bfloat16)),
+            TypeError,
+            r"bias must have the compute dtype float32",
+        ),
+        (
+            lambda: dense(_X, _W, jnp.ones((5,))),
+            ValueError,
+            r"bias must have shape \[N\] = \(6,\).*got shape \(5,\)",
+        ),
         (lambda: dense(_X, _W, jnp.ones((1, 6))), ValueError, r"bias must have shape"),
-        (lambda: dense(_X.astype(jnp.int32), _W.astype(jnp.int32)), TypeError, r"x must be float32, bfloat16"),
+        (
+            lambda: dense(_X.astype(jnp.int32), _W.astype(jnp.int32)),
+            TypeError,
+            r"x must be float32, bfloat16",
+        ),
     ],
 )
 def test_bad_input_errors(call, exc, match):
@@ -229,7 +257,9 @@ def _fwd(act="gelu"):
 
 
 def _grad(act="gelu"):
-    return lambda x, w, b: jax.grad(lambda x, w, b: (dense(x, w, b, activation=act) ** 2).sum(), (0, 1, 2))(x, w, b)
+    return lambda x, w, b: jax.grad(lambda x, w, b: (dense(x, w, b, activation=act) ** 2).sum(), (0, 1, 2))(
+        x, w, b
+    )
 
 
 def test_sharded_data_parallel():
@@ -260,7 +290,9 @@ def test_sharded_row_parallel_reduces_before_activation(act):
     args = inputs(_SX, _SN, jnp.float32, seed=23)
     _check_sharded(_fwd(act), args, (Ps(None, None, "t"), Ps("t", None), None), Ps(), mesh, {"all-reduce": 1})
     # the backward of a row-parallel layer needs no collective (dx and dkernel stay sharded on K)
-    _check_sharded(_grad(act), args, (Ps(None, None, "t"), Ps("t", None), None), None, mesh, {"all-reduce": 1})
+    _check_sharded(
+        _grad(act), args, (Ps(None, None, "t"), Ps("t", None), None), None, mesh, {"all-reduce": 1}
+    )
 
 
 def test_sharded_row_parallel_reduce_scatter_when_output_sharded():
@@ -281,6 +313,8 @@ def test_sharded_2d_data_and_tensor_parallel():
 def test_sharded_bf16_row_parallel_close_to_unsharded():
     mesh = T.cpu_mesh((8,), ("t",))
     args = inputs(_SX, _SN, jnp.bfloat16, seed=26)
-    out, ref_out, counts = T.run_sharded(_fwd(), args, (Ps(None, None, "t"), Ps("t", None), None), Ps(), mesh=mesh)
+    out, ref_out, counts = T.run_sharded(
+        _fwd(), args, (Ps(None, None, "t"), Ps("t", None), None), Ps(), mesh=mesh
+    )
     T.assert_close(out, ref_out, jnp.bfloat16)
     assert counts["all-reduce"] == 1
