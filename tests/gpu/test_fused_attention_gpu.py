@@ -1,0 +1,215 @@
+"""Native (cuDNN) fused_attention vs the reference on the GPU, outputs poisoned; dropout statistics;
+command buffers. Shapes are modest: the whole file should run in well under a minute on an H200."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from te_ops._core import native
+from te_ops.fused_attention import fused_attention
+from te_ops.fused_attention import native as fa_native
+from tests.gpu.cmdbuf import assert_graph_captured_and_warmed_once, run_under_command_buffers
+
+_WHY = native.native_unavailable_reason(fa_native.MODULE)
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_WHY is not None, reason=f"GPU test: {_WHY}")]
+
+F32 = jnp.float32
+REL_TOL = {jnp.dtype(jnp.bfloat16): 2.5e-2, jnp.dtype(jnp.float16): 6e-3}
+
+
+def _rel_err(a, e) -> float:
+    a = np.asarray(jnp.asarray(a, F32), np.float64)
+    e = np.asarray(jnp.asarray(e, F32), np.float64)
+    assert not np.isnan(a).any(), "NaN in native result (unwritten poisoned element or cuDNN NaN)"
+    return float(np.linalg.norm(a - e) / (np.linalg.norm(e) + 1e-30))
+
+
+def _inputs(seed, b, sq, sk, hq, hk, d, dv, dtype):
+    ks = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(ks[0], (b, sq, hq, d), F32).astype(dtype)
+    k = jax.random.normal(ks[1], (b, sk, hk, d), F32).astype(dtype)
+    v = jax.random.normal(ks[2], (b, sk, hk, dv), F32).astype(dtype)
+    g = jax.random.normal(ks[3], (b, sq, hq, dv), F32).astype(dtype)
+    return q, k, v, g
+
+
+def _fwd_bwd(impl, kw, with_bias):
+    def run(q, k, v, g, bias):
+        def f(q, k, v, *bb):
+            return fused_attention(q, k, v, bias=bb[0] if bb else None, implementation=impl, **kw)
+
+        args = (q, k, v) + ((bias,) if with_bias else ())
+        out, vjp = jax.vjp(f, *args)
+        return out, vjp(g.astype(out.dtype))
+
+    return jax.jit(run)
+
+
+CASES = {
+    "none": dict(),
+    "causal": dict(mask_type="causal"),
+    "causal_sq_lt_sk": dict(mask_type="causal", sq=128, sk=320),
+    "padding": dict(mask_type="padding", lens=True),
+    "padding_causal": dict(mask_type="padding_causal", lens=True),
+    "gqa_causal": dict(mask_type="causal", hq=8, hk=2),
+    "mqa": dict(hq=4, hk=1),
+    "window_causal": dict(mask_type="causal", window=(64, 0)),
+    "window_left_right": dict(window=(48, 16)),
+    "segments": dict(segments=True),
+    "segments_causal": dict(segments=True, mask_type="causal"),
+    "bias_full": dict(bias=(2, 4)),
+    "bias_heads_causal": dict(bias=(1, 4), mask_type="causal"),
+    "bias_padding": dict(bias=(2, 1), mask_type="padding", lens=True),
+    "head_dim_256": dict(d=256, mask_type="causal"),
+    "dv_64_d_128": dict(d=128, dv=64),
+    "odd_lengths": dict(sq=100, sk=77, mask_type="padding_causal", lens=True),
+}
+
+
+def _case(name, dtype, seed=0):
+    c = dict(CASES[name])
+    b, sq, sk = 2, c.pop("sq", 256), c.pop("sk", None)
+    sk = sk or sq
+    hq, hk, d = c.pop("hq", 4), c.pop("hk", None), c.pop("d", 64)
+    hk = hk or hq
+    dv = c.pop("dv", d)
+    q, k, v, g = _inputs(seed, b, sq, sk, hq, hk, d, dv, dtype)
+    kw = {}
+    if "mask_type" in c:
+        kw["mask_type"] = c.pop("mask_type")
+    if "window" in c:
+        kw["window_size"] = c.pop("window")
+    if c.pop("lens", False):
+        kw["q_seqlens"] = jnp.array([sq, sq // 2 + 3], jnp.int32)
+        kw["kv_seqlens"] = jnp.array([sk // 3 + 1, sk], jnp.int32)
+    if c.pop("segments", False):
+        cut = [0, sq // 5, sq // 2, sq // 2 + 7, sq]
+        seg = np.zeros((b, sq), np.int32)
+        for i in range(len(cut) - 1):
+            seg[0, cut[i]:cut[i + 1]] = i + 1
+        seg[1] = np.repeat(np.arange(4), sq // 4 + 1)[:sq] + 10
+        kw["q_segment_ids"] = kw["kv_segment_ids"] = jnp.asarray(seg)
+    bias = None
+    if "bias" in c:
+        bb, bh = c.pop("bias")
+        bias = jax.random.normal(jax.random.key(seed + 9), (bb, bh, sq, sk), F32).astype(dtype)
+    assert not c, c
+    return (q, k, v, g, bias), kw
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_native_matches_reference(case, dtype):
+    (q, k, v, g, bias), kw = _case(case, dtype)
+    call = dict(dtype=q.dtype, q_shape=q.shape, k_shape=k.shape, v_shape=v.shape,
+                bias_shape=None if bias is None else bias.shape, has_segments="q_segment_ids" in kw,
+                mask_type=kw.get("mask_type", "none"), window=kw.get("window_size"), scale=1 / np.sqrt(q.shape[3]),
+                dropout_rate=0.0)
+    why = fa_native.unsupported_reason(**call)
+    if why is not None:
+        pytest.skip(f"cuDNN on this machine: {why}")
+    with native.poisoned_outputs():
+        out, grads = _fwd_bwd("native", kw, bias is not None)(q, k, v, g, bias)
+    f32 = lambda x: None if x is None else x.astype(F32)  # noqa: E731
+    with jax.default_matmul_precision("highest"):  # an fp32 (not TF32) reference
+        want, want_grads = _fwd_bwd("reference", kw, bias is not None)(f32(q), f32(k), f32(v), f32(g), f32(bias))
+    tol = REL_TOL[jnp.dtype(dtype)]
+    assert _rel_err(out, want) < tol, (case, _rel_err(out, want))
+    for name, a, e in zip(("dq", "dk", "dv", "dbias"), grads, want_grads, strict=False):
+        assert _rel_err(a, e) < 2 * tol, (case, name, _rel_err(a, e))
+
+
+def test_default_dispatch_uses_cudnn_on_gpu():
+    (q, k, v, _, _), kw = _case("causal", jnp.bfloat16)
+    text = jax.jit(lambda q, k, v: fused_attention(q, k, v, **kw)).lower(q, k, v).as_text()
+    assert "te_fused_attention_fwd" in text
+
+
+def test_forward_statistics_match_reference_logsumexp():
+    from te_ops.fused_attention import reference as ref
+
+    (q, k, v, _, _), kw = _case("padding_causal", jnp.bfloat16)
+    statics = dict(mask_type="padding_causal", window=None, scale=0.125, dropout_rate=0.0)
+    args = (q, k, v, None, kw["q_seqlens"], kw["kv_seqlens"], None, None, None)
+    _, res_n = jax.jit(lambda *a: fa_native.forward(*a, **statics))(*args)
+    _, res_r = jax.jit(lambda *a: ref.forward(*a, **statics))(*args)
+    fin = np.isfinite(np.asarray(res_r.lse))
+    np.testing.assert_array_equal(fin, np.isfinite(np.asarray(res_n.lse)))
+    np.testing.assert_allclose(np.asarray(res_n.lse)[fin], np.asarray(res_r.lse)[fin], rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_dropout_rate_mean_and_backward_consistency(dtype):
+    b, h, s = 2, 4, 128
+    rate = 0.2
+    q, k, _, g = _inputs(3, b, s, s, h, h, 64, 128, dtype)
+    # v = one-hot over keys: out[b, i, h, :] is row i of the dropped probability matrix.
+    v = jnp.broadcast_to(jnp.eye(s, dtype=dtype)[None, :, None, :], (b, s, h, s))
+    kw = dict(dropout_rate=rate, rng=jax.random.key(11))
+    call = dict(dtype=q.dtype, q_shape=q.shape, k_shape=k.shape, v_shape=v.shape, scale=0.125, dropout_rate=rate)
+    why = fa_native.unsupported_reason(**call)
+    if why is not None:
+        pytest.skip(f"cuDNN on this machine: {why}")
+
+    def run(q, k, v, g):
+        out, vjp = jax.vjp(lambda q, k, v: fused_attention(q, k, v, scale=0.125, implementation="native", **kw),
+                           q, k, v)
+        return out, vjp(g)
+
+    with native.poisoned_outputs():
+        out, (dq, dk, dv) = jax.jit(run)(q, k, v, g)
+        out2, _ = jax.jit(run)(q, k, v, g)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(out2, np.float32))  # same key
+    pd = np.asarray(out, np.float32)  # [b, i, h, j] dropped, rescaled probabilities
+    dropped = (pd == 0).mean()
+    assert abs(dropped - rate) < 0.02, dropped
+    assert abs(pd.sum(-1).mean() - 1.0) < 0.03, pd.sum(-1).mean()
+    # backward uses the same mask: dv[b, j, h, :] = sum_i pd[b, i, h, j] * g[b, i, h, :]
+    want_dv = np.einsum("bihj,bihd->bjhd", pd, np.asarray(g, np.float32))
+    assert _rel_err(dv, want_dv) < 2 * REL_TOL[jnp.dtype(dtype)]
+    for x in (dq, dk):
+        assert np.isfinite(np.asarray(x, np.float32)).all()
+    other = jax.jit(lambda q, k, v: fused_attention(q, k, v, scale=0.125, implementation="native",
+                                                     dropout_rate=rate, rng=jax.random.key(12)))(q, k, v)
+    assert not np.array_equal(np.asarray(other, np.float32), pd)
+
+
+def test_unsupported_dtype_reason():
+    q = jnp.zeros((1, 8, 2, 64), F32)
+    with pytest.raises(Exception, match="bfloat16 and float16"):
+        fused_attention(q, q, q, implementation="native")
+
+
+# ---- command buffers --------------------------------------------------------------------------
+
+
+def build_cmdbuf_step():
+    """fwd+bwd of causal GQA attention with a padding mask; 4 calls with fresh inputs, one key each."""
+    b, s, hq, hk, d = 2, 256, 8, 2, 64
+    lens = jnp.array([256, 131], jnp.int32)
+
+    def make(impl):
+        def step(q, k, v, g):
+            def f(q, k, v):
+                return fused_attention(q, k, v, mask_type="padding_causal", q_seqlens=lens, kv_seqlens=lens,
+                                       implementation=impl)
+
+            out, vjp = jax.vjp(f, q, k, v)
+            return out, vjp(g)
+
+        return step
+
+    inputs = [_inputs(40 + i, b, s, s, hq, hk, d, d, jnp.bfloat16) for i in range(4)]
+    keys = {"fused_attention_fwd": 1, "fused_attention_bwd": 1}
+    return make("native"), make("reference"), inputs, keys
+
+
+def test_under_command_buffers_graph_captured_and_warmed_once():
+    report = run_under_command_buffers("tests.gpu.test_fused_attention_gpu:build_cmdbuf_step")
+    assert report["xla_flags_ok"]
+    assert not report["any_nan"]
+    assert report["max_rel_error"] < 3e-2, report
+    assert_graph_captured_and_warmed_once(report, report["expected_keys"])
