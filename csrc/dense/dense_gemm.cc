@@ -309,7 +309,12 @@ ffi::Error GetPlan(const char* op, int device, DeviceState& dev, const GemmSpec&
   cublasLtMatmulPreference_t pref = nullptr;
   TE_LT_CHECK(op, cublasLtMatmulPreferenceCreate(&pref), what);
   const uint64_t ws = dev.workspace_bytes;
-  const uint32_t al_a = spec.align_a, al_b = spec.align_b, al_d = spec.align_d;
+  // Alignment the kernels may assume: the pointer's, but no more than the row pitch allows (an odd
+  // leading dimension in a 16-bit type makes every other column only 2-byte aligned).
+  auto pitch = [](int64_t ld, cudaDataType_t t) { return Alignment(reinterpret_cast<const void*>(ld * ElementBytes(t))); };
+  const uint32_t al_a = std::min(spec.align_a, pitch(spec.lda, spec.ab_type));
+  const uint32_t al_b = std::min(spec.align_b, pitch(spec.ldb, spec.ab_type));
+  const uint32_t al_d = std::min(spec.align_d, pitch(spec.ldd, spec.d_type));
   cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
   if (st == CUBLAS_STATUS_SUCCESS)
     st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof(al_a));

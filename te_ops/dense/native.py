@@ -9,7 +9,29 @@ Targets (extension module ``te_ops._native_cublaslt``):
   scratch)``. The two scratch results are XLA-allocated temporaries (the handler allocates nothing);
   ``partials`` holds deterministic per-chunk column sums of dz for dbias.
 
-See csrc/dense/dense_ffi.cc for which epilogue each activation uses.
+Decisions (details in csrc/dense/dense_ffi.cc and dense_gemm.h):
+
+* Layout: row-major JAX arrays are the transposes of column-major cuBLAS matrices, so the forward
+  asks cuBLASLt for ``y^T = w^T x^T`` (m=N, n=M, k=K) and the backward for ``dx^T = op_T(w^T) dz^T``
+  and ``dw^T = dz^T op_T(x^T)``: op flags only, no transposed copies.
+* Epilogues: bias, ReLU and tanh-GELU are fused (BIAS / RELU_BIAS / GELU_BIAS; training with
+  tanh-GELU uses GELU_AUX_BIAS, which also writes the pre-activation z). cuBLASLt has no exact-erf
+  GELU and no SiLU epilogue: for those the GEMM fuses the bias and writes z, and a small
+  elementwise kernel of ours applies the activation (the native path still wins over the
+  reference's separate passes). float32 tanh-GELU uses that kernel too (precise tanhf). When
+  cuBLASLt offers no algorithm for a fused epilogue (e.g. GELU_AUX with N % 8 != 0) the same split
+  path is used, so odd sizes are supported.
+* Backward: cuBLASLt's DGELU/DRELU epilogues apply act' to the OUTPUT of a GEMM, but in dense's
+  backward act' multiplies dy, an input (it is the output of the next layer's dgrad GEMM, which
+  only a fused-MLP op could use). So dz = dy * act'(saved) is one elementwise kernel fused with
+  deterministic dbias partial sums; dx and dkernel are two plain GEMMs. With no activation, dbias
+  comes from the BGRADA epilogue of the dkernel GEMM when cuBLASLt offers it.
+* Graph safety: handle, workspace (32 MiB, cudaMalloc'd once per device), descriptors, layouts and
+  the algorithm (the heuristic's top 8 timed once on scratch buffers in the initialize stage) are
+  cached per (device, shape, dtype, epilogue, alignment); execute only enqueues work on XLA's
+  stream. The workspace is shared by every dense call on a device, which is safe for work on one
+  stream (XLA's compute stream); two streams running dense concurrently on one device would race.
+* float32 inputs compute in exact float32 (CUBLAS_COMPUTE_32F, no TF32).
 """
 
 from __future__ import annotations
