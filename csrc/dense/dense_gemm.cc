@@ -119,12 +119,14 @@ cublasStatus_t Matmul(DeviceState& dev, GemmPlan& plan, const GemmPtrs& p, const
                         plan.ld, &algo, dev.workspace, plan.workspace_bytes, stream);
 }
 
-// Times the candidates on scratch buffers; returns the index of the fastest (or 0 when timing is
-// not possible, e.g. scratch does not fit). Never touches XLA's buffers.
+// Times the candidates on scratch buffers; returns the index of the fastest, 0 when timing is not
+// possible (e.g. the scratch does not fit), or -1 when every candidate failed to run (cuBLASLt
+// offered an algorithm it then refused: the caller treats the spec as unsupported and falls back).
+// Never touches XLA's buffers.
 int TimeCandidates(DeviceState& dev, GemmPlan& plan, const std::vector<cublasLtMatmulHeuristicResult_t>& cands,
                    float* best_ms) {
   *best_ms = -1.0f;
-  if (cands.size() < 2) return 0;
+  if (cands.empty()) return -1;
   const GemmSpec& s = plan.spec;
   uint64_t ar, ac, br, bc;
   StoredA(s, &ar, &ac);
@@ -190,9 +192,10 @@ int TimeCandidates(DeviceState& dev, GemmPlan& plan, const std::vector<cublasLtM
       best = static_cast<int>(i);
     }
   }
-  cudaStreamSynchronize(stream);
+  const bool synced = cudaStreamSynchronize(stream) == cudaSuccess;
   cleanup();
   *best_ms = best_t;
+  if (best_t < 0.0f && synced) return -1;  // none ran
   return best;
 }
 
@@ -343,11 +346,13 @@ ffi::Error GetPlan(const char* op, int device, DeviceState& dev, const GemmSpec&
   if (!cands.empty()) {
     float best_ms = -1.0f;
     const int best = time_candidates ? TimeCandidates(dev, *p, cands, &best_ms) : 0;
-    p->algo = cands[best].algo;
-    p->workspace_bytes = dev.workspace_bytes;  // any size >= the algorithm's need is allowed
-    p->candidates = static_cast<int>(cands.size());
-    p->best_ms = best_ms;
-    raw = p.get();
+    if (best >= 0) {
+      p->algo = cands[best].algo;
+      p->workspace_bytes = dev.workspace_bytes;  // any size >= the algorithm's need is allowed
+      p->candidates = static_cast<int>(cands.size());
+      p->best_ms = best_ms;
+      raw = p.get();
+    }
   }
   std::lock_guard<std::mutex> lock(StateMutex());
   auto& slot = Plans()[key];
