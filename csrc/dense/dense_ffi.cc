@@ -231,21 +231,30 @@ ffi::Error DenseFwdImpl(const char* op, cudaStream_t stream, int device, const A
   bool possible = true;
   FusedEpilogue(p, &possible);
   const FwdPath order[3] = {FwdPath::kFused, FwdPath::kSplitBias, FwdPath::kSplitKernelBias};
-  std::string tried;
+  auto skip = [&](FwdPath cand) {
+    return (cand == FwdPath::kFused && !possible) ||
+           (cand == FwdPath::kSplitBias && !p.has_bias);  // identical to kSplitKernelBias then
+  };
   for (FwdPath cand : order) {
-    if (cand == FwdPath::kFused && !possible) continue;
-    if (cand == FwdPath::kSplitBias && !p.has_bias) continue;  // identical to kSplitKernelBias
+    if (skip(cand)) continue;
     GemmSpec s;
     GemmPtrs ptrs;
     FwdGemm(p, cand, &s, &ptrs);
     TE_RETURN_IF_ERROR(GetPlan(op, device, *dev, s, ptrs, /*create=*/true, kCreate && !capturing, &plan));
-    tried += (tried.empty() ? "" : "; ") + s.Describe();
     if (plan != nullptr) {
       path = cand;
       break;
     }
   }
   if (plan == nullptr) {
+    std::string tried;
+    for (FwdPath cand : order) {
+      if (skip(cand)) continue;
+      GemmSpec s;
+      GemmPtrs ptrs;
+      FwdGemm(p, cand, &s, &ptrs);
+      tried += (tried.empty() ? "" : "; ") + s.Describe();
+    }
     return ffi::Error(ffi::ErrorCode::kUnimplemented, std::string("te_ops.") + op +
                                                           ": cuBLASLt returned no algorithm for " + Shapes(x, w) +
                                                           " (tried " + tried + ")");

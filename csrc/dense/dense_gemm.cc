@@ -97,17 +97,16 @@ void StoredB(const GemmSpec& s, uint64_t* rows, uint64_t* cols) {
 }
 
 ffi::Error SetPointers(const char* op, GemmPlan& plan, const GemmPtrs& p) {
-  const std::string what = plan.spec.Describe();
   if (HasBias(plan.spec.epilogue)) {
     TE_LT_CHECK(op,
                 cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &p.bias, sizeof(p.bias)),
-                what);
+                plan.spec.Describe());
   }
   if (HasAux(plan.spec.epilogue)) {
     TE_LT_CHECK(op,
                 cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &p.aux,
                                                sizeof(p.aux)),
-                what);
+                plan.spec.Describe());
   }
   return ffi::Error::Success();
 }
