@@ -242,15 +242,14 @@ def _build_dispatch(num_out_tokens: int, align_size: int | None, implementation:
         return in_specs, outs
 
     def fwd_rule(*shapes):
-        n = ref.out_rows(num_out_tokens, shapes[1][1], align_size)
         ops = "t h, t e" + (", t e" if has_probs else "")
         res = "n h" + (", n" if has_probs else "") + ", t r"
-        return f"{ops} -> {res}", dict(n=n, r=shapes[1][1] * 2 + 1)
+        return f"{ops} -> {res}", {}
 
     def bwd_rule(*shapes):
         ops = "t r, n h" + (", n" if has_probs else "")
         res = "t h" + (", t e" if has_probs else "")
-        return f"{ops} -> {res}", dict(e=(shapes[0][1] - 1) // 2)
+        return f"{ops} -> {res}", {}
 
     fwd_call = _vmapped(P.partitioned(fwd_impl, rule=fwd_rule, specs=fwd_specs))
     bwd_call = _vmapped(P.partitioned(bwd_impl, rule=bwd_rule, specs=bwd_specs))
@@ -374,7 +373,7 @@ def _build_combine(implementation: str | None, has_probs: bool, num_rows: int, n
     def bwd_rule(*shapes):
         ops = "t r, t h" + (", n h, t e" if has_probs else "")
         res = "n h" + (", t e" if has_probs else "")
-        return f"{ops} -> {res}", ({} if has_probs else dict(n=num_rows))
+        return f"{ops} -> {res}", {}
 
     fwd_call = _vmapped(P.partitioned(fwd_impl, rule=fwd_rule, specs=fwd_specs))
     bwd_call = _vmapped(P.partitioned(bwd_impl, rule=bwd_rule, specs=bwd_specs))
