@@ -84,8 +84,13 @@ def bench_case(name, b, s, hq, hk, d, *, xla_fwd=True, xla_bwd=True):
             except Exception as e:  # e.g. XLA out of memory on the big case
                 print(f"  {name} {mode} {key}: failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
         row = {
-            "case": name, "mode": mode, "shape": f"B{b} S{s} Hq{hq} Hkv{hk} D{d} causal", "dtype": "bfloat16",
-            "ours_ms": times.get("ours"), "cudnn_ms": times.get("cudnn"), "xla_ms": times.get("xla"),
+            "case": name,
+            "mode": mode,
+            "shape": f"B{b} S{s} Hq{hq} Hkv{hk} D{d} causal",
+            "dtype": "bfloat16",
+            "ours_ms": times.get("ours"),
+            "cudnn_ms": times.get("cudnn"),
+            "xla_ms": times.get("xla"),
             "rel_err_vs_cudnn": err_fwd if mode == "fwd" else err_bwd,
         }
         for key in ("ours", "cudnn", "xla"):
@@ -103,7 +108,9 @@ def bench_case(name, b, s, hq, hk, d, *, xla_fwd=True, xla_bwd=True):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="small shapes (smoke test)")
-    ap.add_argument("--xla-bwd-big", action="store_true", help="also time XLA fwd+bwd at S8192 (needs ~50 GB)")
+    ap.add_argument(
+        "--xla-bwd-big", action="store_true", help="also time XLA fwd+bwd at S8192 (needs ~50 GB)"
+    )
     args = ap.parse_args()
     why = _native.native_unavailable_reason(fa_native.MODULE)
     if why is not None:
@@ -116,16 +123,35 @@ def main():
     else:
         rows += bench_case("MHA causal (issue target)", 4, 4096, 32, 32, 128)
         rows += bench_case("GQA causal (issue target)", 2, 8192, 32, 8, 128, xla_bwd=args.xla_bwd_big)
-    cols = ["case", "mode", "shape", "ours_ms", "cudnn_ms", "xla_ms", "ours_TFLOPs", "cudnn_TFLOPs", "xla_TFLOPs",
-            "speedup_vs_cudnn", "speedup_vs_xla", "rel_err_vs_cudnn"]
-    _timing.print_table("fused attention (te_ops cuDNN graphs vs jax.nn.dot_product_attention, same process)",
-                        rows, cols)
-    verdict = {f"{r['case']} {r['mode']}": {"speedup_vs_cudnn": r.get("speedup_vs_cudnn"), "target": TARGET,
-                                            "met": (r.get("speedup_vs_cudnn") or 0) >= TARGET}
-               for r in rows}
+    cols = [
+        "case",
+        "mode",
+        "shape",
+        "ours_ms",
+        "cudnn_ms",
+        "xla_ms",
+        "ours_TFLOPs",
+        "cudnn_TFLOPs",
+        "xla_TFLOPs",
+        "speedup_vs_cudnn",
+        "speedup_vs_xla",
+        "rel_err_vs_cudnn",
+    ]
+    _timing.print_table(
+        "fused attention (te_ops cuDNN graphs vs jax.nn.dot_product_attention, same process)", rows, cols
+    )
+    verdict = {
+        f"{r['case']} {r['mode']}": {
+            "speedup_vs_cudnn": r.get("speedup_vs_cudnn"),
+            "target": TARGET,
+            "met": (r.get("speedup_vs_cudnn") or 0) >= TARGET,
+        }
+        for r in rows
+    }
     print("targets:", verdict)
-    _timing.write_json("attention", {"rows": rows, "targets": verdict, "quick": args.quick,
-                                     "counters": _native.counters()})
+    _timing.write_json(
+        "attention", {"rows": rows, "targets": verdict, "quick": args.quick, "counters": _native.counters()}
+    )
     return 0
 
 

@@ -6,8 +6,9 @@
 //
 // Stages:
 //   initialize: builds (once per key) the cuDNN graph outside any capture, then warms the execute path
-//               once per key inside a throwaway relaxed capture (te::WarmOnce), so lazy cuDNN/CUDA state
-//               (kernel modules, function attributes) exists before XLA records a CUDA graph.
+//               once per key inside a throwaway relaxed capture (WarmTolerant: te::WarmOnce's contract and
+//               counters, but a failed warm-up is only logged), so lazy cuDNN/CUDA state (kernel modules,
+//               function attributes) exists before XLA records a CUDA graph.
 //   execute:    looks the graph up, sets the per-device cudnn handle to XLA's stream and executes it
 //               with XLA's buffers and the workspace result buffer. Same device work every call, no
 //               allocation, no host synchronisation: kCmdBufferCompatible.
@@ -15,7 +16,11 @@
 // The dropout seed operand is uint32[4]: bytes 0..7 are cuDNN's int64 seed, bytes 8..15 its int64
 // offset (read on device, so a new key needs no new graph and replays stay valid).
 #include <array>
+#include <cstdio>
+#include <functional>
+#include <mutex>
 #include <string>
+#include <unordered_set>
 
 #include "common/ffi_util.h"
 #include "common/runtime.h"
@@ -107,6 +112,43 @@ ffi::Error FillConfig(const char* op, int device, bool backward, const AnyBuffer
   return ffi::Error::Success();
 }
 
+// Like te::WarmOnce (same counters, once per (device, handler, key)), but a failure of the throwaway
+// capture is reported on stderr and otherwise ignored: the graph is already built outside capture, and a
+// real problem resurfaces, with cuDNN's message, in the execute stage. (cuDNN engines that cannot be
+// captured would make the warm-up fail while plain execution still works.)
+ffi::Error WarmTolerant(const char* handler, int device, const std::string& key,
+                        const std::function<ffi::Error(cudaStream_t)>& launch) {
+  static std::mutex mu;
+  static auto* done = new std::unordered_set<std::string>();
+  HandlerCounters& c = Counters(handler);
+  c.initialize_calls.fetch_add(1, std::memory_order_relaxed);
+  const std::string full = std::string(handler) + "|" + key;
+  std::lock_guard<std::mutex> lock(mu);
+  if (done->count(full)) return ffi::Error::Success();
+  cudaStream_t side = nullptr;
+  TE_CUDA_CHECK(handler, cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+  std::string problem;
+  if (cudaStreamBeginCapture(side, cudaStreamCaptureModeRelaxed) == cudaSuccess) {
+    ffi::Error err = launch(side);
+    if (err.failure()) problem = err.message();
+    cudaGraph_t graph = nullptr;
+    cudaError_t end = cudaStreamEndCapture(side, &graph);
+    if (graph != nullptr) cudaGraphDestroy(graph);
+    if (end != cudaSuccess && problem.empty()) problem = std::string("cudaStreamEndCapture: ") + cudaGetErrorString(end);
+  } else {
+    problem = "cudaStreamBeginCapture failed";
+  }
+  cudaGetLastError();  // clear a non-sticky error left by a failed capture
+  cudaStreamDestroy(side);
+  if (!problem.empty()) {
+    std::fprintf(stderr, "te_ops.%s: warm-up capture failed (device %d, %s): %s\n", handler, device, key.c_str(),
+                 problem.c_str());
+  }
+  done->insert(full);
+  c.warmups.fetch_add(1, std::memory_order_relaxed);
+  return ffi::Error::Success();
+}
+
 ffi::Error Fail(const char* op, const Config& cfg, const std::string& what) {
   return ffi::Error(ffi::ErrorCode::kInternal, std::string("te_ops.") + op + ": cuDNN SDPA " + cfg.Describe() +
                                                    ": " + what);
@@ -133,9 +175,9 @@ ffi::Error Run(const char* op, cudaStream_t stream, const Config& cfg, const std
   if constexpr (kStage == ExecutionStage::kInitialize) {
     bool have_ptrs = ptrs[kQ] != nullptr && ptrs[kK] != nullptr && ptrs[kV] != nullptr && ptrs[kO] != nullptr;
     if (!have_ptrs) {  // nothing to warm with: the graph is built, the first execute loads kernels
-      return WarmOnce(op, cfg.device, cfg.Key(), [](cudaStream_t) { return ffi::Error::Success(); });
+      return WarmTolerant(op, cfg.device, cfg.Key(), [](cudaStream_t) { return ffi::Error::Success(); });
     }
-    return WarmOnce(op, cfg.device, cfg.Key(), launch);
+    return WarmTolerant(op, cfg.device, cfg.Key(), launch);
   } else {
     RecordExecute(Counters(op), stream);
     return launch(stream);

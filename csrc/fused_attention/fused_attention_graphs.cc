@@ -276,6 +276,8 @@ std::string Execute(const Config& cfg, const Entry& entry, cudaStream_t stream, 
   cudnnHandle_t h = Handle(cfg.device, &error);
   if (h == nullptr) return error;
   std::lock_guard<std::mutex> lock(HandleMutex(cfg.device));
+  DeviceGuard guard(cfg.device);  // launches must target the stream's device (a no-op when it is current)
+  if (!guard.ok()) return "cudaSetDevice(" + std::to_string(cfg.device) + ") failed";
   cudnnStatus_t st = cudnnSetStream(h, stream);
   if (st != CUDNN_STATUS_SUCCESS) return std::string("cudnnSetStream failed: ") + cudnnGetErrorString(st);
   auto status = g->execute(h, pack, workspace);

@@ -63,40 +63,63 @@ def _as_array(name: str, x: Any) -> jax.Array:
 
 def _check_qkv(q, k, v):
     q, k, v = _as_array("q", q), _as_array("k", k), _as_array("v", v)
-    for name, x, layout in (("q", q, "[B, Sq, Hq, D]"), ("k", k, "[B, Sk, Hk, D]"), ("v", v, "[B, Sk, Hk, Dv]")):
+    for name, x, layout in (
+        ("q", q, "[B, Sq, Hq, D]"),
+        ("k", k, "[B, Sk, Hk, D]"),
+        ("v", v, "[B, Sk, Hk, Dv]"),
+    ):
         if x.ndim != 4:
             raise ValueError(_err(f"{name} must have rank 4 {layout}, got shape {tuple(x.shape)}."))
         if jnp.dtype(x.dtype) not in _FLOAT_DTYPES:
             raise TypeError(
-                _err(f"{name} must be bfloat16, float16 or float32, got dtype {jnp.dtype(x.dtype)}. Cast it first.")
+                _err(
+                    f"{name} must be bfloat16, float16 or float32, got dtype {jnp.dtype(x.dtype)}. "
+                    "Cast it first."
+                )
             )
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(
-            _err(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}. Cast them to one dtype.")
+            _err(
+                f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}. "
+                "Cast them to one dtype."
+            )
         )
     b, _, hq, d = q.shape
     if k.shape[0] != b or v.shape[0] != b:
         raise ValueError(
-            _err(f"batch sizes differ: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} (axis 0 must match).")
+            _err(
+                f"batch sizes differ: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} "
+                "(axis 0 must match)."
+            )
         )
     if k.shape[:3] != v.shape[:3]:
         raise ValueError(
-            _err(f"k [B, Sk, Hk, D] and v [B, Sk, Hk, Dv] must agree on B, Sk, Hk; got {tuple(k.shape)} and "
-                 f"{tuple(v.shape)}.")
+            _err(
+                f"k [B, Sk, Hk, D] and v [B, Sk, Hk, Dv] must agree on B, Sk, Hk; got {tuple(k.shape)} and "
+                f"{tuple(v.shape)}."
+            )
         )
     if k.shape[3] != d:
-        raise ValueError(_err(f"q and k must have the same head dim D, got q {tuple(q.shape)} and k {tuple(k.shape)}."))
+        raise ValueError(
+            _err(f"q and k must have the same head dim D, got q {tuple(q.shape)} and k {tuple(k.shape)}.")
+        )
     hk = k.shape[2]
     if hk == 0 or hq % hk != 0:
         raise ValueError(
-            _err(f"the number of query heads Hq={hq} must be a multiple of the number of key/value heads Hk={hk} "
-                 "(GQA/MQA); repeat k/v heads or change the head counts.")
+            _err(
+                f"the number of query heads Hq={hq} must be a multiple of the number of key/value heads "
+                f"Hk={hk} "
+                "(GQA/MQA); repeat k/v heads or change the head counts."
+            )
         )
     for name, dim in (("D (q/k head dim)", d), ("Dv (v head dim)", v.shape[3])):
         if dim <= 0 or dim > MAX_HEAD_DIM or dim % 8 != 0:
             raise ValueError(
-                _err(f"head dim {name} must be a multiple of 8 and at most {MAX_HEAD_DIM}, got {dim}. Pad the head "
-                     "dimension with zeros to a multiple of 8 (and scale= to keep the softmax scale).")
+                _err(
+                    f"head dim {name} must be a multiple of 8 and at most {MAX_HEAD_DIM}, got {dim}. "
+                    "Pad the head "
+                    "dimension with zeros to a multiple of 8 (and scale= to keep the softmax scale)."
+                )
             )
     return q, k, v
 
@@ -104,14 +127,20 @@ def _check_qkv(q, k, v):
 def _check_bias(bias, q, k):
     bias = _as_array("bias", bias)
     if jnp.dtype(bias.dtype) not in _FLOAT_DTYPES:
-        raise TypeError(_err(f"bias must be a float array, got dtype {bias.dtype}. Cast it, e.g. to q.dtype."))
+        raise TypeError(
+            _err(f"bias must be a float array, got dtype {bias.dtype}. Cast it, e.g. to q.dtype.")
+        )
     if bias.ndim > 4:
-        raise ValueError(_err(f"bias must have rank <= 4 [B|1, Hq|1, Sq|1, Sk|1], got shape {tuple(bias.shape)}."))
+        raise ValueError(
+            _err(f"bias must have rank <= 4 [B|1, Hq|1, Sq|1, Sk|1], got shape {tuple(bias.shape)}.")
+        )
     bias = bias.reshape((1,) * (4 - bias.ndim) + tuple(bias.shape))
     full = (q.shape[0], q.shape[2], q.shape[1], k.shape[1])
     if any(b not in (1, f) for b, f in zip(bias.shape, full, strict=True)):
         raise ValueError(
-            _err(f"bias of shape {tuple(bias.shape)} does not broadcast as [B|1, Hq|1, Sq|1, Sk|1] to {full}.")
+            _err(
+                f"bias of shape {tuple(bias.shape)} does not broadcast as [B|1, Hq|1, Sq|1, Sk|1] to {full}."
+            )
         )
     # Materialise broadcast query/key axes (outside the custom_vjp, so autodiff sums dbias back).
     return jnp.broadcast_to(bias, bias.shape[:2] + full[2:])
@@ -120,7 +149,9 @@ def _check_bias(bias, q, k):
 def _check_lengths(name, x, b):
     x = _as_array(name, x)
     if x.shape != (b,) or not jnp.issubdtype(x.dtype, jnp.integer):
-        raise ValueError(_err(f"{name} must be an integer array of shape [B]=({b},), got {x.dtype}{tuple(x.shape)}."))
+        raise ValueError(
+            _err(f"{name} must be an integer array of shape [B]=({b},), got {x.dtype}{tuple(x.shape)}.")
+        )
     return x.astype(jnp.int32)
 
 
@@ -128,8 +159,10 @@ def _check_segments(name, x, b, s, axis_name):
     x = _as_array(name, x)
     if x.shape != (b, s) or not jnp.issubdtype(x.dtype, jnp.integer):
         raise ValueError(
-            _err(f"{name} must be an integer array of shape [B, {axis_name}]=({b}, {s}), got "
-                 f"{x.dtype}{tuple(x.shape)}.")
+            _err(
+                f"{name} must be an integer array of shape [B, {axis_name}]=({b}, {s}), got "
+                f"{x.dtype}{tuple(x.shape)}."
+            )
         )
     return x.astype(jnp.int32)
 
@@ -150,12 +183,19 @@ def _check_window(window):
         return None
     if isinstance(window, (numbers.Integral, np.integer)) and not isinstance(window, bool):
         window = (int(window), int(window))
-    ok = isinstance(window, (tuple, list)) and len(window) == 2 and all(
-        isinstance(w, (numbers.Integral, np.integer)) and not isinstance(w, bool) and int(w) >= -1 for w in window
+    ok = (
+        isinstance(window, (tuple, list))
+        and len(window) == 2
+        and all(
+            isinstance(w, (numbers.Integral, np.integer)) and not isinstance(w, bool) and int(w) >= -1
+            for w in window
+        )
     )
     if not ok:
         raise ValueError(
-            _err(f"window_size must be None or (left, right) with ints >= -1 (-1 = unbounded), got {window!r}.")
+            _err(
+                f"window_size must be None or (left, right) with ints >= -1 (-1 = unbounded), got {window!r}."
+            )
         )
     return (int(window[0]), int(window[1]))
 
@@ -343,13 +383,26 @@ def _build(mask_type, window, scale, dropout_rate, implementation, present):
     def fwd_impl(q, k, v, *optional):
         opt = _unpack(present, optional)
         args = (q, k, v, *(opt[n] for n in OPTIONAL))
-        out, res = FAMILY.dispatch(implementation, "forward", args, statics, _call_desc(q, k, v, opt, statics))
+        out, res = FAMILY.dispatch(
+            implementation, "forward", args, statics, _call_desc(q, k, v, opt, statics)
+        )
         return out, res.lse
 
     def bwd_impl(q, k, v, out, g, lse, *optional):
         opt = _unpack(present, optional)
-        res = Residuals(q, k, v, opt["bias"], out, lse, opt["q_seqlens"], opt["kv_seqlens"],
-                        opt["q_segment_ids"], opt["kv_segment_ids"], opt["seed"])
+        res = Residuals(
+            q,
+            k,
+            v,
+            opt["bias"],
+            out,
+            lse,
+            opt["q_seqlens"],
+            opt["kv_seqlens"],
+            opt["q_segment_ids"],
+            opt["kv_segment_ids"],
+            opt["seed"],
+        )
         dq, dk, dv, dbias = FAMILY.dispatch(
             implementation, "backward", (res, g), statics, _call_desc(q, k, v, opt, statics)
         )
@@ -453,8 +506,10 @@ def fused_attention(
     has_len = q_seqlens is not None or kv_seqlens is not None
     if has_len and not padding:
         raise ValueError(
-            _err(f"q_seqlens/kv_seqlens are given but mask_type={mask_type!r} ignores them; use "
-                 f"mask_type={'padding_causal' if mask_type == 'causal' else 'padding'!r}.")
+            _err(
+                f"q_seqlens/kv_seqlens are given but mask_type={mask_type!r} ignores them; use "
+                f"mask_type={'padding_causal' if mask_type == 'causal' else 'padding'!r}."
+            )
         )
     if padding and not has_len:
         raise ValueError(
@@ -463,13 +518,17 @@ def fused_attention(
     has_seg = q_segment_ids is not None or kv_segment_ids is not None
     if has_seg and (q_segment_ids is None or kv_segment_ids is None):
         raise ValueError(
-            _err("q_segment_ids and kv_segment_ids must be given together (pass the same ids twice for "
-                 "self-attention).")
+            _err(
+                "q_segment_ids and kv_segment_ids must be given together (pass the same ids twice for "
+                "self-attention)."
+            )
         )
     if has_seg and padding:
         raise ValueError(
-            _err(f"segment ids cannot be combined with mask_type={mask_type!r}: express padding as its own "
-                 "segment id (e.g. 0 for padding tokens) and use mask_type='none' or 'causal'.")
+            _err(
+                f"segment ids cannot be combined with mask_type={mask_type!r}: express padding as its own "
+                "segment id (e.g. 0 for padding tokens) and use mask_type='none' or 'causal'."
+            )
         )
     window = _check_window(window_size)
     if scale is None:
@@ -478,7 +537,10 @@ def fused_attention(
     dropout_rate = _static_float("dropout_rate", dropout_rate, 0.0, 1.0)
     if dropout_rate > 0.0 and rng is None:
         raise ValueError(
-            _err(f"dropout_rate={dropout_rate} needs rng= (a JAX PRNG key, e.g. jax.random.key(0)); got rng=None.")
+            _err(
+                f"dropout_rate={dropout_rate} needs rng= (a JAX PRNG key, e.g. jax.random.key(0)); "
+                "got rng=None."
+            )
         )
 
     opt: dict[str, Any] = dict.fromkeys(OPTIONAL)
@@ -486,10 +548,14 @@ def fused_attention(
         opt["bias"] = _check_bias(bias, q, k)
     if padding:
         opt["q_seqlens"] = (
-            _check_lengths("q_seqlens", q_seqlens, b) if q_seqlens is not None else jnp.full((b,), s_q, jnp.int32)
+            _check_lengths("q_seqlens", q_seqlens, b)
+            if q_seqlens is not None
+            else jnp.full((b,), s_q, jnp.int32)
         )
         opt["kv_seqlens"] = (
-            _check_lengths("kv_seqlens", kv_seqlens, b) if kv_seqlens is not None else jnp.full((b,), s_k, jnp.int32)
+            _check_lengths("kv_seqlens", kv_seqlens, b)
+            if kv_seqlens is not None
+            else jnp.full((b,), s_k, jnp.int32)
         )
     if has_seg:
         opt["q_segment_ids"] = _check_segments("q_segment_ids", q_segment_ids, b, s_q, "Sq")

@@ -128,8 +128,14 @@ def unsupported_reason(
     if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
         return f"native (cuDNN) fused_attention supports bfloat16 and float16, got {jnp.dtype(dtype)}"
     cfg = _graph_config(
-        dtype=dtype, q_shape=q_shape, k_shape=k_shape, v_shape=v_shape, bias_shape=bias_shape,
-        has_segments=has_segments, mask_type=mask_type, window=window,
+        dtype=dtype,
+        q_shape=q_shape,
+        k_shape=k_shape,
+        v_shape=v_shape,
+        bias_shape=bias_shape,
+        has_segments=has_segments,
+        mask_type=mask_type,
+        window=window,
     )
     for backward in (False, True):
         why, _ = query(_ints(cfg, backward), float(scale), float(dropout_rate))
@@ -150,8 +156,15 @@ def _valid(b, s_q, s_k, *, mask_type, window, q_seqlens, kv_seqlens, q_segment_i
         return None, None
     if q_segment_ids is not None:
         vis = reference.visible(
-            b, s_q, s_k, mask_type=mask_type, window=window, q_seqlens=q_seqlens, kv_seqlens=kv_seqlens,
-            q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+            b,
+            s_q,
+            s_k,
+            mask_type=mask_type,
+            window=window,
+            q_seqlens=q_seqlens,
+            kv_seqlens=kv_seqlens,
+            q_segment_ids=q_segment_ids,
+            kv_segment_ids=kv_segment_ids,
         )[:, 0]
         return vis.any(-1), vis.any(-2)
     big = s_q + s_k + 1
@@ -206,8 +219,14 @@ def _attrs(cfg, scale, dropout_rate, has_bias):
 def _setup(q, k, v, bias, q_segment_ids, mask_type, window):
     has_seg = q_segment_ids is not None
     cfg = _graph_config(
-        dtype=q.dtype, q_shape=q.shape, k_shape=k.shape, v_shape=v.shape,
-        bias_shape=None if bias is None else bias.shape, has_segments=has_seg, mask_type=mask_type, window=window,
+        dtype=q.dtype,
+        q_shape=q.shape,
+        k_shape=k.shape,
+        v_shape=v.shape,
+        bias_shape=None if bias is None else bias.shape,
+        has_segments=has_seg,
+        mask_type=mask_type,
+        window=window,
     )
     return cfg
 
@@ -218,8 +237,20 @@ def _setup(q, k, v, bias, q_segment_ids, mask_type, window):
 
 
 def forward(
-    q, k, v, bias=None, q_seqlens=None, kv_seqlens=None, q_segment_ids=None, kv_segment_ids=None, seed=None, *,
-    mask_type: str, window, scale: float, dropout_rate: float,
+    q,
+    k,
+    v,
+    bias=None,
+    q_seqlens=None,
+    kv_seqlens=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    seed=None,
+    *,
+    mask_type: str,
+    window,
+    scale: float,
+    dropout_rate: float,
 ):
     b, s_q, hq, _ = q.shape
     s_k = k.shape[1]
@@ -235,13 +266,22 @@ def forward(
             jax.ShapeDtypeStruct((b, hq, s_q), jnp.float32),
             jax.ShapeDtypeStruct((max(ws, 1),), jnp.uint8),
         ),
-        q, k, v,
+        q,
+        k,
+        v,
         *_operands(q, bias_total, q_seqlens, kv_seqlens, seed, mask_type),
         **_attrs(cfg, scale, dropout_rate, bias_total is not None),
     )
     row, _ = _valid(
-        b, s_q, s_k, mask_type=mask_type, window=window, q_seqlens=q_seqlens, kv_seqlens=kv_seqlens,
-        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+        b,
+        s_q,
+        s_k,
+        mask_type=mask_type,
+        window=window,
+        q_seqlens=q_seqlens,
+        kv_seqlens=kv_seqlens,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
     )
     if row is not None:
         out = jnp.where(row[:, :, None, None], out, jnp.zeros((), out.dtype))
@@ -259,8 +299,15 @@ def backward(res: Residuals, g, *, mask_type: str, window, scale: float, dropout
     if why is not None:
         raise RuntimeError(f"te_ops.fused_attention: cuDNN cannot run this backward configuration: {why}")
     row, col = _valid(
-        b, s_q, s_k, mask_type=mask_type, window=window, q_seqlens=res.q_seqlens, kv_seqlens=res.kv_seqlens,
-        q_segment_ids=res.q_segment_ids, kv_segment_ids=res.kv_segment_ids,
+        b,
+        s_q,
+        s_k,
+        mask_type=mask_type,
+        window=window,
+        q_seqlens=res.q_seqlens,
+        kv_seqlens=res.kv_seqlens,
+        q_segment_ids=res.q_segment_ids,
+        kv_segment_ids=res.kv_segment_ids,
     )
     g = g.astype(q.dtype)
     out, lse = res.out, res.lse
@@ -279,7 +326,12 @@ def backward(res: Residuals, g, *, mask_type: str, window, scale: float, dropout
             jax.ShapeDtypeStruct(dbias_shape, q.dtype),
             jax.ShapeDtypeStruct((max(ws, 1),), jnp.uint8),
         ),
-        q, k, v, out, g, lse.astype(jnp.float32),
+        q,
+        k,
+        v,
+        out,
+        g,
+        lse.astype(jnp.float32),
         *_operands(q, bias_total, res.q_seqlens, res.kv_seqlens, res.seed, mask_type),
         **_attrs(cfg, scale, dropout_rate, bias_total is not None),
     )
@@ -291,8 +343,15 @@ def backward(res: Residuals, g, *, mask_type: str, window, scale: float, dropout
     if bias is None:
         return dq, dk, dv, None
     vis = reference.visible(
-        b, s_q, s_k, mask_type=mask_type, window=window, q_seqlens=res.q_seqlens, kv_seqlens=res.kv_seqlens,
-        q_segment_ids=res.q_segment_ids, kv_segment_ids=res.kv_segment_ids,
+        b,
+        s_q,
+        s_k,
+        mask_type=mask_type,
+        window=window,
+        q_seqlens=res.q_seqlens,
+        kv_seqlens=res.kv_seqlens,
+        q_segment_ids=res.q_segment_ids,
+        kv_segment_ids=res.kv_segment_ids,
     )
     if vis is not None:
         if dbias.shape[0] == 1 and vis.shape[0] != 1:

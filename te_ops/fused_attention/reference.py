@@ -8,7 +8,8 @@ Signatures shared by every fused_attention implementation::
 
 Shapes: ``q [B, Sq, Hq, D]``, ``k [B, Sk, Hk, D]``, ``v [B, Sk, Hk, Dv]``, ``out [B, Sq, Hq, Dv]``;
 ``bias [B|1, Hq|1, Sq, Sk]`` (already broadcast to full Sq, Sk by the api); ``q_seqlens`` /
-``kv_seqlens`` int32 ``[B]``; segment ids int32 ``[B, Sq]`` / ``[B, Sk]``; ``seed`` uint32 ``[B, Hq, 4]``: one dropout seed per (batch, query head),
+``kv_seqlens`` int32 ``[B]``; segment ids int32 ``[B, Sq]`` / ``[B, Sk]``; ``seed`` uint32
+``[B, Hq, 4]``: one dropout seed per (batch, query head),
 derived from the JAX PRNG key by the api (None when dropout is off), so that a shard of the batch or
 head axes holds the seeds of exactly its own rows. Query head ``h`` reads key/value
 head ``h // (Hq // Hk)`` (GQA/MQA).
@@ -176,7 +177,9 @@ def backward(res: Residuals, g, *, mask_type: str, window, scale: float, dropout
     q, k, v, bias = res.q, res.k, res.v, res.bias
     b, s_q, hq, _ = q.shape
     hk = k.shape[2]
-    keep = _keep(q, k, res.q_seqlens, res.kv_seqlens, res.q_segment_ids, res.kv_segment_ids, mask_type, window)
+    keep = _keep(
+        q, k, res.q_seqlens, res.kv_seqlens, res.q_segment_ids, res.kv_segment_ids, mask_type, window
+    )
     # Recompute P from the saved statistics (as a flash backward does): p = exp(s - lse).
     kf = _expand_kv(k, hq).astype(jnp.float32)
     vf = _expand_kv(v, hq).astype(jnp.float32)

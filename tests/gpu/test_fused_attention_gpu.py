@@ -89,7 +89,7 @@ def _case(name, dtype, seed=0):
         cut = [0, sq // 5, sq // 2, sq // 2 + 7, sq]
         seg = np.zeros((b, sq), np.int32)
         for i in range(len(cut) - 1):
-            seg[0, cut[i]:cut[i + 1]] = i + 1
+            seg[0, cut[i] : cut[i + 1]] = i + 1
         seg[1] = np.repeat(np.arange(4), sq // 4 + 1)[:sq] + 10
         kw["q_segment_ids"] = kw["kv_segment_ids"] = jnp.asarray(seg)
     bias = None
@@ -104,10 +104,18 @@ def _case(name, dtype, seed=0):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_native_matches_reference(case, dtype):
     (q, k, v, g, bias), kw = _case(case, dtype)
-    call = dict(dtype=q.dtype, q_shape=q.shape, k_shape=k.shape, v_shape=v.shape,
-                bias_shape=None if bias is None else bias.shape, has_segments="q_segment_ids" in kw,
-                mask_type=kw.get("mask_type", "none"), window=kw.get("window_size"), scale=1 / np.sqrt(q.shape[3]),
-                dropout_rate=0.0)
+    call = dict(
+        dtype=q.dtype,
+        q_shape=q.shape,
+        k_shape=k.shape,
+        v_shape=v.shape,
+        bias_shape=None if bias is None else bias.shape,
+        has_segments="q_segment_ids" in kw,
+        mask_type=kw.get("mask_type", "none"),
+        window=kw.get("window_size"),
+        scale=1 / np.sqrt(q.shape[3]),
+        dropout_rate=0.0,
+    )
     why = fa_native.unsupported_reason(**call)
     if why is not None:
         pytest.skip(f"cuDNN on this machine: {why}")
@@ -115,7 +123,9 @@ def test_native_matches_reference(case, dtype):
         out, grads = _fwd_bwd("native", kw, bias is not None)(q, k, v, g, bias)
     f32 = lambda x: None if x is None else x.astype(F32)  # noqa: E731
     with jax.default_matmul_precision("highest"):  # an fp32 (not TF32) reference
-        want, want_grads = _fwd_bwd("reference", kw, bias is not None)(f32(q), f32(k), f32(v), f32(g), f32(bias))
+        want, want_grads = _fwd_bwd("reference", kw, bias is not None)(
+            f32(q), f32(k), f32(v), f32(g), f32(bias)
+        )
     tol = REL_TOL[jnp.dtype(dtype)]
     assert _rel_err(out, want) < tol, (case, _rel_err(out, want))
     for name, a, e in zip(("dq", "dk", "dv", "dbias"), grads, want_grads, strict=False):
@@ -149,14 +159,17 @@ def test_dropout_rate_mean_and_backward_consistency(dtype):
     # v = one-hot over keys: out[b, i, h, :] is row i of the dropped probability matrix.
     v = jnp.broadcast_to(jnp.eye(s, dtype=dtype)[None, :, None, :], (b, s, h, s))
     kw = dict(dropout_rate=rate, rng=jax.random.key(11))
-    call = dict(dtype=q.dtype, q_shape=q.shape, k_shape=k.shape, v_shape=v.shape, scale=0.125, dropout_rate=rate)
+    call = dict(
+        dtype=q.dtype, q_shape=q.shape, k_shape=k.shape, v_shape=v.shape, scale=0.125, dropout_rate=rate
+    )
     why = fa_native.unsupported_reason(**call)
     if why is not None:
         pytest.skip(f"cuDNN on this machine: {why}")
 
     def run(q, k, v, g):
-        out, vjp = jax.vjp(lambda q, k, v: fused_attention(q, k, v, scale=0.125, implementation="native", **kw),
-                           q, k, v)
+        out, vjp = jax.vjp(
+            lambda q, k, v: fused_attention(q, k, v, scale=0.125, implementation="native", **kw), q, k, v
+        )
         return out, vjp(g)
 
     with native.poisoned_outputs():
@@ -172,8 +185,11 @@ def test_dropout_rate_mean_and_backward_consistency(dtype):
     assert _rel_err(dv, want_dv) < 2 * REL_TOL[jnp.dtype(dtype)]
     for x in (dq, dk):
         assert np.isfinite(np.asarray(x, np.float32)).all()
-    other = jax.jit(lambda q, k, v: fused_attention(q, k, v, scale=0.125, implementation="native",
-                                                     dropout_rate=rate, rng=jax.random.key(12)))(q, k, v)
+    other = jax.jit(
+        lambda q, k, v: fused_attention(
+            q, k, v, scale=0.125, implementation="native", dropout_rate=rate, rng=jax.random.key(12)
+        )
+    )(q, k, v)
     assert not np.array_equal(np.asarray(other, np.float32), pd)
 
 
@@ -194,8 +210,9 @@ def build_cmdbuf_step():
     def make(impl):
         def step(q, k, v, g):
             def f(q, k, v):
-                return fused_attention(q, k, v, mask_type="padding_causal", q_seqlens=lens, kv_seqlens=lens,
-                                       implementation=impl)
+                return fused_attention(
+                    q, k, v, mask_type="padding_causal", q_seqlens=lens, kv_seqlens=lens, implementation=impl
+                )
 
             out, vjp = jax.vjp(f, q, k, v)
             return out, vjp(g)

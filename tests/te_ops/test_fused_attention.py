@@ -82,19 +82,36 @@ def test_reference_matches_xla(case):
 
     def ours(q, k, v, *bias_arg):
         return fused_attention(
-            q, k, v, bias=bias_arg[0] if bias_arg else None, mask_type=mask_type, q_seqlens=ql, kv_seqlens=kl,
-            window_size=window, scale=scale, implementation="reference",
+            q,
+            k,
+            v,
+            bias=bias_arg[0] if bias_arg else None,
+            mask_type=mask_type,
+            q_seqlens=ql,
+            kv_seqlens=kl,
+            window_size=window,
+            scale=scale,
+            implementation="reference",
         )
 
     def xla(q, k, v, *bias_arg):
         bb = None
         if bias_arg:
-            bb = jnp.broadcast_to(bias_arg[0].reshape((1,) * (4 - bias_arg[0].ndim) + bias_arg[0].shape),
-                                  (b, hq, sq, sk))
+            bb = jnp.broadcast_to(
+                bias_arg[0].reshape((1,) * (4 - bias_arg[0].ndim) + bias_arg[0].shape), (b, hq, sq, sk)
+            )
         lw = None if window is None else tuple(w if w >= 0 else max(sq, sk) for w in window)
         return jax.nn.dot_product_attention(
-            q, k, v, bias=bb, is_causal=mask_type in ("causal", "padding_causal"), query_seq_lengths=ql,
-            key_value_seq_lengths=kl, local_window_size=lw, scale=scale, implementation="xla",
+            q,
+            k,
+            v,
+            bias=bb,
+            is_causal=mask_type in ("causal", "padding_causal"),
+            query_seq_lengths=ql,
+            key_value_seq_lengths=kl,
+            local_window_size=lw,
+            scale=scale,
+            implementation="xla",
         )
 
     extra = (bias,) if bias is not None else ()
@@ -143,8 +160,16 @@ def test_segments_match_direct(mask_type, window):
     scale = 1 / np.sqrt(32)
 
     def ours(q, k, v):
-        return fused_attention(q, k, v, mask_type=mask_type, q_segment_ids=seg, kv_segment_ids=seg,
-                               window_size=window, implementation="reference")
+        return fused_attention(
+            q,
+            k,
+            v,
+            mask_type=mask_type,
+            q_segment_ids=seg,
+            kv_segment_ids=seg,
+            window_size=window,
+            implementation="reference",
+        )
 
     def direct(q, k, v):
         return _direct(q, k, v, mask, scale)
@@ -163,8 +188,11 @@ def test_value_head_dim_differs():
 
     assert ours(q, k, v).shape == (2, 16, 4, 16)
     _close(ours(q, k, v), _direct(q, k, v, mask, 1 / np.sqrt(32)))
-    for got, exp in zip(_grads(ours, q, k, v, g), _grads(lambda *a: _direct(*a, mask, 1 / np.sqrt(32)), q, k, v, g),
-                        strict=True):
+    for got, exp in zip(
+        _grads(ours, q, k, v, g),
+        _grads(lambda *a: _direct(*a, mask, 1 / np.sqrt(32)), q, k, v, g),
+        strict=True,
+    ):
         _close(got, exp, scale=4.0)
 
 
@@ -178,8 +206,9 @@ def test_fully_masked_rows_give_zeros():
 
     out = f(q, k, v)
     assert np.all(np.asarray(out[0, 4:6]) == 0)
-    _, res = ref.forward(q, k, v, None, None, None, qs, ks, None, mask_type="none", window=None, scale=0.1,
-                         dropout_rate=0.0)
+    _, res = ref.forward(
+        q, k, v, None, None, None, qs, ks, None, mask_type="none", window=None, scale=0.1, dropout_rate=0.0
+    )
     assert np.all(np.isinf(np.asarray(res.lse[0, :, 4:6])))
     grads = _grads(f, q, k, v, g)
     assert all(np.isfinite(np.asarray(x)).all() for x in grads)
@@ -243,8 +272,9 @@ def test_jit_and_grad_under_jit():
     bias = _bias("heads", 2, 4, 16, 16)
     f = jax.jit(lambda q, k, v, bias: fused_attention(q, k, v, bias=bias, mask_type="causal"))
     _close(f(q, k, v, bias), fused_attention(q, k, v, bias=bias, mask_type="causal"))
-    gj = jax.jit(lambda *a: _grads(lambda q, k, v, bb: fused_attention(q, k, v, bias=bb, mask_type="causal"),
-                                   *a))(q, k, v, g, bias)
+    gj = jax.jit(
+        lambda *a: _grads(lambda q, k, v, bb: fused_attention(q, k, v, bias=bb, mask_type="causal"), *a)
+    )(q, k, v, g, bias)
     ge = _grads(lambda q, k, v, bb: fused_attention(q, k, v, bias=bb, mask_type="causal"), q, k, v, g, bias)
     for a, e in zip(gj, ge, strict=True):
         _close(a, e)
@@ -265,8 +295,10 @@ def test_vmap_matches_loop(with_bias):
     else:
         bias, in_axes_bias = None, None
 
-    def f(q, k, v, l, bb):
-        return fused_attention(q, k, v, bias=bb, mask_type="padding_causal", q_seqlens=l, kv_seqlens=l)
+    def f(q, k, v, lens_, bb):
+        return fused_attention(
+            q, k, v, bias=bb, mask_type="padding_causal", q_seqlens=lens_, kv_seqlens=lens_
+        )
 
     out = jax.vmap(f, in_axes=(0, 0, 0, 0, in_axes_bias))(q, k, v, lens, bias)
     for i in range(n):
@@ -312,15 +344,27 @@ def test_vmap_matches_loop(with_bias):
         ({}, dict(v_dtype=jnp.bfloat16), r"share one dtype"),
         (dict(mask_type="causal", q_seqlens=jnp.array([4, 4])), {}, r"mask_type='padding_causal'"),
         (dict(mask_type="padding"), {}, r"needs q_seqlens and/or kv_seqlens"),
-        (dict(mask_type="padding", q_seqlens=jnp.array([4, 4]), q_segment_ids=jnp.zeros((2, 8), jnp.int32),
-              kv_segment_ids=jnp.zeros((2, 8), jnp.int32)), {}, r"segment ids cannot be combined"),
+        (
+            dict(
+                mask_type="padding",
+                q_seqlens=jnp.array([4, 4]),
+                q_segment_ids=jnp.zeros((2, 8), jnp.int32),
+                kv_segment_ids=jnp.zeros((2, 8), jnp.int32),
+            ),
+            {},
+            r"segment ids cannot be combined",
+        ),
         (dict(q_segment_ids=jnp.zeros((2, 8), jnp.int32)), {}, r"must be given together"),
         (dict(dropout_rate=0.1), {}, r"needs rng="),
         (dict(dropout_rate=1.0, rng=jax.random.key(0)), {}, r"dropout_rate must be in \[0.0, 1.0\)"),
         (dict(mask_type="banana"), {}, r"mask_type must be one of"),
         (dict(window_size=(1, -3)), {}, r"window_size must be None or \(left, right\)"),
         (dict(bias=jnp.zeros((2, 4, 7, 8))), {}, r"does not broadcast"),
-        (dict(mask_type="padding", q_seqlens=jnp.array([4.0, 4.0])), {}, r"q_seqlens must be an integer array"),
+        (
+            dict(mask_type="padding", q_seqlens=jnp.array([4.0, 4.0])),
+            {},
+            r"q_seqlens must be an integer array",
+        ),
     ],
 )
 def test_errors(kwargs, shapes, match):
@@ -342,7 +386,9 @@ def test_default_on_cpu_is_reference():
     q, k, v, _ = _qkv(0)
     np.testing.assert_array_equal(
         np.asarray(jax.jit(lambda *a: fused_attention(*a, mask_type="causal"))(q, k, v)),
-        np.asarray(jax.jit(lambda *a: fused_attention(*a, mask_type="causal", implementation="reference"))(q, k, v)),
+        np.asarray(
+            jax.jit(lambda *a: fused_attention(*a, mask_type="causal", implementation="reference"))(q, k, v)
+        ),
     )
 
 
@@ -351,9 +397,7 @@ def test_default_on_cpu_is_reference():
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "case", ["mha_causal", "gqa_padding_bias", "segments_window", "dropout"]
-)
+@pytest.mark.parametrize("case", ["mha_causal", "gqa_padding_bias", "segments_window", "dropout"])
 def test_sharded_matches_unsharded_without_collectives(case):
     mesh = cpu_mesh((2, 4), ("data", "model"))
     b, s, hq, hk, d = 4, 16, 8, 4 if case.startswith("gqa") else 8, 16
@@ -408,7 +452,6 @@ def test_count_collectives_helper_sees_hlo():
 
 
 def _emulated_ffi_call(target, result_shapes, *args, **attrs):
-    from te_ops.fused_attention import native as nat
 
     lb, rb = int(attrs["left_bound"]), int(attrs["right_bound"])
     scale, padding, has_bias = float(attrs["scale"]), int(attrs["padding"]), int(attrs["has_bias"])
@@ -449,7 +492,9 @@ def _emulated_ffi_call(target, result_shapes, *args, **attrs):
     ds = p * (dp - delta)
     dq = jnp.einsum("bhqk,bkhd->bqhd", ds, kk) * scale
     grp = hq // k.shape[2]
-    dk = (jnp.einsum("bhqk,bqhd->bkhd", ds, q.astype(F32)) * scale).reshape(b, s_k, k.shape[2], grp, -1).sum(3)
+    dk = (
+        (jnp.einsum("bhqk,bqhd->bkhd", ds, q.astype(F32)) * scale).reshape(b, s_k, k.shape[2], grp, -1).sum(3)
+    )
     dv = jnp.einsum("bhqk,bqhd->bkhd", p, gf).reshape(b, s_k, k.shape[2], grp, -1).sum(3)
     dk = jnp.where(cols_ok[:, :, None, None], dk, nan)  # padded keys unwritten
     dv = jnp.where(cols_ok[:, :, None, None], dv, nan)
@@ -461,8 +506,13 @@ def _emulated_ffi_call(target, result_shapes, *args, **attrs):
         if bias.shape[1] == 1:
             dsb, seen = dsb.sum(1, keepdims=True), seen.any(1, keepdims=True)
         dbias = jnp.where(seen, dsb, nan)  # positions no batch/head sees: unwritten
-    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias.astype(result_shapes[3].dtype),
-            jnp.zeros(result_shapes[4].shape, jnp.uint8))
+    return (
+        dq.astype(q.dtype),
+        dk.astype(k.dtype),
+        dv.astype(v.dtype),
+        dbias.astype(result_shapes[3].dtype),
+        jnp.zeros(result_shapes[4].shape, jnp.uint8),
+    )
 
 
 GLUE_CASES = {
