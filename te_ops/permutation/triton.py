@@ -52,7 +52,7 @@ def _cdiv(a: int, b: int) -> int:
 
 def _h_config(h: int, itemsize: int) -> tuple[int, int, int]:
     """(BLOCK_H, VEC, num_warps) for moving rows of h elements: 16-byte vectors, up to 4 warps."""
-    block_h = max(16, min(128 * (16 // itemsize), _pow2(h)))
+    block_h = max(32, min(128 * (16 // itemsize), _pow2(h)))
     vec = max(1, min(16 // itemsize, block_h // 32))
     warps = max(1, min(4, block_h // (32 * vec)))
     return block_h, vec, warps
