@@ -318,3 +318,144 @@ def test_sharded_bf16_row_parallel_close_to_unsharded():
     )
     T.assert_close(out, ref_out, jnp.bfloat16)
     assert counts["all-reduce"] == 1
+
+
+# ----------------------------------------------------------------------------------------------
+# The native Python glue (te_ops/dense/native.py) against an emulation of the FFI contract of
+# csrc/dense/dense_ffi.cc, so shapes, scratch outputs, attributes and residual plumbing are checked
+# on CPU (the kernels themselves are tested on the GPU).
+# ----------------------------------------------------------------------------------------------
+
+_ACT_NAMES = {0: None, 1: "gelu", 2: "gelu_tanh", 3: "relu", 4: "silu"}
+
+
+def _emulated_ffi_call(target, results, *args, vmap_method="sequential", **attrs):
+    for k, v in attrs.items():
+        assert isinstance(v, np.int32), (k, type(v))
+    act = _ACT_NAMES[int(attrs["activation"])]
+    has_bias = bool(attrs["has_bias"])
+    if target in ("te_dense_fwd", "te_dense_fwd_aux"):
+        x, w, b = args
+        mode = int(attrs["mode"])
+        assert x.ndim == 2 and w.ndim == 2 and x.shape[1] == w.shape[0] and x.dtype == w.dtype
+        m, n = x.shape[0], w.shape[1]
+        assert b.shape == ((n,) if has_bias else (0,)) and b.dtype == x.dtype
+        z = ref.matmul_f32(x, w)
+        if mode == 2:
+            assert target == "te_dense_fwd" and act is None and not has_bias
+            assert results.shape == (m, n) and results.dtype == jnp.float32
+            return z
+        y, _ = ref.epilogue(z, b if has_bias else None, activation=act, dtype=x.dtype, save=False)
+        if target == "te_dense_fwd":
+            assert results.shape == (m, n) and results.dtype == x.dtype
+            assert not (mode == 1 and act in ref.SAVES_PRE_ACTIVATION)
+            return y
+        assert mode == 1 and act in ref.SAVES_PRE_ACTIVATION
+        assert [(r.shape, r.dtype) for r in results] == [((m, n), x.dtype)] * 2
+        zb = z + b.astype(jnp.float32) if has_bias else z
+        return [y, zb.astype(x.dtype)]
+    assert target == "te_dense_bwd", target
+    x, w, saved, dy = args
+    m, k = x.shape
+    n = w.shape[1]
+    assert dy.shape == (m, n) and dy.dtype == x.dtype
+    assert saved.shape == ((m, n) if act is not None else (0,))
+    shapes = [(r.shape, r.dtype) for r in results]
+    assert shapes[:4] == [
+        ((m, k), x.dtype),
+        ((k, n), x.dtype),
+        ((n,) if has_bias else (0,), x.dtype),
+        ((m, n) if act is not None else (0,), x.dtype),
+    ], shapes
+    p_shape, p_dtype = shapes[4]
+    assert p_dtype == jnp.float32
+    if has_bias:
+        assert len(p_shape) == 2 and p_shape[1] == n and 1 <= p_shape[0] <= 65535
+    else:
+        assert p_shape == (0,)
+    dx, dk, db = ref.backward(
+        ref.Residuals(x, w, saved if act is not None else None), dy, activation=act, has_bias=has_bias
+    )
+    return [
+        dx,
+        dk,
+        db if has_bias else jnp.zeros((0,), x.dtype),
+        jnp.zeros(results[3].shape, x.dtype),
+        jnp.zeros(p_shape, jnp.float32),
+    ]
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("x_shape, bias", [((3, 5, 16), True), ((3, 5, 16), False), ((7,), True)])
+def test_native_glue_against_emulated_ffi_contract(monkeypatch, act, bias, x_shape):
+    monkeypatch.setattr(dense_native._native, "ffi_call", _emulated_ffi_call)
+    dtype = jnp.bfloat16
+    x, w, b = inputs(x_shape, 24, dtype, seed=30, bias=bias)
+    kw = dict(activation=act, has_bias=bias)
+    for mode in ("primal", "train", "partial"):
+        kw_m = dict(kw, mode=mode) if mode != "partial" else dict(activation=None, has_bias=False, mode=mode)
+        y, res = dense_native.forward(x, w, b, **kw_m)
+        y_ref, res_ref = ref.forward(x, w, b, **kw_m)
+        assert y.shape == y_ref.shape and y.dtype == y_ref.dtype
+        T.assert_close(y, y_ref, y.dtype)
+        assert (res is None) == (res_ref is None)
+        if mode == "train":
+            assert (res.saved is None) == (res_ref.saved is None)
+            if res.saved is not None:
+                assert res.saved.shape == res_ref.saved.shape
+                T.assert_close(res.saved, res_ref.saved, dtype)
+            dy = jax.random.normal(jax.random.key(31), y.shape).astype(dtype)
+            got = dense_native.backward(res, dy, **kw)
+            want = ref.backward(res_ref, dy, **kw)
+            for a, e in zip(got, want, strict=True):
+                if e is None:
+                    assert a is None
+                else:
+                    assert a.shape == e.shape and a.dtype == e.dtype
+                    T.assert_close(a, e, dtype, scale=float(jnp.abs(e.astype(jnp.float32)).max()) + 1)
+
+
+@pytest.fixture
+def emulated_native(monkeypatch):
+    """implementation='native' runs native.py's glue with the emulated FFI contract on CPU."""
+    import dataclasses
+
+    from te_ops.dense import api
+
+    monkeypatch.setattr(dense_native._native, "ffi_call", _emulated_ffi_call)
+    impl = api.FAMILY.get("native")
+    monkeypatch.setitem(
+        api.FAMILY._impls, "native", dataclasses.replace(impl, available=lambda: None, platform=None)
+    )
+
+
+@pytest.mark.parametrize("act", ACTS)
+def test_api_through_native_glue(emulated_native, act):
+    x, w, b = inputs((2, 6, 16), 24, jnp.bfloat16, seed=32)
+
+    def loss(impl):
+        return lambda x, w, b: (
+            dense(x, w, b, activation=act, implementation=impl).astype(jnp.float32) ** 2
+        ).sum()
+
+    for fn in (jax.jit, lambda f: f):
+        got = fn(jax.value_and_grad(loss("native"), (0, 1, 2)))(x, w, b)
+        want = jax.value_and_grad(loss("reference"), (0, 1, 2))(x, w, b)
+        for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            T.assert_close(a, e, jnp.bfloat16, scale=float(jnp.abs(e.astype(jnp.float32)).max()) + 1)
+
+
+def test_row_parallel_through_native_glue(emulated_native):
+    mesh = T.cpu_mesh((8,), ("t",))
+    args = inputs(_SX, _SN, jnp.float32, seed=33)
+    fn = _grad("gelu")
+    native_fn = lambda x, w, b: jax.grad(
+        lambda x, w, b: (dense(x, w, b, activation="gelu", implementation="native") ** 2).sum(), (0, 1, 2)
+    )(x, w, b)
+    out, _, counts = T.run_sharded(
+        native_fn, args, (Ps(None, None, "t"), Ps("t", None), None), None, mesh=mesh
+    )
+    want = jax.jit(fn)(*args)
+    for a, e in zip(out, want, strict=True):
+        np.testing.assert_allclose(_np(a), _np(e), rtol=1e-5, atol=1e-4)
+    assert counts["all-reduce"] == 1
