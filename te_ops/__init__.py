@@ -8,12 +8,14 @@ from te_ops._core.native import counters as native_counters
 from te_ops._core.native import native_unavailable_reason
 from te_ops._core.native import reset_counters as reset_native_counters
 from te_ops._core.registry import ImplementationUnavailableError, use_implementation
+from te_ops.dense import dense
 from te_ops.softmax import scaled_masked_softmax, scaled_softmax, scaled_upper_triang_masked_softmax
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ImplementationUnavailableError",
+    "dense",
     "native_counters",
     "native_unavailable_reason",
     "reset_native_counters",
