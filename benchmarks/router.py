@@ -26,7 +26,9 @@ from te_ops.router import fused_topk_with_score_function  # noqa: E402
 TARGET = 4.0  # issue 4: >= 4x the XLA composition
 
 
-def xla_router(x, bias, *, topk, score_function="softmax", num_groups=None, group_topk=None, scaling_factor=1.0):
+def xla_router(
+    x, bias, *, topk, score_function="softmax", num_groups=None, group_topk=None, scaling_factor=1.0
+):
     """What one writes in plain JAX: score function + lax.top_k (+ groups) + scatter (autodiff backward)."""
     t, e = x.shape
     x = x.astype(jnp.float32)
@@ -86,12 +88,22 @@ def bench_case(name, t, e, cfg, has_bias, dtype):
     for mode, idx, moved in (("fwd", 0, (2 * nb + 1) * t * e), ("fwd+bwd", 1, (5 * nb + 2) * t * e)):
         times = {k: _timing.time_fn(f[idx], arg_sets) for k, f in fns.items()}
         alt = min(("xla", "te_reference"), key=times.get)
-        rows.append({
-            "case": name, "mode": mode, "shape": f"T{t} E{e} K{cfg['topk']}", "dtype": jnp.dtype(dtype).name,
-            "ours_ms": times["ours"], "xla_ms": times["xla"], "te_reference_ms": times["te_reference"],
-            "best_alt": alt, "speedup": times[alt] / times["ours"], "speedup_vs_xla": times["xla"] / times["ours"],
-            "ours_TBps": moved / times["ours"] / 1e9, "map_rows_agree": agree,
-        })
+        rows.append(
+            {
+                "case": name,
+                "mode": mode,
+                "shape": f"T{t} E{e} K{cfg['topk']}",
+                "dtype": jnp.dtype(dtype).name,
+                "ours_ms": times["ours"],
+                "xla_ms": times["xla"],
+                "te_reference_ms": times["te_reference"],
+                "best_alt": alt,
+                "speedup": times[alt] / times["ours"],
+                "speedup_vs_xla": times["xla"] / times["ours"],
+                "ours_TBps": moved / times["ours"] / 1e9,
+                "map_rows_agree": agree,
+            }
+        )
     return rows
 
 
@@ -110,12 +122,29 @@ def main():
     rows += bench_case("DeepSeek-V3 (issue target)", t, 256, dsv3, True, jnp.float32)
     rows += bench_case("DeepSeek-V3 bf16", t, 256, dsv3, True, jnp.bfloat16)
     rows += bench_case("Mixtral E8 K2", t, 8, dict(topk=2, score_function="softmax"), False, jnp.bfloat16)
-    cols = ["case", "mode", "shape", "dtype", "ours_ms", "xla_ms", "te_reference_ms", "speedup_vs_xla", "speedup",
-            "ours_TBps", "map_rows_agree"]
+    cols = [
+        "case",
+        "mode",
+        "shape",
+        "dtype",
+        "ours_ms",
+        "xla_ms",
+        "te_reference_ms",
+        "speedup_vs_xla",
+        "speedup",
+        "ours_TBps",
+        "map_rows_agree",
+    ]
     _timing.print_table("router (te_ops native vs XLA composition, same process)", rows, cols)
-    verdict = {f"{r['case']} {r['mode']}": {"speedup_vs_xla": r["speedup_vs_xla"], "target": TARGET,
-                                            "met": r["speedup_vs_xla"] >= TARGET}
-               for r in rows if "issue target" in r["case"]}
+    verdict = {
+        f"{r['case']} {r['mode']}": {
+            "speedup_vs_xla": r["speedup_vs_xla"],
+            "target": TARGET,
+            "met": r["speedup_vs_xla"] >= TARGET,
+        }
+        for r in rows
+        if "issue target" in r["case"]
+    }
     print("targets:", verdict)
     _timing.write_json("router", {"rows": rows, "targets": verdict, "quick": args.quick})
     return 0

@@ -90,8 +90,10 @@ def _check_static_int(op: str, name: str, v: Any, minimum: int = 1) -> int:
 
 
 def _check_static_float(op: str, name: str, v: Any) -> float:
-    if isinstance(v, (jax.Array, jax.core.Tracer)) or isinstance(v, bool) or not isinstance(
-        v, (numbers.Real, np.floating, np.integer)
+    if (
+        isinstance(v, (jax.Array, jax.core.Tracer))
+        or isinstance(v, bool)
+        or not isinstance(v, (numbers.Real, np.floating, np.integer))
     ):
         raise TypeError(
             f"te_ops.{op}: {name} must be a static Python float, got {type(v).__name__}. It is compiled "
@@ -115,7 +117,9 @@ def _check_topk(op: str, topk: Any, num_experts: int) -> int:
 
 def _check_score_function(op: str, score_function: Any) -> str:
     if score_function not in _SCORE_FUNCTIONS:
-        raise ValueError(f"te_ops.{op}: score_function must be 'softmax' or 'sigmoid', got {score_function!r}.")
+        raise ValueError(
+            f"te_ops.{op}: score_function must be 'softmax' or 'sigmoid', got {score_function!r}."
+        )
     return score_function
 
 
@@ -226,7 +230,9 @@ def _rowwise_fold(n_rows_args: int):
 
 def _rowwise_call(impl, operand_kinds, result_kinds, n_rows_args):
     part = P.partitioned(
-        impl, rule=_rowwise_rule(operand_kinds, result_kinds), specs=_rowwise_specs(operand_kinds, result_kinds)
+        impl,
+        rule=_rowwise_rule(operand_kinds, result_kinds),
+        specs=_rowwise_specs(operand_kinds, result_kinds),
     )
     fold = _rowwise_fold(n_rows_args)
     fold.fn = part
@@ -369,7 +375,9 @@ def _build_scores(statics_items: tuple, implementation: str | None):
         return out
 
     def bwd_impl(logits, g):
-        return SCORES.dispatch(implementation, "backward", (ScoresResiduals(logits), g), statics, desc(logits))
+        return SCORES.dispatch(
+            implementation, "backward", (ScoresResiduals(logits), g), statics, desc(logits)
+        )
 
     fwd_call = _rowwise_call(fwd_impl, ("te",), (map_kind, "te"), n_rows_args=1)
     bwd_call = _rowwise_call(bwd_impl, ("te", "te"), ("te",), n_rows_args=2)
@@ -421,7 +429,11 @@ def compute_routing_scores_for_aux_loss(
     logits = _check_float_2d(op, "logits", logits)
     topk = _check_topk(op, topk, logits.shape[1])
     score_function = _check_score_function(op, score_function)
-    statics = (("topk", topk), ("score_function", score_function), ("compact_routing_map", bool(compact_routing_map)))
+    statics = (
+        ("topk", topk),
+        ("score_function", score_function),
+        ("compact_routing_map", bool(compact_routing_map)),
+    )
     return _build_scores(statics, implementation)(logits)
 
 
@@ -556,7 +568,9 @@ def fused_moe_aux_loss(
     probs = _check_float_2d(op, "probs", probs)
     tpe = _as_array(tokens_per_expert)
     if not (jnp.issubdtype(tpe.dtype, jnp.integer) or jnp.issubdtype(tpe.dtype, jnp.floating)):
-        raise TypeError(f"te_ops.{op}: tokens_per_expert must be an int or float array, got dtype {tpe.dtype}.")
+        raise TypeError(
+            f"te_ops.{op}: tokens_per_expert must be an int or float array, got dtype {tpe.dtype}."
+        )
     if tuple(tpe.shape) != (probs.shape[1],):
         raise ValueError(
             f"te_ops.{op}: tokens_per_expert must have shape [E] = ({probs.shape[1]},) to match probs "

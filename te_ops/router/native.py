@@ -118,7 +118,10 @@ def topk_unsupported_reason(*, dtype, shape, topk, num_groups=None, group_topk=N
         if num_groups > MAX_GROUPS:
             return f"native grouped selection supports num_groups <= {MAX_GROUPS}, got {num_groups}"
         if topk // group_topk > MAX_PER_GROUP_TOPK:
-            return f"native grouped selection supports topk // group_topk <= {MAX_PER_GROUP_TOPK}, got {topk // group_topk}"
+            return (
+                f"native grouped selection supports topk // group_topk <= {MAX_PER_GROUP_TOPK}, "
+                f"got {topk // group_topk}"
+            )
     return None
 
 

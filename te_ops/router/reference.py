@@ -91,7 +91,9 @@ def scores(x: jax.Array, score_function: str, use_pre_softmax: bool) -> jax.Arra
     return jax.nn.sigmoid(x)
 
 
-def select(sel: jax.Array, topk: int, num_groups: int | None, group_topk: int | None) -> tuple[jax.Array, jax.Array]:
+def select(
+    sel: jax.Array, topk: int, num_groups: int | None, group_topk: int | None
+) -> tuple[jax.Array, jax.Array]:
     """Steps 3-4: (indices [T, K] in selection order, chosen bool [T, E]).
 
     Ties: larger value first, then the smaller index (``lax.top_k`` keeps the lower index first).
@@ -137,7 +139,9 @@ def topk_forward(
         w = jnp.take_along_axis(s, idx, axis=-1)
         if score_function == "sigmoid" and topk > 1:
             w = w / (jnp.sum(w, axis=-1, keepdims=True) + SIGMOID_EPS)
-    probs = jnp.put_along_axis(jnp.zeros_like(x), idx, jnp.float32(scaling_factor) * w, axis=-1, inplace=False)
+    probs = jnp.put_along_axis(
+        jnp.zeros_like(x), idx, jnp.float32(scaling_factor) * w, axis=-1, inplace=False
+    )
     rmap = _finish_map(chosen, compact_routing_map)
     return (probs.astype(logits.dtype), rmap), TopkResiduals(logits, rmap)
 

@@ -69,7 +69,9 @@ def _run(fn, x, ct, impl):
     def f(x):
         out, vjp = jax.vjp(lambda x: fn(x, impl), x)
         cts = (ct.astype(out[0].dtype),) + tuple(
-            np.zeros(o.shape, jax.dtypes.float0) if not jnp.issubdtype(o.dtype, jnp.floating) else jnp.zeros_like(o)
+            np.zeros(o.shape, jax.dtypes.float0)
+            if not jnp.issubdtype(o.dtype, jnp.floating)
+            else jnp.zeros_like(o)
             for o in out[1:]
         )
         return out, vjp(cts)[0]
@@ -80,8 +82,9 @@ def _run(fn, x, ct, impl):
 
 def _check_topk(x, cfg, bias=None, rows=None, compact=False):
     def fn(x, impl):
-        return fused_topk_with_score_function(x, expert_bias=bias, compact_routing_map=compact,
-                                              implementation=impl, **cfg)
+        return fused_topk_with_score_function(
+            x, expert_bias=bias, compact_routing_map=compact, implementation=impl, **cfg
+        )
 
     ct = jax.random.normal(jax.random.key(1), x.shape, F32)
     (p, m), dx = _run(fn, x, ct, "native")
@@ -138,10 +141,12 @@ def test_mixtral_softmax(dtype):
 
 @pytest.mark.parametrize(
     "cfg",
-    [dict(topk=16, score_function="softmax", use_pre_softmax=True),
-     dict(topk=16, score_function="softmax"),
-     dict(topk=16, score_function="sigmoid", scaling_factor=1.5),
-     dict(topk=1, score_function="sigmoid")],
+    [
+        dict(topk=16, score_function="softmax", use_pre_softmax=True),
+        dict(topk=16, score_function="softmax"),
+        dict(topk=16, score_function="sigmoid", scaling_factor=1.5),
+        dict(topk=1, score_function="sigmoid"),
+    ],
     ids=["softmax_pre", "softmax", "sigmoid", "sigmoid_k1"],
 )
 @pytest.mark.parametrize("compact", [False, True], ids=["bool", "compact"])
@@ -164,8 +169,9 @@ def test_aux_scores(score_function, dtype, compact):
     x = quantised(7, (2001, 256)).astype(dtype)
 
     def fn(x, impl):
-        m, s = compute_routing_scores_for_aux_loss(x, 8, score_function=score_function,
-                                                   compact_routing_map=compact, implementation=impl)
+        m, s = compute_routing_scores_for_aux_loss(
+            x, 8, score_function=score_function, compact_routing_map=compact, implementation=impl
+        )
         return s, m
 
     ct = jax.random.normal(jax.random.key(8), x.shape, F32)
@@ -188,10 +194,10 @@ def test_aux_loss(dtype, shape):
         with native.poisoned_outputs():
             return jax.jit(jax.value_and_grad(f))(probs)
 
-    (l, g), (l_ref, g_ref) = run("native"), run("reference")
-    assert l.dtype == dtype and g.dtype == dtype
+    (loss, g), (loss_ref, g_ref) = run("native"), run("reference")
+    assert loss.dtype == dtype and g.dtype == dtype
     assert not bool(jnp.isnan(g.astype(F32)).any())
-    T.assert_close(l, l_ref, dtype, scale=float(abs(l_ref.astype(F32))) + 1e-6)
+    T.assert_close(loss, loss_ref, dtype, scale=float(abs(loss_ref.astype(F32))) + 1e-6)
     T.assert_close(g, g_ref, dtype, scale=float(jnp.abs(g_ref.astype(F32)).max()) + 1e-12)
 
 
@@ -220,7 +226,9 @@ def build_cmdbuf_step():
         def step(x, bias, ct):
             def f(x):
                 probs, rmap = fused_topk_with_score_function(x, expert_bias=bias, implementation=impl, **DSV3)
-                m, s = compute_routing_scores_for_aux_loss(x, 8, score_function="sigmoid", implementation=impl)
+                m, s = compute_routing_scores_for_aux_loss(
+                    x, 8, score_function="sigmoid", implementation=impl
+                )
                 loss = fused_moe_aux_loss(s, m.sum(0), topk=8, coeff=1e-2, implementation=impl)
                 return jnp.sum(probs.astype(F32) * ct) + loss, (probs, rmap, s, loss)
 
@@ -234,8 +242,17 @@ def build_cmdbuf_step():
         x, bias = planted_dsv3(100 + i, t)
         ct = jax.random.normal(jax.random.key(200 + i), x.shape, F32)
         inputs.append((x, bias, ct))
-    keys = {name: 1 for name in ("router_topk_fwd", "router_topk_bwd", "router_scores_fwd", "router_scores_bwd",
-                                 "router_aux_loss_fwd", "router_aux_loss_bwd")}
+    keys = {
+        name: 1
+        for name in (
+            "router_topk_fwd",
+            "router_topk_bwd",
+            "router_scores_fwd",
+            "router_scores_bwd",
+            "router_aux_loss_fwd",
+            "router_aux_loss_bwd",
+        )
+    }
     return make("native"), make("reference"), inputs, keys
 
 
