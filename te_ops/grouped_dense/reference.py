@@ -1,0 +1,87 @@
+"""Pure-JAX grouped GEMM: the specification, the test oracle and the CPU path (fp32 maths).
+
+Signatures shared by every grouped_dense implementation::
+
+    forward(x, kernels, group_sizes, bias, *, has_bias) -> (y, Residuals)
+    backward(res: Residuals, dy, *, has_bias) -> (dx, dkernels, dbias)
+
+Semantics (../shared/SEMANTICS.md, "Grouped GEMM"): the rows of ``x[M, K]`` come in ``G``
+consecutive groups of ``group_sizes[g]`` rows (int32, on the device); group ``g`` is multiplied by
+``kernels[g]`` (``[K, N]``) and gets ``bias[g]``; rows past ``sum(group_sizes)`` are zero (and get a
+zero ``dx``). Sizes are clamped to be >= 0 and the groups are clipped at row M (so a sum > M just
+loses the rows that do not exist). A group with no rows gets a zero ``dkernels[g]`` and ``dbias[g]``.
+
+Everything here is jit-compatible with device-side sizes: ``jax.lax.ragged_dot`` (a dense expansion
+on GPU, fine for an oracle) plus an explicit per-row validity mask from the cumulative sizes.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+F32 = jnp.float32
+
+
+class Residuals(NamedTuple):
+    x: jax.Array  # [M, K] input rows
+    kernels: jax.Array  # [G, K, N]
+    group_sizes: jax.Array  # int32 [G]
+
+
+def group_bounds(group_sizes: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
+    """(start, end) int32 [G] row ranges of the groups: sizes clamped >= 0, ends clipped at m."""
+    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+    end = jnp.minimum(jnp.cumsum(sizes), m)
+    start = jnp.concatenate([jnp.zeros((1,), jnp.int32), end[:-1]])
+    return start, end
+
+
+def clipped_sizes(group_sizes: jax.Array, m: int) -> jax.Array:
+    start, end = group_bounds(group_sizes, m)
+    return end - start
+
+
+def segment_ids(group_sizes: jax.Array, m: int) -> jax.Array:
+    """int32 [M]: the group of each row; G for rows past the last group."""
+    _, end = group_bounds(group_sizes, m)
+    return jnp.searchsorted(end, jnp.arange(m, dtype=jnp.int32), side="right").astype(jnp.int32)
+
+
+def _ragged(lhs, rhs, sizes):
+    return jax.lax.ragged_dot(lhs.astype(F32), rhs.astype(F32), sizes, preferred_element_type=F32,
+                              precision=jax.lax.Precision.HIGHEST)
+
+
+def forward(x, kernels, group_sizes, bias=None, *, has_bias: bool):
+    m = x.shape[0]
+    g = kernels.shape[0]
+    sizes = clipped_sizes(group_sizes, m)
+    seg = segment_ids(group_sizes, m)
+    valid = (seg < g)[:, None]
+    y = _ragged(x, kernels, sizes)
+    if has_bias:
+        y = y + jnp.take(bias.astype(F32), jnp.minimum(seg, g - 1), axis=0)
+    y = jnp.where(valid, y, 0.0)
+    return y.astype(x.dtype), Residuals(x, kernels, group_sizes)
+
+
+def backward(res: Residuals, dy, *, has_bias: bool):
+    x, kernels, group_sizes = res
+    m = x.shape[0]
+    g = kernels.shape[0]
+    sizes = clipped_sizes(group_sizes, m)
+    seg = segment_ids(group_sizes, m)
+    valid = (seg < g)[:, None]
+    dy32 = jnp.where(valid, dy.astype(F32), 0.0)
+    dx = jnp.where(valid, _ragged(dy32, jnp.swapaxes(kernels, 1, 2), sizes), 0.0)
+    dims = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+    dk = jax.lax.ragged_dot_general(jnp.where(valid, x.astype(F32), 0.0), dy32, sizes, dims,
+                                    preferred_element_type=F32, precision=jax.lax.Precision.HIGHEST)
+    db = None
+    if has_bias:
+        db = jax.ops.segment_sum(dy32, seg, num_segments=g + 1)[:g]
+    return dx.astype(x.dtype), dk.astype(kernels.dtype), db

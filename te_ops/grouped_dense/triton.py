@@ -1,0 +1,180 @@
+"""Triton implementation of grouped_dense (kernels in ``triton_kernels.py``), launched through our
+Triton bridge (``te_ops._core.triton_bridge.triton_call``). Same signatures and residual layout as
+``reference.py``.
+
+Why this engine
+---------------
+* **Our own Triton grouped GEMM** is the engine: a persistent kernel whose tile schedule is derived
+  on the device from ``group_sizes``, so the op has no host synchronisation, a static launch
+  (grid = number of SMs) and no run-time allocation: it is CUDA-graph / command-buffer safe (the
+  bridge's launches go through jaxlib's ``triton_kernel_call_ffi``, declared kCmdBufferCompatible).
+  On Hopper ``tl.dot`` lowers to wgmma with a num_stages-deep cp.async pipeline.
+* **CUTLASS grouped GEMM** (device-side problem sizes) is not used: CUTLASS is not on the GPU image
+  and the project builds csrc/ without it.
+* **cuBLASLt grouped GEMM**: assumed not usable here. The grouped/batched-pointer-array APIs of the
+  cuBLAS releases we could rely on take the per-group problem sizes on the host (a device->host copy
+  of group_sizes per call breaks graph capture and stalls the stream), and a device-size grouped GEMM
+  in cuBLASLt is not something we could confirm in the CUDA version on the image (we could not read
+  its docs from here). If a later CUDA offers it, it would slot in as a ``native`` implementation.
+* ``jax.lax.ragged_dot`` is a dense expansion on the H200 (9 TFLOP/s, ../shared/ANCHORS.md).
+
+Backward: dx is the same persistent kernel with the kernels read transposed (strides, no copy);
+dkernels is ``grouped_wgrad_kernel`` (one program per (g, K-tile, N-tile), M reduction inside the
+program, zero for empty groups); dbias is a segment sum in JAX (memory-bound, one pass over dy).
+
+Configuration: :data:`DEFAULT_FWD`, :data:`DEFAULT_DX`, :data:`DEFAULT_WGRAD`; :func:`config_override`
+(trace-time, like ``use_implementation``) lets the benchmark sweep candidates in one process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from te_ops._core import triton_bridge as tb
+from te_ops.grouped_dense import reference as ref
+from te_ops.grouped_dense.reference import Residuals
+
+SDS = jax.ShapeDtypeStruct
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+MAX_GROUPS = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    """Tile configuration of the persistent grouped GEMM (forward and dx)."""
+
+    BM: int = 128
+    BN: int = 256
+    BK: int = 64
+    GROUP_M: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class WgradConfig:
+    """Tile configuration of the dkernels kernel: output tile BKO x BN, BR rows per step."""
+
+    BKO: int = 128
+    BN: int = 256
+    BR: int = 64
+    GROUP_K: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+DEFAULT_FWD = GemmConfig()
+DEFAULT_DX = GemmConfig()
+DEFAULT_WGRAD = WgradConfig()
+
+_override = threading.local()
+
+
+@contextlib.contextmanager
+def config_override(fwd: GemmConfig | None = None, dx: GemmConfig | None = None, wgrad: WgradConfig | None = None):
+    """Uses these tile configurations for grouped_dense calls traced inside the block (benchmarks)."""
+    prev = getattr(_override, "value", None)
+    _override.value = (fwd, dx, wgrad)
+    try:
+        yield
+    finally:
+        _override.value = prev
+
+
+def _configs() -> tuple[GemmConfig, GemmConfig, WgradConfig]:
+    fwd, dx, wg = getattr(_override, "value", None) or (None, None, None)
+    return fwd or DEFAULT_FWD, dx or DEFAULT_DX, wg or DEFAULT_WGRAD
+
+
+def _k():
+    from te_ops.grouped_dense import triton_kernels
+
+    return triton_kernels
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-int(a) // int(b))
+
+
+@functools.cache
+def num_sms() -> int:
+    """SM count of the first CUDA device (132 on an H200/H100 SXM when it cannot be read)."""
+    try:
+        return int(getattr(jax.devices("cuda")[0], "core_count", 132) or 132)
+    except RuntimeError:
+        return 132
+
+
+def unsupported_reason(*, dtype=None, kernels_dtype=None, m=None, k=None, n=None, g=None, **_) -> str | None:
+    if dtype is not None and jnp.dtype(dtype) not in SUPPORTED_DTYPES:
+        return f"the Triton grouped GEMM supports bfloat16 and float16 inputs, got {jnp.dtype(dtype)}"
+    if kernels_dtype is not None and dtype is not None and jnp.dtype(kernels_dtype) != jnp.dtype(dtype):
+        return f"x and kernels must have the same dtype, got {jnp.dtype(dtype)} and {jnp.dtype(kernels_dtype)}"
+    if k is not None and n is not None and (k % 8 or n % 8):
+        return f"the Triton grouped GEMM needs K and N multiples of 8 (16-byte rows), got K={k}, N={n}"
+    if g is not None and g > MAX_GROUPS:
+        return f"the Triton grouped GEMM supports up to {MAX_GROUPS} groups, got {g}"
+    if m is not None and k is not None and n is not None and max(m, 1) * max(k, n) >= 2**31:
+        return f"M * max(K, N) must stay below 2**31 (int32 row offsets in the scheduler), got M={m}, K={k}, N={n}"
+    return None
+
+
+def grouped_gemm(a, b, group_sizes, bias, *, trans_b: bool, cfg: GemmConfig):
+    """out[rows of g] = a[rows of g] @ (b[g] or b[g]^T) (+ bias[g]); rows past the groups are zero."""
+    m, kc = a.shape
+    g = b.shape[0]
+    nout = b.shape[1] if trans_b else b.shape[2]
+    n_tiles = _cdiv(nout, cfg.BN)
+    max_tiles = (_cdiv(m, cfg.BM) + g + 1) * n_tiles
+    grid = max(1, min(num_sms(), max_tiles))
+    bias_arg = bias if bias is not None else group_sizes
+    return tb.triton_call(
+        _k().grouped_gemm_kernel, a, b, bias_arg, group_sizes.astype(jnp.int32),
+        np.int32(m), np.int32(kc // 8), np.int32(nout // 8), np.int32(g), np.int32(grid),
+        out_shape=[SDS((m, nout), a.dtype)], grid=(grid,),
+        constexprs=dict(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M, BLOCK_G=max(16, _pow2(g)),
+                        TRANS_B=bool(trans_b), HAS_BIAS=bias is not None, EVEN_K=(kc % cfg.BK == 0)),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, name="te_grouped_gemm")[0]
+
+
+def grouped_wgrad(x, dy, group_sizes, g: int, *, cfg: WgradConfig, out_dtype):
+    m, k = x.shape
+    n = dy.shape[1]
+    grid = g * _cdiv(k, cfg.BKO) * _cdiv(n, cfg.BN)
+    return tb.triton_call(
+        _k().grouped_wgrad_kernel, x, dy, group_sizes.astype(jnp.int32),
+        np.int32(m), np.int32(k // 8), np.int32(n // 8), np.int32(g),
+        out_shape=[SDS((g, k, n), out_dtype)], grid=(grid,),
+        constexprs=dict(BKO=cfg.BKO, BN=cfg.BN, BR=cfg.BR, BLOCK_G=max(16, _pow2(g)), GROUP_K=cfg.GROUP_K),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, name="te_grouped_wgrad")[0]
+
+
+def forward(x, kernels, group_sizes, bias=None, *, has_bias: bool):
+    fwd_cfg, _, _ = _configs()
+    y = grouped_gemm(x, kernels, group_sizes, bias if has_bias else None, trans_b=False, cfg=fwd_cfg)
+    return y, Residuals(x, kernels, group_sizes)
+
+
+def backward(res: Residuals, dy, *, has_bias: bool):
+    x, kernels, group_sizes = res
+    _, dx_cfg, wg_cfg = _configs()
+    dy = dy.astype(x.dtype)
+    dx = grouped_gemm(dy, kernels, group_sizes, None, trans_b=True, cfg=dx_cfg)
+    dk = grouped_wgrad(x, dy, group_sizes, kernels.shape[0], cfg=wg_cfg, out_dtype=kernels.dtype)
+    db = None
+    if has_bias:
+        g = kernels.shape[0]
+        seg = ref.segment_ids(group_sizes, x.shape[0])
+        db = jax.ops.segment_sum(dy.astype(jnp.float32), seg, num_segments=g + 1)[:g]
+    return dx, dk, db

@@ -1,0 +1,165 @@
+"""Triton kernels of grouped_dense. Imported only when the Triton implementation runs (this module
+imports triton at module scope; ``te_ops`` itself never imports it).
+
+Two kernels, all sizes runtime scalars (a new M or new group sizes never recompile):
+
+* ``grouped_gemm_kernel``: persistent grouped GEMM ``out[rows of g] = a[rows of g] @ B_g (+ bias[g])``.
+  ``num_programs`` programs (one per SM) walk one tile schedule that every program derives on the
+  device from ``group_sizes``: group g owns ``cdiv(size_g, BM) * cdiv(NOUT, BN)`` tiles (a prefix
+  sum over G inside the kernel), then come the "zero tiles" that write zeros to the rows past
+  ``sum(group_sizes)``. Tiles start at each group's first row (not at a global BM grid), so a tile
+  never straddles two groups in its output; the A rows it loads past the group's end are clamped to
+  the group's last row and never stored (row i of the product depends only on row i of A). Inside
+  a group, tiles are ordered in GROUP_M bands (L2 reuse of the B tiles). ``TRANS_B`` reads B_g as
+  the transpose of the stored ``[NOUT, KC]`` matrix (dx = dy @ W_g^T) through strides: no transpose
+  is materialised.
+* ``grouped_wgrad_kernel``: ``dW[g] = x_g^T @ dy_g`` ([K, N] per group). One program per
+  (g, K-tile, N-tile) output tile loops over the rows of group g (the M reduction stays inside the
+  program: no atomics, deterministic); loads are masked at the group's row range so no other group's
+  rows enter the sum; empty groups store zeros.
+
+Alignment: K and N are passed divided by 8 (``KC8``, ``N8``) and multiplied back inside, so Triton's
+alignment analysis knows every row starts on a 16-byte boundary and vectorises the loads (the bridge
+does not value-specialise integer arguments). Offsets that scale with M are int64.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _group_table(gs_ptr, G, M, BLOCK_G: tl.constexpr):
+    """Per-group (start, end) rows: sizes clamped >= 0, ends clipped at M (matches reference.py)."""
+    gi = tl.arange(0, BLOCK_G)
+    sizes = tl.load(gs_ptr + gi, mask=gi < G, other=0)
+    sizes = tl.maximum(sizes, 0)
+    end = tl.minimum(tl.cumsum(sizes, axis=0), M)
+    start = tl.minimum(end - sizes, M)
+    start = tl.maximum(start, 0)
+    return gi, start, end
+
+
+@triton.jit
+def grouped_gemm_kernel(
+    a_ptr, b_ptr, bias_ptr, gs_ptr, M, KC8, N8, G, num_programs, out_ptr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_G: tl.constexpr,
+    TRANS_B: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    """a: [M, KC]; b: [G, KC, NOUT] (or [G, NOUT, KC] with TRANS_B); bias: [G, NOUT]; out: [M, NOUT]."""
+    KC = KC8 * 8
+    NOUT = N8 * 8
+    pid = tl.program_id(0)
+    gi, start, end = _group_table(gs_ptr, G, M, BLOCK_G)
+    sizes = end - start
+    n_tiles = tl.cdiv(NOUT, BN)
+    m_tiles_g = (sizes + BM - 1) // BM
+    tiles_g = m_tiles_g * n_tiles
+    cum = tl.cumsum(tiles_g, axis=0)
+    group_tiles = tl.sum(tiles_g, axis=0)
+    used_rows = tl.max(end, axis=0)
+    tail_m_tiles = (M - used_rows + BM - 1) // BM
+    total = group_tiles + tail_m_tiles * n_tiles
+    k_iters = tl.cdiv(KC, BK)
+    offs_k = tl.arange(0, BK)
+    for t in range(pid, total, num_programs):
+        in_group = t < group_tiles
+        # the group of tile t: number of groups whose tiles all come before t
+        g = tl.sum((cum <= t).to(tl.int32), axis=0)
+        g = tl.minimum(g, G - 1)
+        sel = gi == g
+        g_first_tile = tl.sum(tl.where(sel, cum - tiles_g, 0), axis=0)
+        g_start = tl.sum(tl.where(sel, start, 0), axis=0)
+        g_end = tl.sum(tl.where(sel, end, 0), axis=0)
+        g_mt = tl.sum(tl.where(sel, m_tiles_g, 0), axis=0)
+        # zero tiles (rows past the last group): same decomposition with a "group" [used_rows, M)
+        lt = tl.where(in_group, t - g_first_tile, t - group_tiles)
+        row0 = tl.where(in_group, g_start, used_rows)
+        row_end = tl.where(in_group, g_end, M)
+        mt_count = tl.where(in_group, g_mt, tail_m_tiles)
+        iters = tl.where(in_group, k_iters, 0)
+        # GROUP_M bands inside the group
+        per_band = GROUP_M * n_tiles
+        band = lt // per_band
+        first_m = band * GROUP_M
+        band_m = tl.minimum(mt_count - first_m, GROUP_M)
+        mt = first_m + (lt % per_band) % band_m
+        nt = (lt % per_band) // band_m
+
+        rows = row0 + mt * BM + tl.arange(0, BM)
+        rows_ld = tl.minimum(rows, tl.maximum(row_end - 1, 0)).to(tl.int64)
+        cols = nt * BN + tl.arange(0, BN)
+        cols_ld = tl.max_contiguous(tl.multiple_of(cols % NOUT, BN), BN)
+        g64 = g.to(tl.int64)
+        a_ptrs = a_ptr + rows_ld[:, None] * KC + offs_k[None, :]
+        if TRANS_B:
+            b_ptrs = b_ptr + g64 * KC * NOUT + cols_ld[None, :].to(tl.int64) * KC + offs_k[:, None]
+            b_step = BK
+        else:
+            b_ptrs = b_ptr + g64 * KC * NOUT + offs_k[:, None].to(tl.int64) * NOUT + cols_ld[None, :]
+            b_step = BK * NOUT
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for ki in range(0, iters):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                k_ok = offs_k < KC - ki * BK
+                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+            acc = tl.dot(a, b, acc)
+            a_ptrs += BK
+            b_ptrs += b_step
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + g64 * NOUT + cols_ld, mask=(cols < NOUT) & in_group, other=0.0)
+            acc += bias.to(tl.float32)[None, :]
+        out = acc.to(out_ptr.dtype.element_ty)
+        o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * NOUT + cols[None, :]
+        tl.store(o_ptrs, out, mask=(rows < row_end)[:, None] & (cols < NOUT)[None, :])
+
+
+@triton.jit
+def grouped_wgrad_kernel(
+    x_ptr, dy_ptr, gs_ptr, M, K8, N8, G, dw_ptr,
+    BKO: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, BLOCK_G: tl.constexpr, GROUP_K: tl.constexpr,
+):
+    """dw[g] = x[rows of g]^T @ dy[rows of g]; x: [M, K], dy: [M, N], dw: [G, K, N] (fp32 accumulation)."""
+    K = K8 * 8
+    N = N8 * 8
+    pid = tl.program_id(0)
+    k_tiles = tl.cdiv(K, BKO)
+    n_tiles = tl.cdiv(N, BN)
+    per_g = k_tiles * n_tiles
+    g = pid // per_g
+    lt = pid % per_g
+    # GROUP_K bands: consecutive programs share the dy tiles of a band
+    per_band = GROUP_K * n_tiles
+    band = lt // per_band
+    first_k = band * GROUP_K
+    band_k = tl.minimum(k_tiles - first_k, GROUP_K)
+    kt = first_k + (lt % per_band) % band_k
+    nt = (lt % per_band) // band_k
+
+    gi, start, end = _group_table(gs_ptr, G, M, BLOCK_G)
+    sel = gi == g
+    r0 = tl.sum(tl.where(sel, start, 0), axis=0)
+    r1 = tl.sum(tl.where(sel, end, 0), axis=0)
+
+    ks = kt * BKO + tl.arange(0, BKO)
+    ns = nt * BN + tl.arange(0, BN)
+    ks_ld = tl.max_contiguous(tl.multiple_of(ks % K, BKO), BKO)
+    ns_ld = tl.max_contiguous(tl.multiple_of(ns % N, BN), BN)
+    offs_r = tl.arange(0, BR)
+    acc = tl.zeros((BKO, BN), dtype=tl.float32)
+    iters = tl.cdiv(r1 - r0, BR)
+    xt_ptrs = x_ptr + (r0 + offs_r).to(tl.int64)[None, :] * K + ks_ld[:, None]  # [BKO, BR] view of x^T
+    dy_ptrs = dy_ptr + (r0 + offs_r).to(tl.int64)[:, None] * N + ns_ld[None, :]  # [BR, BN]
+    for i in range(0, iters):
+        r_ok = offs_r < r1 - r0 - i * BR
+        a = tl.load(xt_ptrs, mask=r_ok[None, :], other=0.0)
+        b = tl.load(dy_ptrs, mask=r_ok[:, None], other=0.0)
+        acc = tl.dot(a, b, acc)
+        xt_ptrs += BR * K
+        dy_ptrs += BR * N
+    out = acc.to(dw_ptr.dtype.element_ty)
+    o_ptrs = dw_ptr + g.to(tl.int64) * K * N + ks.to(tl.int64)[:, None] * N + ns[None, :]
+    tl.store(o_ptrs, out, mask=(ks < K)[:, None] & (ns < N)[None, :])
