@@ -55,7 +55,12 @@ def xla_dispatch(x, rm, probs, n):
 
 def xla_combine(y, tok, exp, valid, mp, t):
     w = jnp.where(valid, mp[tok, exp], 0)
-    return jnp.zeros((t, y.shape[1]), jnp.float32).at[tok].add(y.astype(jnp.float32) * w[:, None]).astype(y.dtype)
+    return (
+        jnp.zeros((t, y.shape[1]), jnp.float32)
+        .at[tok]
+        .add(y.astype(jnp.float32) * w[:, None])
+        .astype(y.dtype)
+    )
 
 
 def bench_workload(t, h, e, k, impls, quick):
@@ -82,23 +87,34 @@ def bench_workload(t, h, e, k, impls, quick):
         out, pp, tok, exp, valid = xla_dispatch(x, rm, p, n)
         return xla_combine(out, tok, exp, valid, p, t)
 
-    fns[("xla", "dispatch_combine_fwd_bwd")] = (jax.jit(lambda x, p, g: jax.vjp(xla_both, x, p)[1](g)), (x, probs, g))
+    fns[("xla", "dispatch_combine_fwd_bwd")] = (
+        jax.jit(lambda x, p, g: jax.vjp(xla_both, x, p)[1](g)),
+        (x, probs, g),
+    )
 
     for impl in impls:
         fns[(impl, "dispatch_fwd")] = (
             jax.jit(lambda x, rm, p, impl=impl: token_dispatch(x, rm, n, probs=p, implementation=impl)[:3]),
-            (x, rm, probs))
+            (x, rm, probs),
+        )
         row_id_map = jax.jit(lambda x, rm: token_dispatch(x, rm, n, implementation="reference")[2])(x, rm)
         fns[(impl, "combine_fwd")] = (
-            jax.jit(lambda y, p, impl=impl: token_combine(y, row_id_map, merging_probs=p, implementation=impl)),
-            (y, probs))
+            jax.jit(
+                lambda y, p, impl=impl, m=row_id_map: token_combine(
+                    y, m, merging_probs=p, implementation=impl
+                )
+            ),
+            (y, probs),
+        )
 
         def both(x, p, impl=impl):
             out, _, m, _, _ = token_dispatch(x, rm, n, probs=p, implementation=impl)
             return token_combine(out, m, merging_probs=p, implementation=impl)
 
         fns[(impl, "dispatch_combine_fwd_bwd")] = (
-            jax.jit(lambda x, p, g, both=both: jax.vjp(both, x, p)[1](g)), (x, probs, g))
+            jax.jit(lambda x, p, g, both=both: jax.vjp(both, x, p)[1](g)),
+            (x, probs, g),
+        )
 
     rows, results = [], {}
     for op in ideal:
@@ -109,8 +125,16 @@ def bench_workload(t, h, e, k, impls, quick):
             fn, args = fns[(impl, op)]
             ms = time_fn(fn, [args], **reps)
             results[f"{impl}/{op}"] = ms
-            rows.append(dict(op=op, impl=impl, ms=ms, tbps=ideal[op] / ms / 1e9, speedup=base / ms,
-                             target=TARGETS.get(op) if (t, h, e) == (32768, 7168, 256) else None))
+            rows.append(
+                dict(
+                    op=op,
+                    impl=impl,
+                    ms=ms,
+                    tbps=ideal[op] / ms / 1e9,
+                    speedup=base / ms,
+                    target=TARGETS.get(op) if (t, h, e) == (32768, 7168, 256) else None,
+                )
+            )
     return rows
 
 
@@ -118,7 +142,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer repeats (smoke run)")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test of this script)")
-    ap.add_argument("--impls", default=None, help="comma-separated implementations (default: available GPU ones)")
+    ap.add_argument(
+        "--impls", default=None, help="comma-separated implementations (default: available GPU ones)"
+    )
     args = ap.parse_args()
     if args.impls:
         impls = args.impls.split(",")
@@ -128,13 +154,15 @@ def main():
             print(f"note: no GPU implementation available ({api.DISPATCH.get('triton').available()})")
     workloads = [(32768, 7168, 256, 8), (16384, 4096, 64, 8)] if not args.tiny else [(256, 64, 8, 2)]
     payload = {"workloads": []}
-    for (t, h, e, k) in workloads:
+    for t, h, e, k in workloads:
         rows = bench_workload(t, h, e, k, impls, args.quick)
         title = f"permutation T{t} H{h} E{e} K{k} bf16"
         print_table(title, rows, ["op", "impl", "ms", "tbps", "speedup", "target"])
         payload["workloads"].append({"T": t, "H": h, "E": e, "K": k, "dtype": "bfloat16", "rows": rows})
         jax.clear_caches()
-    write_json("permutation", payload, out_dir=os.environ.get("TE_BENCH_OUT") or ("/tmp" if args.tiny else None))
+    write_json(
+        "permutation", payload, out_dir=os.environ.get("TE_BENCH_OUT") or ("/tmp" if args.tiny else None)
+    )
 
 
 if __name__ == "__main__":

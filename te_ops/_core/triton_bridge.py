@@ -84,7 +84,9 @@ def triton_unavailable_reason() -> str | None:
         import triton
         from triton.backends import backends
     except Exception as e:  # ImportError, or a Triton built for another platform failing to load
-        return f"Triton is not importable ({type(e).__name__}: {e}); install it with `pip install triton==3.6.0`"
+        return (
+            f"Triton is not importable ({type(e).__name__}: {e}); install it with `pip install triton==3.6.0`"
+        )
     version = tuple(int(p) for p in triton.__version__.split(".")[:2] if p.isdigit())
     if version < REQUIRED_TRITON:
         return f"Triton {triton.__version__} is too old; te_ops needs triton >= 3.6"
@@ -119,17 +121,24 @@ def launcher_unavailable_reason() -> str | None:
         mod = _launcher_module()
     except Exception as e:
         return f"jaxlib's gpu_triton is not importable ({e})"
-    missing = [n for n in ("TritonKernel", "TritonKernelCall", "create_array_parameter", "create_scalar_parameter")
-               if not hasattr(mod, n)]
+    missing = [
+        n
+        for n in ("TritonKernel", "TritonKernelCall", "create_array_parameter", "create_scalar_parameter")
+        if not hasattr(mod, n)
+    ]
     if missing:
-        return (f"jaxlib's gpu_triton lacks {missing}: the jax CUDA plugin (pip install 'jax[cuda13]') is not "
-                "installed or does not match jaxlib")
+        return (
+            f"jaxlib's gpu_triton lacks {missing}: the jax CUDA plugin (pip install 'jax[cuda13]') is not "
+            "installed or does not match jaxlib"
+        )
     return None
 
 
 def unavailable_reason(*, gluon: bool = False) -> str | None:
     """Why Triton (or Gluon) kernels cannot run in this process, or None."""
-    return (gluon_unavailable_reason() if gluon else triton_unavailable_reason()) or launcher_unavailable_reason()
+    return (
+        gluon_unavailable_reason() if gluon else triton_unavailable_reason()
+    ) or launcher_unavailable_reason()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -175,8 +184,16 @@ def _source_hash(fn: Any) -> str:
 def cache_key(spec: KernelSpec, target: tuple) -> tuple:
     import triton
 
-    return (_source_hash(spec.fn), triton.__version__, "gluon" if spec.gluon else "triton", spec.signature,
-            tuple((k, repr(v)) for k, v in spec.constexprs), spec.num_warps, spec.num_stages, tuple(target))
+    return (
+        _source_hash(spec.fn),
+        triton.__version__,
+        "gluon" if spec.gluon else "triton",
+        spec.signature,
+        tuple((k, repr(v)) for k, v in spec.constexprs),
+        spec.num_warps,
+        spec.num_stages,
+        tuple(target),
+    )
 
 
 _compiled: dict[tuple, CompiledKernel] = {}
@@ -187,8 +204,9 @@ _counters: dict[str, float] = {}
 
 
 def _zero_counters() -> None:
-    _counters.update(compiles=0, cache_hits=0, lowerings=0, in_flight=0, max_concurrent_compiles=0,
-                     compile_seconds=0.0)
+    _counters.update(
+        compiles=0, cache_hits=0, lowerings=0, in_flight=0, max_concurrent_compiles=0, compile_seconds=0.0
+    )
 
 
 _zero_counters()
@@ -247,7 +265,9 @@ def compile_kernel(spec: KernelSpec, target: tuple) -> CompiledKernel:
             return hit
         with _counter_lock:
             _counters["in_flight"] += 1
-            _counters["max_concurrent_compiles"] = max(_counters["max_concurrent_compiles"], _counters["in_flight"])
+            _counters["max_concurrent_compiles"] = max(
+                _counters["max_concurrent_compiles"], _counters["in_flight"]
+            )
         t0 = time.perf_counter()
         try:
             result = _compile_uncached(spec, target)
@@ -264,7 +284,9 @@ def compile_kernel(spec: KernelSpec, target: tuple) -> CompiledKernel:
 def _compile_uncached(spec: KernelSpec, target: tuple) -> CompiledKernel:
     why = unavailable_reason_for_compile(spec.gluon)
     if why:
-        raise RuntimeError(f"te_ops triton bridge: cannot compile {getattr(spec.fn, '__name__', spec.fn)}: {why}")
+        raise RuntimeError(
+            f"te_ops triton bridge: cannot compile {getattr(spec.fn, '__name__', spec.fn)}: {why}"
+        )
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -274,20 +296,31 @@ def _compile_uncached(spec: KernelSpec, target: tuple) -> CompiledKernel:
     else:
         source_cls = ASTSource
     signature = dict(spec.signature)
-    attrs = {(i,): [["tt.divisibility", 16]] for i, (_, ty) in enumerate(spec.signature) if ty.startswith("*")}
+    attrs = {
+        (i,): [["tt.divisibility", 16]] for i, (_, ty) in enumerate(spec.signature) if ty.startswith("*")
+    }
     src = source_cls(spec.fn, signature, constexprs=dict(spec.constexprs), attrs=attrs)
-    k = triton.compile(src, target=GPUTarget(*target),
-                       options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
+    k = triton.compile(
+        src, target=GPUTarget(*target), options={"num_warps": spec.num_warps, "num_stages": spec.num_stages}
+    )
     md = k.metadata
     unsupported = [n for n in ("launch_cooperative_grid", "launch_pdl") if getattr(md, n, False)]
     if getattr(md, "tmem_size", 0) or getattr(md, "tensordesc_meta", None) or unsupported:
         raise NotImplementedError(
             f"te_ops triton bridge: kernel {md.name} needs launch features jaxlib's launcher lacks "
-            f"({unsupported or 'host tensor descriptors / tensor memory'})")
+            f"({unsupported or 'host tensor descriptors / tensor memory'})"
+        )
     return CompiledKernel(
-        name=md.name, asm=dict(k.asm), shared=int(md.shared), num_warps=int(md.num_warps),
-        num_ctas=int(md.num_ctas), global_scratch_size=int(md.global_scratch_size),
-        global_scratch_align=int(md.global_scratch_align), target=tuple(target), metadata=md)
+        name=md.name,
+        asm=dict(k.asm),
+        shared=int(md.shared),
+        num_warps=int(md.num_warps),
+        num_ctas=int(md.num_ctas),
+        global_scratch_size=int(md.global_scratch_size),
+        global_scratch_align=int(md.global_scratch_align),
+        target=tuple(target),
+        metadata=md,
+    )
 
 
 def unavailable_reason_for_compile(gluon: bool) -> str | None:
@@ -320,7 +353,9 @@ def current_target(backend: triton_backend.VendorBackend) -> tuple:
     try:
         device = jax.local_devices(backend=backend.jax_platform)[0]
     except RuntimeError as e:
-        raise RuntimeError(f"te_ops triton bridge: no {backend.jax_platform} device to compile for ({e})") from None
+        raise RuntimeError(
+            f"te_ops triton bridge: no {backend.jax_platform} device to compile for ({e})"
+        ) from None
     return backend.target(device)
 
 
@@ -335,30 +370,47 @@ def _make_kernel(mod: Any, compiled: CompiledKernel, backend: triton_backend.Ven
     ttir = ""  # only used by jaxlib for debugging; keep the opaque attribute small
     try:  # jaxlib >= 0.7 style (checked against 0.11.2)
         return mod.TritonKernel(
-            kernel_name=compiled.name, num_warps=compiled.num_warps, num_ctas=compiled.num_ctas,
-            shared_mem_bytes=compiled.shared, ptx=image, ttir=ttir, compute_capability=cc,
+            kernel_name=compiled.name,
+            num_warps=compiled.num_warps,
+            num_ctas=compiled.num_ctas,
+            shared_mem_bytes=compiled.shared,
+            ptx=image,
+            ttir=ttir,
+            compute_capability=cc,
             global_scratch_size=compiled.global_scratch_size or None,
-            global_scratch_align=compiled.global_scratch_align if compiled.global_scratch_size else None)
+            global_scratch_align=compiled.global_scratch_align if compiled.global_scratch_size else None,
+        )
     except TypeError as first:
         if compiled.global_scratch_size:
             raise RuntimeError(
-                f"te_ops triton bridge: kernel {compiled.name} needs a global scratch buffer but this jaxlib's "
-                f"TritonKernel cannot take one ({first})") from None
+                f"te_ops triton bridge: kernel {compiled.name} needs a global scratch buffer but "
+                "this jaxlib's "
+                f"TritonKernel cannot take one ({first})"
+            ) from None
         try:  # older: (name, num_warps, shared_mem_bytes, ptx, ttir, cc, cluster_dim_x, _y, _z)
-            return mod.TritonKernel(compiled.name, compiled.num_warps, compiled.shared, image, ttir, cc, 1, 1, 1)
+            return mod.TritonKernel(
+                compiled.name, compiled.num_warps, compiled.shared, image, ttir, cc, 1, 1, 1
+            )
         except TypeError:
             sig = getattr(getattr(mod.TritonKernel, "__init__", None), "__doc__", "?")
             raise RuntimeError(
                 "te_ops triton bridge: unsupported jaxlib gpu_triton.TritonKernel signature "
-                f"{sig!r}; supported: jaxlib 0.11.x (kernel_name, num_warps, num_ctas, shared_mem_bytes, ptx, "
-                "ttir, compute_capability, global_scratch_size, global_scratch_align)") from first
+                f"{sig!r}; supported: jaxlib 0.11.x (kernel_name, num_warps, num_ctas, "
+                "shared_mem_bytes, ptx, "
+                "ttir, compute_capability, global_scratch_size, global_scratch_align)"
+            ) from first
 
 
 _SCALAR_TYPES = {"i1", "i32", "u32", "i64", "u64", "fp32", "fp64"}
 
 
-def _launcher_call(kernel_params: Sequence[tuple], compiled: CompiledKernel, grid: tuple[int, int, int],
-                   platform: str, name: str) -> bytes:
+def _launcher_call(
+    kernel_params: Sequence[tuple],
+    compiled: CompiledKernel,
+    grid: tuple[int, int, int],
+    platform: str,
+    name: str,
+) -> bytes:
     """The zlib-compressed TritonAnyKernelCall proto for the FFI target's ``opaque`` attribute."""
     mod = _launcher_module()
     backend = triton_backend.for_platform(platform)
@@ -379,10 +431,17 @@ def _launcher_call(kernel_params: Sequence[tuple], compiled: CompiledKernel, gri
 # ----------------------------------------------------------------------------------------------
 
 _POINTER_TYPES = {
-    jnp.dtype(jnp.float32): "*fp32", jnp.dtype(jnp.bfloat16): "*bf16", jnp.dtype(jnp.float16): "*fp16",
-    jnp.dtype(jnp.float64): "*fp64", jnp.dtype(jnp.int32): "*i32", jnp.dtype(jnp.int64): "*i64",
-    jnp.dtype(jnp.int8): "*i8", jnp.dtype(jnp.uint8): "*u8", jnp.dtype(jnp.bool_): "*i8",
-    jnp.dtype(jnp.int16): "*i16", jnp.dtype(jnp.uint32): "*u32",
+    jnp.dtype(jnp.float32): "*fp32",
+    jnp.dtype(jnp.bfloat16): "*bf16",
+    jnp.dtype(jnp.float16): "*fp16",
+    jnp.dtype(jnp.float64): "*fp64",
+    jnp.dtype(jnp.int32): "*i32",
+    jnp.dtype(jnp.int64): "*i64",
+    jnp.dtype(jnp.int8): "*i8",
+    jnp.dtype(jnp.uint8): "*u8",
+    jnp.dtype(jnp.bool_): "*i8",
+    jnp.dtype(jnp.int16): "*i16",
+    jnp.dtype(jnp.uint32): "*u32",
 }
 
 
@@ -403,8 +462,10 @@ def _scalar_type(v: Any) -> tuple[Any, str]:
         return v, ("i32" if -(2**31) <= v < 2**31 else "i64")
     if isinstance(v, float):
         return v, "fp32"
-    raise TypeError(f"te_ops triton bridge: unsupported scalar argument {v!r} ({type(v).__name__}); pass "
-                    "np.int32 / np.int64 / np.float32 values or Python int/float/bool")
+    raise TypeError(
+        f"te_ops triton bridge: unsupported scalar argument {v!r} ({type(v).__name__}); pass "
+        "np.int32 / np.int64 / np.float32 values or Python int/float/bool"
+    )
 
 
 triton_call_p = jex_core.Primitive("te_triton_call")
@@ -420,8 +481,10 @@ triton_call_p.def_abstract_eval(_abstract_eval)
 
 def _batch_rule(args, dims, **params):
     size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
-    moved = [jnp.moveaxis(a, d, 0) if d is not None else jnp.broadcast_to(a, (size, *a.shape))
-             for a, d in zip(args, dims, strict=True)]
+    moved = [
+        jnp.moveaxis(a, d, 0) if d is not None else jnp.broadcast_to(a, (size, *a.shape))
+        for a, d in zip(args, dims, strict=True)
+    ]
     outs = jax.lax.map(lambda xs: triton_call_p.bind(*xs, **params), moved)
     return list(outs), [0] * len(outs)
 
@@ -446,7 +509,9 @@ def _lowering(ctx, *operands, spec, kernel_params, grid, out_avals, aliases, nam
 
 
 for _platform in ("cuda", "rocm"):
-    mlir.register_lowering(triton_call_p, functools.partial(_lowering, platform=_platform), platform=_platform)
+    mlir.register_lowering(
+        triton_call_p, functools.partial(_lowering, platform=_platform), platform=_platform
+    )
 
 
 def _is_array(a: Any) -> bool:
@@ -495,7 +560,8 @@ def triton_call(
     if len(runtime_names) != len(args) + len(written):
         raise TypeError(
             f"te_ops triton bridge: kernel {kernel.__name__} has {len(runtime_names)} runtime parameters "
-            f"{runtime_names}, got {len(args)} arguments + {len(written)} written outputs")
+            f"{runtime_names}, got {len(args)} arguments + {len(written)} written outputs"
+        )
     grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
     if min(grid) == 0:  # nothing to launch: zero-size work, outputs are empty or zero
         outs = [jnp.zeros(s.shape, s.dtype) for s in out_shape]
@@ -538,5 +604,11 @@ def triton_call(
         operands.append(buf)
     out_avals = tuple(jax.core.ShapedArray(s.shape, s.dtype) for s in out_shape)
     return triton_call_p.bind(
-        *operands, spec=spec, kernel_params=tuple(kernel_params), grid=grid, out_avals=out_avals,
-        aliases=tuple(alias_pairs), name=name or kernel.__name__)
+        *operands,
+        spec=spec,
+        kernel_params=tuple(kernel_params),
+        grid=grid,
+        out_avals=out_avals,
+        aliases=tuple(alias_pairs),
+        name=name or kernel.__name__,
+    )

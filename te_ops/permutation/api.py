@@ -56,8 +56,9 @@ def _gluon_available() -> str | None:
 
 def _dispatch_fwd(mod, **kw):
     def fwd(x, routing_map, probs, *, num_out_tokens, align_size):
-        outs, _ = mod.dispatch_forward(x, routing_map, probs, num_out_tokens=num_out_tokens, align_size=align_size,
-                                       **kw)
+        outs, _ = mod.dispatch_forward(
+            x, routing_map, probs, num_out_tokens=num_out_tokens, align_size=align_size, **kw
+        )
         return outs[0], outs[1], outs[2]
 
     return fwd
@@ -66,7 +67,9 @@ def _dispatch_fwd(mod, **kw):
 def _dispatch_bwd(mod, **kw):
     def bwd(row_id_map, g_out, g_pp, *, num_out_tokens, align_size):
         res = ref.DispatchResiduals(row_id_map, row_id_map.shape[0], g_pp is not None)
-        return mod.dispatch_backward(res, g_out, g_pp, num_out_tokens=num_out_tokens, align_size=align_size, **kw)
+        return mod.dispatch_backward(
+            res, g_out, g_pp, num_out_tokens=num_out_tokens, align_size=align_size, **kw
+        )
 
     return bwd
 
@@ -100,13 +103,25 @@ SORT = registry.family("sort_chunks_by_index")
 
 _triton_available = lambda: tb.unavailable_reason()  # noqa: E731
 for _fam, _f, _b in ((DISPATCH, _dispatch_fwd, _dispatch_bwd), (COMBINE, _combine_fwd, _combine_bwd)):
-    _fam.register(registry.Implementation("triton", _f(tri), _b(tri), tri.unsupported_reason, "cuda",
-                                          _triton_available))
-    _fam.register(registry.Implementation("gluon", _f(tri, gluon=True), _b(tri, gluon=True), tri.unsupported_reason,
-                                          "cuda", _gluon_available))
+    _fam.register(
+        registry.Implementation("triton", _f(tri), _b(tri), tri.unsupported_reason, "cuda", _triton_available)
+    )
+    _fam.register(
+        registry.Implementation(
+            "gluon",
+            _f(tri, gluon=True),
+            _b(tri, gluon=True),
+            tri.unsupported_reason,
+            "cuda",
+            _gluon_available,
+        )
+    )
     _fam.register(registry.Implementation(registry.REFERENCE, _f(ref), _b(ref)))
-SORT.register(registry.Implementation("triton", _sort_fwd(tri), _sort_bwd(tri), tri.unsupported_reason, "cuda",
-                                      _triton_available))
+SORT.register(
+    registry.Implementation(
+        "triton", _sort_fwd(tri), _sort_bwd(tri), tri.unsupported_reason, "cuda", _triton_available
+    )
+)
 SORT.register(registry.Implementation(registry.REFERENCE, _sort_fwd(ref), _sort_bwd(ref)))
 
 
@@ -122,11 +137,15 @@ def _arr(x: Any) -> jax.Array:
 def _check_rows(op: str, name: str, x: Any) -> jax.Array:
     x = _arr(x)
     if x.ndim != 2:
-        raise ValueError(f"te_ops.{op}: {name} must have rank 2 [rows, hidden], got shape {tuple(x.shape)}. "
-                         f"Reshape it first, e.g. {name}.reshape(-1, {name}.shape[-1]).")
+        raise ValueError(
+            f"te_ops.{op}: {name} must have rank 2 [rows, hidden], got shape {tuple(x.shape)}. "
+            f"Reshape it first, e.g. {name}.reshape(-1, {name}.shape[-1])."
+        )
     if jnp.dtype(x.dtype) not in _FLOATS:
-        raise TypeError(f"te_ops.{op}: {name} must be a floating-point array, got dtype {jnp.dtype(x.dtype)}. "
-                        f"Cast it first, e.g. {name}.astype(jnp.bfloat16).")
+        raise TypeError(
+            f"te_ops.{op}: {name} must be a floating-point array, got dtype {jnp.dtype(x.dtype)}. "
+            f"Cast it first, e.g. {name}.astype(jnp.bfloat16)."
+        )
     return x
 
 
@@ -134,8 +153,10 @@ def _check_static_int(op: str, name: str, v: Any, minimum: int, allow_none: bool
     if v is None and allow_none:
         return None
     if isinstance(v, bool) or not isinstance(v, (numbers.Integral, np.integer)):
-        raise TypeError(f"te_ops.{op}: {name} must be a static Python int, got {type(v).__name__} {v!r}. It sets an "
-                        f"output shape, so it cannot be a traced value; pass e.g. {name}=T * topk.")
+        raise TypeError(
+            f"te_ops.{op}: {name} must be a static Python int, got {type(v).__name__} {v!r}. It sets an "
+            f"output shape, so it cannot be a traced value; pass e.g. {name}=T * topk."
+        )
     if int(v) < minimum:
         raise ValueError(f"te_ops.{op}: {name} must be >= {minimum}, got {v}.")
     return int(v)
@@ -146,19 +167,25 @@ def _check_probs(op: str, name: str, p: Any, shape: tuple[int, int]) -> jax.Arra
         return None
     p = _arr(p)
     if tuple(p.shape) != tuple(shape):
-        raise ValueError(f"te_ops.{op}: {name} must have shape {tuple(shape)} [tokens, experts] like routing_map, got "
-                         f"{tuple(p.shape)}.")
+        raise ValueError(
+            f"te_ops.{op}: {name} must have shape {tuple(shape)} [tokens, experts] like routing_map, got "
+            f"{tuple(p.shape)}."
+        )
     if jnp.dtype(p.dtype) not in _FLOATS:
-        raise TypeError(f"te_ops.{op}: {name} must be floating point, got dtype {jnp.dtype(p.dtype)}; cast it with "
-                        f"{name}.astype(jnp.float32).")
+        raise TypeError(
+            f"te_ops.{op}: {name} must be floating point, got dtype {jnp.dtype(p.dtype)}; cast it with "
+            f"{name}.astype(jnp.float32)."
+        )
     return p
 
 
 def _check_int_vector(op: str, name: str, v: Any, length: int | None = None) -> jax.Array:
     v = _arr(v)
     if v.ndim != 1 or not jnp.issubdtype(v.dtype, jnp.integer):
-        raise TypeError(f"te_ops.{op}: {name} must be a 1-D integer array, got shape {tuple(v.shape)} dtype "
-                        f"{jnp.dtype(v.dtype)}. Build it with jnp.asarray(..., jnp.int32).")
+        raise TypeError(
+            f"te_ops.{op}: {name} must be a 1-D integer array, got shape {tuple(v.shape)} dtype "
+            f"{jnp.dtype(v.dtype)}. Build it with jnp.asarray(..., jnp.int32)."
+        )
     if length is not None and v.shape[0] != length:
         raise ValueError(f"te_ops.{op}: {name} must have {length} entries, got {v.shape[0]}.")
     return v.astype(jnp.int32)
@@ -204,14 +231,21 @@ def _global_counts(routing_map, align_size):
 
 
 @functools.cache
-def _build_dispatch(num_out_tokens: int, align_size: int | None, implementation: str | None, has_probs: bool,
-                    num_tokens: int):
+def _build_dispatch(
+    num_out_tokens: int, align_size: int | None, implementation: str | None, has_probs: bool, num_tokens: int
+):
     statics_for = lambda t_local: dict(  # noqa: E731
-        num_out_tokens=_local_out_tokens(num_out_tokens, t_local, num_tokens), align_size=align_size)
+        num_out_tokens=_local_out_tokens(num_out_tokens, t_local, num_tokens), align_size=align_size
+    )
 
     def desc(x, rm, probs, n):
-        return dict(dtype=x.dtype, num_tokens=x.shape[0], num_experts=rm.shape[1],
-                    probs_dtype=None if probs is None else probs.dtype, num_rows=n)
+        return dict(
+            dtype=x.dtype,
+            num_tokens=x.shape[0],
+            num_experts=rm.shape[1],
+            probs_dtype=None if probs is None else probs.dtype,
+            num_rows=n,
+        )
 
     def fwd_impl(x, rm, *probs):
         p = probs[0] if probs else None
@@ -224,8 +258,13 @@ def _build_dispatch(num_out_tokens: int, align_size: int | None, implementation:
         gp = g_pp[0] if g_pp else None
         st = statics_for(row_id_map.shape[0])
         e_ = (row_id_map.shape[1] - 1) // 2
-        call = dict(dtype=g_out.dtype, num_tokens=row_id_map.shape[0], num_experts=e_,
-                    probs_dtype=None if gp is None else gp.dtype, num_rows=g_out.shape[0])
+        call = dict(
+            dtype=g_out.dtype,
+            num_tokens=row_id_map.shape[0],
+            num_experts=e_,
+            probs_dtype=None if gp is None else gp.dtype,
+            num_rows=g_out.shape[0],
+        )
         dx, dprobs = DISPATCH.dispatch(implementation, "backward", (row_id_map, g_out, gp), st, call)
         return (dx, dprobs) if has_probs else dx
 
@@ -284,13 +323,22 @@ def _local_out_tokens(num_out_tokens: int, t_local: int, t_global: int) -> int:
         return num_out_tokens
     if (num_out_tokens * t_local) % t_global:
         raise ValueError(
-            f"te_ops.token_dispatch: with tokens sharded into {t_global // max(t_local, 1)} shards, num_out_tokens "
-            f"({num_out_tokens}) must split evenly over the shards; use a multiple of the shard count (e.g. T * topk).")
+            f"te_ops.token_dispatch: with tokens sharded into {t_global // max(t_local, 1)} shards, "
+            f"num_out_tokens ({num_out_tokens}) must split evenly over the shards; use a multiple of the "
+            "shard count (e.g. T * topk)."
+        )
     return num_out_tokens * t_local // t_global
 
 
-def token_dispatch(x: jax.Array, routing_map: jax.Array, num_out_tokens: int, *, probs: jax.Array | None = None,
-                   align_size: int | None = None, implementation: str | None = None):
+def token_dispatch(
+    x: jax.Array,
+    routing_map: jax.Array,
+    num_out_tokens: int,
+    *,
+    probs: jax.Array | None = None,
+    align_size: int | None = None,
+    implementation: str | None = None,
+):
     """Permutes token rows into expert-major order (MoE dispatch).
 
     Output rows hold all tokens routed to expert 0 (ascending token order), then expert 1, ...;
@@ -322,16 +370,21 @@ def token_dispatch(x: jax.Array, routing_map: jax.Array, num_out_tokens: int, *,
     x = _check_rows(op, "x", x)
     routing_map = _arr(routing_map)
     if routing_map.ndim != 2 or routing_map.shape[0] != x.shape[0]:
-        raise ValueError(f"te_ops.{op}: routing_map must have shape [T, E] with T = x.shape[0] = {x.shape[0]}, got "
-                         f"{tuple(routing_map.shape)}.")
+        raise ValueError(
+            f"te_ops.{op}: routing_map must have shape [T, E] with T = x.shape[0] = {x.shape[0]}, got "
+            f"{tuple(routing_map.shape)}."
+        )
     if routing_map.dtype != jnp.bool_:
-        raise TypeError(f"te_ops.{op}: routing_map must be bool, got dtype {routing_map.dtype}; convert it with "
-                        "routing_map != 0.")
+        raise TypeError(
+            f"te_ops.{op}: routing_map must be bool, got dtype {routing_map.dtype}; convert it with "
+            "routing_map != 0."
+        )
     num_out_tokens = _check_static_int(op, "num_out_tokens", num_out_tokens, 0)
     align_size = _check_static_int(op, "align_size", align_size, 1, allow_none=True)
     probs = _check_probs(op, "probs", probs, routing_map.shape)
     return _build_dispatch(num_out_tokens, align_size, implementation, probs is not None, x.shape[0])(
-        x, routing_map, probs)
+        x, routing_map, probs
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -343,16 +396,26 @@ def token_dispatch(x: jax.Array, routing_map: jax.Array, num_out_tokens: int, *,
 def _build_combine(implementation: str | None, has_probs: bool, num_rows: int, num_tokens: int):
     def fwd_impl(y, row_id_map, *mp):
         m = mp[0] if mp else None
-        call = dict(dtype=y.dtype, num_tokens=row_id_map.shape[0], num_experts=(row_id_map.shape[1] - 1) // 2,
-                    probs_dtype=None if m is None else m.dtype, num_rows=y.shape[0])
+        call = dict(
+            dtype=y.dtype,
+            num_tokens=row_id_map.shape[0],
+            num_experts=(row_id_map.shape[1] - 1) // 2,
+            probs_dtype=None if m is None else m.dtype,
+            num_rows=y.shape[0],
+        )
         return COMBINE.dispatch(implementation, "forward", (y, row_id_map, m), {}, call)
 
     def bwd_impl(row_id_map, g, *ymp):
         y, m = (ymp[0], ymp[1]) if ymp else (None, None)
         # rows of y in this shard: N scaled like the tokens
         n = num_rows * row_id_map.shape[0] // max(num_tokens, 1)
-        call = dict(dtype=g.dtype, num_tokens=row_id_map.shape[0], num_experts=(row_id_map.shape[1] - 1) // 2,
-                    probs_dtype=None if m is None else m.dtype, num_rows=n)
+        call = dict(
+            dtype=g.dtype,
+            num_tokens=row_id_map.shape[0],
+            num_experts=(row_id_map.shape[1] - 1) // 2,
+            probs_dtype=None if m is None else m.dtype,
+            num_rows=n,
+        )
         dy, dmp = COMBINE.dispatch(implementation, "backward", (row_id_map, g, y, m), dict(num_rows=n), call)
         return (dy, dmp) if has_probs else dy
 
@@ -397,8 +460,14 @@ def _build_combine(implementation: str | None, has_probs: bool, num_rows: int, n
     return op
 
 
-def token_combine(y: jax.Array, row_id_map: jax.Array, *, merging_probs: jax.Array | None = None,
-                  pad_offsets: jax.Array | None = None, implementation: str | None = None) -> jax.Array:
+def token_combine(
+    y: jax.Array,
+    row_id_map: jax.Array,
+    *,
+    merging_probs: jax.Array | None = None,
+    pad_offsets: jax.Array | None = None,
+    implementation: str | None = None,
+) -> jax.Array:
     """Inverse of :func:`token_dispatch`: sums each token's expert rows, weighted by merging_probs.
 
     Equivalent to::
@@ -420,13 +489,17 @@ def token_combine(y: jax.Array, row_id_map: jax.Array, *, merging_probs: jax.Arr
     y = _check_rows(op, "y", y)
     row_id_map = _arr(row_id_map)
     if row_id_map.ndim != 2 or row_id_map.dtype != jnp.int32 or row_id_map.shape[1] % 2 != 1:
-        raise ValueError(f"te_ops.{op}: row_id_map must be the int32 [T, 2E+1] map from token_dispatch, got shape "
-                         f"{tuple(row_id_map.shape)} dtype {row_id_map.dtype}.")
+        raise ValueError(
+            f"te_ops.{op}: row_id_map must be the int32 [T, 2E+1] map from token_dispatch, got shape "
+            f"{tuple(row_id_map.shape)} dtype {row_id_map.dtype}."
+        )
     e_ = (row_id_map.shape[1] - 1) // 2
     merging_probs = _check_probs(op, "merging_probs", merging_probs, (row_id_map.shape[0], e_))
     if pad_offsets is not None:
         _check_int_vector(op, "pad_offsets", pad_offsets, e_)
-    return _build_combine(implementation, merging_probs is not None, y.shape[0], row_id_map.shape[0])(y, row_id_map, merging_probs)
+    return _build_combine(implementation, merging_probs is not None, y.shape[0], row_id_map.shape[0])(
+        y, row_id_map, merging_probs
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -437,12 +510,14 @@ def token_combine(y: jax.Array, row_id_map: jax.Array, *, merging_probs: jax.Arr
 @functools.cache
 def _build_sort(implementation: str | None):
     def fwd_impl(x, sizes, idx):
-        return SORT.dispatch(implementation, "forward", (x, sizes, idx), {},
-                             dict(dtype=x.dtype, num_rows=x.shape[0]))
+        return SORT.dispatch(
+            implementation, "forward", (x, sizes, idx), {}, dict(dtype=x.dtype, num_rows=x.shape[0])
+        )
 
     def bwd_impl(row_id_map, g):
-        return SORT.dispatch(implementation, "backward", (row_id_map, g), {},
-                             dict(dtype=g.dtype, num_rows=g.shape[0]))
+        return SORT.dispatch(
+            implementation, "backward", (row_id_map, g), {}, dict(dtype=g.dtype, num_rows=g.shape[0])
+        )
 
     def fwd_specs(arg_specs, shapes):
         h_ax = arg_specs[0][1]
@@ -452,10 +527,18 @@ def _build_sort(implementation: str | None):
         h_ax = arg_specs[1][1]
         return [[None], [None, h_ax]], [None, h_ax]
 
-    fwd_call = _vmapped(P.partitioned(
-        fwd_impl, rule=lambda *s: ("n h, s, s -> n h, n", {"need_replication_factors": ("n",)}), specs=fwd_specs))
-    bwd_call = _vmapped(P.partitioned(
-        bwd_impl, rule=lambda *s: ("n, n h -> n h", {"need_replication_factors": ("n",)}), specs=bwd_specs))
+    fwd_call = _vmapped(
+        P.partitioned(
+            fwd_impl,
+            rule=lambda *s: ("n h, s, s -> n h, n", {"need_replication_factors": ("n",)}),
+            specs=fwd_specs,
+        )
+    )
+    bwd_call = _vmapped(
+        P.partitioned(
+            bwd_impl, rule=lambda *s: ("n, n h -> n h", {"need_replication_factors": ("n",)}), specs=bwd_specs
+        )
+    )
 
     @jax.custom_vjp
     def op(x, sizes, idx):
@@ -472,8 +555,9 @@ def _build_sort(implementation: str | None):
     return op
 
 
-def sort_chunks_by_index(x: jax.Array, split_sizes: jax.Array, sorted_indices: jax.Array, *,
-                         implementation: str | None = None) -> tuple[jax.Array, jax.Array]:
+def sort_chunks_by_index(
+    x: jax.Array, split_sizes: jax.Array, sorted_indices: jax.Array, *, implementation: str | None = None
+) -> tuple[jax.Array, jax.Array]:
     """Reorders S consecutive chunks of rows (sizes ``split_sizes``) into the order ``sorted_indices``.
 
     Rows past ``sum(split_sizes)`` stay where they are. ``sorted_indices`` must be a permutation of

@@ -12,10 +12,21 @@ from triton.experimental.gluon import language as gl
 
 
 @gluon.jit
-def dispatch_kernel(x_ptr, map_ptr, out_ptr, T, E, H, BLOCK_H: gl.constexpr, VEC: gl.constexpr,
-                    TOKENS: gl.constexpr, NUM_WARPS: gl.constexpr):
-    layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[VEC], threads_per_warp=[32],
-                                            warps_per_cta=[NUM_WARPS], order=[0])
+def dispatch_kernel(
+    x_ptr,
+    map_ptr,
+    out_ptr,
+    T,
+    E,
+    H,
+    BLOCK_H: gl.constexpr,
+    VEC: gl.constexpr,
+    TOKENS: gl.constexpr,
+    NUM_WARPS: gl.constexpr,
+):
+    layout: gl.constexpr = gl.BlockedLayout(
+        size_per_thread=[VEC], threads_per_warp=[32], warps_per_cta=[NUM_WARPS], order=[0]
+    )
     W = 2 * E + 1
     for i in range(TOKENS):
         t = gl.program_id(0).to(gl.int64) * TOKENS + i
@@ -31,10 +42,23 @@ def dispatch_kernel(x_ptr, map_ptr, out_ptr, T, E, H, BLOCK_H: gl.constexpr, VEC
 
 
 @gluon.jit
-def combine_kernel(y_ptr, map_ptr, mp_ptr, T, E, H, out_ptr, BLOCK_H: gl.constexpr, VEC: gl.constexpr,
-                   TOKENS: gl.constexpr, NUM_WARPS: gl.constexpr, HAS_PROBS: gl.constexpr):
-    layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[VEC], threads_per_warp=[32],
-                                            warps_per_cta=[NUM_WARPS], order=[0])
+def combine_kernel(
+    y_ptr,
+    map_ptr,
+    mp_ptr,
+    T,
+    E,
+    H,
+    out_ptr,
+    BLOCK_H: gl.constexpr,
+    VEC: gl.constexpr,
+    TOKENS: gl.constexpr,
+    NUM_WARPS: gl.constexpr,
+    HAS_PROBS: gl.constexpr,
+):
+    layout: gl.constexpr = gl.BlockedLayout(
+        size_per_thread=[VEC], threads_per_warp=[32], warps_per_cta=[NUM_WARPS], order=[0]
+    )
     W = 2 * E + 1
     for i in range(TOKENS):
         t = gl.program_id(0).to(gl.int64) * TOKENS + i

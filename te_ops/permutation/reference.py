@@ -86,7 +86,7 @@ def inverse_map(row_id_map: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Ar
     t_ = row_id_map.shape[0]
     e_ = (row_id_map.shape[1] - 1) // 2
     rows = row_id_map[:, :e_]
-    experts = row_id_map[:, e_:2 * e_]
+    experts = row_id_map[:, e_ : 2 * e_]
     idx = jnp.where(rows >= 0, rows, num_rows).reshape(-1)
     tok = jnp.broadcast_to(jnp.arange(t_, dtype=jnp.int32)[:, None], rows.shape).reshape(-1)
     src_t = jnp.full((num_rows,), -1, jnp.int32).at[idx].set(tok, mode="drop")
@@ -111,23 +111,30 @@ def dispatch_forward(x, routing_map, probs=None, *, num_out_tokens: int, align_s
     out = _gather_rows(x, src_t)
     pp = None
     if probs is not None:
-        pp = jnp.where(src_t >= 0, probs[jnp.maximum(src_t, 0), jnp.maximum(src_e, 0)], jnp.zeros((), probs.dtype))
+        pp = jnp.where(
+            src_t >= 0, probs[jnp.maximum(src_t, 0), jnp.maximum(src_e, 0)], jnp.zeros((), probs.dtype)
+        )
     res = DispatchResiduals(row_id_map, x.shape[0], probs is not None)
     return (out, pp, row_id_map, pad_offsets if align_size else None, tpe), res
 
 
-def dispatch_backward(res: DispatchResiduals, g_out, g_pp=None, *, num_out_tokens: int, align_size: int | None):
+def dispatch_backward(
+    res: DispatchResiduals, g_out, g_pp=None, *, num_out_tokens: int, align_size: int | None
+):
     t_ = res.num_tokens
     e_ = (res.row_id_map.shape[1] - 1) // 2
     n = g_out.shape[0]
     src_t, _ = inverse_map(res.row_id_map, n)
-    dx = jnp.zeros((t_, g_out.shape[1]), jnp.float32).at[jnp.where(src_t >= 0, src_t, t_)].add(
-        g_out.astype(jnp.float32), mode="drop")
+    dx = (
+        jnp.zeros((t_, g_out.shape[1]), jnp.float32)
+        .at[jnp.where(src_t >= 0, src_t, t_)]
+        .add(g_out.astype(jnp.float32), mode="drop")
+    )
     dx = dx.astype(g_out.dtype)
     dprobs = None
     if res.has_probs and g_pp is not None:
         rows = res.row_id_map[:, :e_]
-        experts = res.row_id_map[:, e_:2 * e_]
+        experts = res.row_id_map[:, e_ : 2 * e_]
         val = jnp.where(rows >= 0, g_pp[jnp.maximum(rows, 0)], 0)
         tok = jnp.broadcast_to(jnp.arange(t_)[:, None], rows.shape)
         dprobs = jnp.zeros((t_, e_), g_pp.dtype).at[tok, experts].set(val.astype(g_pp.dtype))
@@ -144,15 +151,20 @@ def _row_weights(row_id_map, merging_probs, n):
     if merging_probs is None:
         w = (src_t >= 0).astype(jnp.float32)
     else:
-        w = jnp.where(src_t >= 0, merging_probs[jnp.maximum(src_t, 0), jnp.maximum(src_e, 0)].astype(jnp.float32), 0.0)
+        w = jnp.where(
+            src_t >= 0, merging_probs[jnp.maximum(src_t, 0), jnp.maximum(src_e, 0)].astype(jnp.float32), 0.0
+        )
     return src_t, src_e, w
 
 
 def combine_forward(y, row_id_map, merging_probs=None):
     t_ = row_id_map.shape[0]
     src_t, _, w = _row_weights(row_id_map, merging_probs, y.shape[0])
-    out = jnp.zeros((t_, y.shape[1]), jnp.float32).at[jnp.where(src_t >= 0, src_t, t_)].add(
-        y.astype(jnp.float32) * w[:, None], mode="drop")
+    out = (
+        jnp.zeros((t_, y.shape[1]), jnp.float32)
+        .at[jnp.where(src_t >= 0, src_t, t_)]
+        .add(y.astype(jnp.float32) * w[:, None], mode="drop")
+    )
     res = CombineResiduals(y if merging_probs is not None else None, row_id_map, merging_probs, y.shape[0])
     return out.astype(y.dtype), res
 
@@ -167,8 +179,12 @@ def combine_backward(res: CombineResiduals, g):
     if res.merging_probs is not None:
         t_, e_ = res.merging_probs.shape
         dots = jnp.sum(res.y.astype(jnp.float32) * g32, axis=1)
-        dmp = jnp.zeros((t_, e_), jnp.float32).at[jnp.where(src_t >= 0, src_t, t_), jnp.maximum(src_e, 0)].set(
-            dots, mode="drop").astype(res.merging_probs.dtype)
+        dmp = (
+            jnp.zeros((t_, e_), jnp.float32)
+            .at[jnp.where(src_t >= 0, src_t, t_), jnp.maximum(src_e, 0)]
+            .set(dots, mode="drop")
+            .astype(res.merging_probs.dtype)
+        )
     return dy, dmp
 
 

@@ -63,12 +63,15 @@ def _tile_t(e: int) -> tuple[int, int]:
     return max(1, min(64, 4096 // block_e)), block_e
 
 
-def unsupported_reason(*, dtype=None, num_tokens=None, num_experts=None, probs_dtype=None, num_rows=None,
-                       **_) -> str | None:
+def unsupported_reason(
+    *, dtype=None, num_tokens=None, num_experts=None, probs_dtype=None, num_rows=None, **_
+) -> str | None:
     if dtype is not None and jnp.dtype(dtype) not in SUPPORTED_DTYPES:
-        return f"the Triton permutation kernels support float32, bfloat16 and float16 rows, got {jnp.dtype(dtype)}"
+        got = jnp.dtype(dtype)
+        return f"the Triton permutation kernels support float32, bfloat16 and float16 rows, got {got}"
     if probs_dtype is not None and jnp.dtype(probs_dtype) not in SUPPORTED_DTYPES:
-        return f"probabilities must be float32, bfloat16 or float16 for the Triton kernels, got {jnp.dtype(probs_dtype)}"
+        got = jnp.dtype(probs_dtype)
+        return f"probabilities must be float32, bfloat16 or float16 for the Triton kernels, got {got}"
     if num_experts is not None and num_experts > MAX_EXPERTS:
         return f"the Triton permutation kernels support up to {MAX_EXPERTS} experts, got {num_experts}"
     if num_tokens is not None and num_experts is not None and num_tokens * max(num_experts, 1) >= 2**31 - 1:
@@ -89,20 +92,41 @@ def _routing(routing_map, probs, num_out_tokens, align_size):
     n = ref.out_rows(num_out_tokens, e_, align_size)
     block_t, block_e = _tile_t(e_)
     nb = _cdiv(t_, block_t)
-    counts = tb.triton_call(k.count_kernel, routing_map, np.int32(t_), np.int32(e_),
-                            out_shape=[SDS((nb, e_), I32)], grid=(nb,),
-                            constexprs=dict(BLOCK_T=block_t, BLOCK_E=block_e))[0]
+    counts = tb.triton_call(
+        k.count_kernel,
+        routing_map,
+        np.int32(t_),
+        np.int32(e_),
+        out_shape=[SDS((nb, e_), I32)],
+        grid=(nb,),
+        constexprs=dict(BLOCK_T=block_t, BLOCK_E=block_e),
+    )[0]
     block_b = max(1, min(64, 8192 // block_e))
     base, tpe, pad = tb.triton_call(
-        k.scan_kernel, counts, np.int32(nb), np.int32(e_), np.int32(align_size or 1),
-        out_shape=[SDS((nb, e_), I32), SDS((e_,), I32), SDS((e_,), I32)], grid=(1,),
-        constexprs=dict(BLOCK_B=block_b, BLOCK_E=block_e), num_warps=8)
+        k.scan_kernel,
+        counts,
+        np.int32(nb),
+        np.int32(e_),
+        np.int32(align_size or 1),
+        out_shape=[SDS((nb, e_), I32), SDS((e_,), I32), SDS((e_,), I32)],
+        grid=(1,),
+        constexprs=dict(BLOCK_B=block_b, BLOCK_E=block_e),
+        num_warps=8,
+    )
     pp_shape = SDS((n,), probs.dtype) if probs is not None else SDS((1,), jnp.float32)
     row_id_map, inv, pp = tb.triton_call(
-        k.rowmap_kernel, routing_map, probs if probs is not None else counts, base,
-        np.int32(t_), np.int32(e_), np.int32(n),
-        out_shape=[SDS((t_, 2 * e_ + 1), I32), SDS((n,), I32), pp_shape], grid=(nb,), zeroed_outputs=(1,),
-        constexprs=dict(BLOCK_T=block_t, BLOCK_E=block_e, HAS_PROBS=probs is not None))
+        k.rowmap_kernel,
+        routing_map,
+        probs if probs is not None else counts,
+        base,
+        np.int32(t_),
+        np.int32(e_),
+        np.int32(n),
+        out_shape=[SDS((t_, 2 * e_ + 1), I32), SDS((n,), I32), pp_shape],
+        grid=(nb,),
+        zeroed_outputs=(1,),
+        constexprs=dict(BLOCK_T=block_t, BLOCK_E=block_e, HAS_PROBS=probs is not None),
+    )
     return row_id_map, inv, (pp if probs is not None else None), tpe, pad, n
 
 
@@ -111,13 +135,29 @@ def _zero_holes(inv, pp, n, h, dtype):
     rows = max(1, min(32, 4096 // block_h))
     if pp is not None:
         out, pp = tb.triton_call(
-            _k().zero_holes_kernel, inv, pp, np.int32(n), np.int32(h),
-            out_shape=[SDS((n, h), dtype), SDS(pp.shape, pp.dtype)], input_output_aliases={1: 1},
-            grid=(_cdiv(n, rows),), constexprs=dict(ROWS=rows, BLOCK_H=block_h, HAS_PROBS=True), num_warps=warps)
+            _k().zero_holes_kernel,
+            inv,
+            pp,
+            np.int32(n),
+            np.int32(h),
+            out_shape=[SDS((n, h), dtype), SDS(pp.shape, pp.dtype)],
+            input_output_aliases={1: 1},
+            grid=(_cdiv(n, rows),),
+            constexprs=dict(ROWS=rows, BLOCK_H=block_h, HAS_PROBS=True),
+            num_warps=warps,
+        )
         return out, pp
     out = tb.triton_call(
-        _k().zero_holes_kernel, inv, inv, np.int32(n), np.int32(h), out_shape=[SDS((n, h), dtype)],
-        grid=(_cdiv(n, rows),), constexprs=dict(ROWS=rows, BLOCK_H=block_h, HAS_PROBS=False), num_warps=warps)[0]
+        _k().zero_holes_kernel,
+        inv,
+        inv,
+        np.int32(n),
+        np.int32(h),
+        out_shape=[SDS((n, h), dtype)],
+        grid=(_cdiv(n, rows),),
+        constexprs=dict(ROWS=rows, BLOCK_H=block_h, HAS_PROBS=False),
+        num_warps=warps,
+    )[0]
     return out, None
 
 
@@ -128,16 +168,37 @@ def _move_rows(x, row_id_map, out0, gluon: bool):
     if gluon:
         tokens = 1 if h >= 1024 else 4
         return tb.triton_call(
-            _gk().dispatch_kernel, x, row_id_map, out0, np.int32(t_), np.int32(e_), np.int32(h),
-            out_shape=[SDS(out0.shape, out0.dtype)], input_output_aliases={2: 0}, grid=(_cdiv(t_, tokens),),
-            constexprs=dict(BLOCK_H=block_h, VEC=vec, TOKENS=tokens, NUM_WARPS=warps), num_warps=warps)[0]
+            _gk().dispatch_kernel,
+            x,
+            row_id_map,
+            out0,
+            np.int32(t_),
+            np.int32(e_),
+            np.int32(h),
+            out_shape=[SDS(out0.shape, out0.dtype)],
+            input_output_aliases={2: 0},
+            grid=(_cdiv(t_, tokens),),
+            constexprs=dict(BLOCK_H=block_h, VEC=vec, TOKENS=tokens, NUM_WARPS=warps),
+            num_warps=warps,
+        )[0]
     return tb.triton_call(
-        _k().dispatch_kernel, x, row_id_map, out0, np.int32(e_), np.int32(h),
-        out_shape=[SDS(out0.shape, out0.dtype)], input_output_aliases={2: 0}, grid=(t_,),
-        constexprs=dict(BLOCK_H=block_h), num_warps=warps)[0]
+        _k().dispatch_kernel,
+        x,
+        row_id_map,
+        out0,
+        np.int32(e_),
+        np.int32(h),
+        out_shape=[SDS(out0.shape, out0.dtype)],
+        input_output_aliases={2: 0},
+        grid=(t_,),
+        constexprs=dict(BLOCK_H=block_h),
+        num_warps=warps,
+    )[0]
 
 
-def dispatch_forward(x, routing_map, probs=None, *, num_out_tokens: int, align_size: int | None, gluon: bool = False):
+def dispatch_forward(
+    x, routing_map, probs=None, *, num_out_tokens: int, align_size: int | None, gluon: bool = False
+):
     row_id_map, inv, pp, tpe, pad, n = _routing(routing_map, probs, num_out_tokens, align_size)
     out0, pp = _zero_holes(inv, pp, n, x.shape[1], x.dtype)
     out = _move_rows(x, row_id_map, out0, gluon)
@@ -145,7 +206,9 @@ def dispatch_forward(x, routing_map, probs=None, *, num_out_tokens: int, align_s
     return (out, pp, row_id_map, pad if align_size else None, tpe), res
 
 
-def dispatch_backward(res, g_out, g_pp=None, *, num_out_tokens: int, align_size: int | None, gluon: bool = False):
+def dispatch_backward(
+    res, g_out, g_pp=None, *, num_out_tokens: int, align_size: int | None, gluon: bool = False
+):
     del num_out_tokens, align_size, gluon
     t_ = res.num_tokens
     e_ = (res.row_id_map.shape[1] - 1) // 2
@@ -153,9 +216,17 @@ def dispatch_backward(res, g_out, g_pp=None, *, num_out_tokens: int, align_size:
     block_h, _, warps = _h_config(h, g_out.dtype.itemsize)
     if res.has_probs and g_pp is not None:
         dx, dprobs = tb.triton_call(
-            _k().dispatch_bwd_kernel, g_out, res.row_id_map, g_pp, np.int32(e_), np.int32(h),
-            out_shape=[SDS((t_, h), g_out.dtype), SDS((t_, e_), g_pp.dtype)], grid=(t_,),
-            constexprs=dict(BLOCK_H=block_h, BLOCK_E=_pow2(e_)), num_warps=warps)
+            _k().dispatch_bwd_kernel,
+            g_out,
+            res.row_id_map,
+            g_pp,
+            np.int32(e_),
+            np.int32(h),
+            out_shape=[SDS((t_, h), g_out.dtype), SDS((t_, e_), g_pp.dtype)],
+            grid=(t_,),
+            constexprs=dict(BLOCK_H=block_h, BLOCK_E=_pow2(e_)),
+            num_warps=warps,
+        )
         return dx, dprobs
     dx = _combine(g_out, res.row_id_map, None, False)
     return dx, None
@@ -175,18 +246,39 @@ def _combine(y, row_id_map, merging_probs, gluon: bool):
     if gluon:
         tokens = 1 if h >= 1024 else 4
         return tb.triton_call(
-            _gk().combine_kernel, y, row_id_map, mp, np.int32(t_), np.int32(e_), np.int32(h),
-            out_shape=[SDS((t_, h), y.dtype)], grid=(_cdiv(t_, tokens),), num_warps=warps,
-            constexprs=dict(BLOCK_H=block_h, VEC=vec, TOKENS=tokens, NUM_WARPS=warps,
-                            HAS_PROBS=merging_probs is not None))[0]
+            _gk().combine_kernel,
+            y,
+            row_id_map,
+            mp,
+            np.int32(t_),
+            np.int32(e_),
+            np.int32(h),
+            out_shape=[SDS((t_, h), y.dtype)],
+            grid=(_cdiv(t_, tokens),),
+            num_warps=warps,
+            constexprs=dict(
+                BLOCK_H=block_h, VEC=vec, TOKENS=tokens, NUM_WARPS=warps, HAS_PROBS=merging_probs is not None
+            ),
+        )[0]
     return tb.triton_call(
-        _k().combine_kernel, y, row_id_map, mp, np.int32(e_), np.int32(h), out_shape=[SDS((t_, h), y.dtype)],
-        grid=(t_,), constexprs=dict(BLOCK_H=block_h, HAS_PROBS=merging_probs is not None), num_warps=warps)[0]
+        _k().combine_kernel,
+        y,
+        row_id_map,
+        mp,
+        np.int32(e_),
+        np.int32(h),
+        out_shape=[SDS((t_, h), y.dtype)],
+        grid=(t_,),
+        constexprs=dict(BLOCK_H=block_h, HAS_PROBS=merging_probs is not None),
+        num_warps=warps,
+    )[0]
 
 
 def combine_forward(y, row_id_map, merging_probs=None, *, gluon: bool = False):
     out = _combine(y, row_id_map, merging_probs, gluon)
-    res = ref.CombineResiduals(y if merging_probs is not None else None, row_id_map, merging_probs, y.shape[0])
+    res = ref.CombineResiduals(
+        y if merging_probs is not None else None, row_id_map, merging_probs, y.shape[0]
+    )
     return out, res
 
 
@@ -198,22 +290,48 @@ def combine_backward(res, g, *, gluon: bool = False):
     e_ = (row_id_map.shape[1] - 1) // 2
     n, h = res.num_rows, g.shape[1]
     block_t, block_e = _tile_t(e_)
-    inv = tb.triton_call(k.inv_kernel, row_id_map, np.int32(t_), np.int32(e_), out_shape=[SDS((n,), I32)],
-                         grid=(_cdiv(t_, block_t),), zeroed_outputs=(0,),
-                         constexprs=dict(BLOCK_T=block_t, BLOCK_E=block_e))[0]
+    inv = tb.triton_call(
+        k.inv_kernel,
+        row_id_map,
+        np.int32(t_),
+        np.int32(e_),
+        out_shape=[SDS((n,), I32)],
+        grid=(_cdiv(t_, block_t),),
+        zeroed_outputs=(0,),
+        constexprs=dict(BLOCK_T=block_t, BLOCK_E=block_e),
+    )[0]
     dy0, _ = _zero_holes(inv, None, n, h, g.dtype)
     block_h, _, warps = _h_config(h, g.dtype.itemsize)
     if res.merging_probs is not None:
         dy, dmp = tb.triton_call(
-            k.combine_bwd_kernel, g, res.y, row_id_map, res.merging_probs, dy0, np.int32(e_), np.int32(h),
+            k.combine_bwd_kernel,
+            g,
+            res.y,
+            row_id_map,
+            res.merging_probs,
+            dy0,
+            np.int32(e_),
+            np.int32(h),
             out_shape=[SDS((n, h), g.dtype), SDS(res.merging_probs.shape, res.merging_probs.dtype)],
-            input_output_aliases={4: 0}, grid=(t_,), constexprs=dict(BLOCK_H=block_h, BLOCK_E=block_e),
-            num_warps=warps)
+            input_output_aliases={4: 0},
+            grid=(t_,),
+            constexprs=dict(BLOCK_H=block_h, BLOCK_E=block_e),
+            num_warps=warps,
+        )
         return dy, dmp
     dy = tb.triton_call(
-        k.combine_bwd_noprobs_kernel, g, row_id_map, dy0, np.int32(e_), np.int32(h),
-        out_shape=[SDS((n, h), g.dtype)], input_output_aliases={2: 0}, grid=(t_,),
-        constexprs=dict(BLOCK_H=block_h, BLOCK_E=block_e), num_warps=warps)[0]
+        k.combine_bwd_noprobs_kernel,
+        g,
+        row_id_map,
+        dy0,
+        np.int32(e_),
+        np.int32(h),
+        out_shape=[SDS((n, h), g.dtype)],
+        input_output_aliases={2: 0},
+        grid=(t_,),
+        constexprs=dict(BLOCK_H=block_h, BLOCK_E=block_e),
+        num_warps=warps,
+    )[0]
     return dy, None
 
 
@@ -226,8 +344,17 @@ def _gather(x, idx):
     n, h = x.shape
     block_h, _, warps = _h_config(h, x.dtype.itemsize)
     rows = max(1, min(16, 4096 // block_h))
-    return tb.triton_call(_k().row_gather_kernel, x, idx, np.int32(n), np.int32(h), out_shape=[SDS(x.shape, x.dtype)],
-                          grid=(_cdiv(n, rows),), constexprs=dict(ROWS=rows, BLOCK_H=block_h), num_warps=warps)[0]
+    return tb.triton_call(
+        _k().row_gather_kernel,
+        x,
+        idx,
+        np.int32(n),
+        np.int32(h),
+        out_shape=[SDS(x.shape, x.dtype)],
+        grid=(_cdiv(n, rows),),
+        constexprs=dict(ROWS=rows, BLOCK_H=block_h),
+        num_warps=warps,
+    )[0]
 
 
 def sort_forward(x, split_sizes, sorted_indices):
@@ -237,9 +364,16 @@ def sort_forward(x, split_sizes, sorted_indices):
     block_s = _pow2(max(s, 1))
     rows = max(1, min(64, 4096 // block_s))
     src, row_id_map = tb.triton_call(
-        _k().chunk_src_kernel, src_start, dst_start, dst_end, np.int32(s), np.int32(n),
-        out_shape=[SDS((n,), I32), SDS((n,), I32)], grid=(_cdiv(n, rows),),
-        constexprs=dict(ROWS=rows, BLOCK_S=block_s))
+        _k().chunk_src_kernel,
+        src_start,
+        dst_start,
+        dst_end,
+        np.int32(s),
+        np.int32(n),
+        out_shape=[SDS((n,), I32), SDS((n,), I32)],
+        grid=(_cdiv(n, rows),),
+        constexprs=dict(ROWS=rows, BLOCK_S=block_s),
+    )
     return (_gather(x, src), row_id_map), ref.SortResiduals(row_id_map)
 
 

@@ -27,7 +27,9 @@ def count_kernel(rm_ptr, T, E, counts_ptr, BLOCK_T: tl.constexpr, BLOCK_E: tl.co
 
 
 @triton.jit
-def scan_kernel(counts_ptr, nb, E, A, base_ptr, tpe_ptr, pad_ptr, BLOCK_B: tl.constexpr, BLOCK_E: tl.constexpr):
+def scan_kernel(
+    counts_ptr, nb, E, A, base_ptr, tpe_ptr, pad_ptr, BLOCK_B: tl.constexpr, BLOCK_E: tl.constexpr
+):
     """One program: expert totals, padded counts, expert start rows, and per-block base rows
     base[b, e] = start[e] + sum_{b' < b} counts[b', e]."""
     e = tl.arange(0, BLOCK_E)
@@ -53,8 +55,20 @@ def scan_kernel(counts_ptr, nb, E, A, base_ptr, tpe_ptr, pad_ptr, BLOCK_B: tl.co
 
 
 @triton.jit
-def rowmap_kernel(rm_ptr, probs_ptr, base_ptr, T, E, N, map_ptr, inv_ptr, pp_ptr,
-                  BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, HAS_PROBS: tl.constexpr):
+def rowmap_kernel(
+    rm_ptr,
+    probs_ptr,
+    base_ptr,
+    T,
+    E,
+    N,
+    map_ptr,
+    inv_ptr,
+    pp_ptr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    HAS_PROBS: tl.constexpr,
+):
     """row_id_map rows of a block of tokens, the inverse map inv[row] = t * E + e + 1 (0 = hole;
     the buffer is zeroed by the launcher) and permuted_probs at the routed rows."""
     b = tl.program_id(0)
@@ -102,8 +116,9 @@ def inv_kernel(map_ptr, T, E, inv_ptr, BLOCK_T: tl.constexpr, BLOCK_E: tl.conste
 
 
 @triton.jit
-def zero_holes_kernel(inv_ptr, pp_ptr, N, H, out_ptr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
-                      HAS_PROBS: tl.constexpr):
+def zero_holes_kernel(
+    inv_ptr, pp_ptr, N, H, out_ptr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr, HAS_PROBS: tl.constexpr
+):
     """Zeroes the rows no token is routed to (inv == 0): padding and tail rows. ``pp_ptr`` is an
     input aliased to its output (permuted_probs), only touched with HAS_PROBS."""
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -115,8 +130,11 @@ def zero_holes_kernel(inv_ptr, pp_ptr, N, H, out_ptr, ROWS: tl.constexpr, BLOCK_
         r64 = r.to(tl.int64)
         for h0 in range(0, H, BLOCK_H):
             hh = h0 + tl.arange(0, BLOCK_H)
-            tl.store(out_ptr + r64[:, None] * H + hh[None, :], tl.zeros([ROWS, BLOCK_H], out_ptr.dtype.element_ty),
-                     mask=hole[:, None] & (hh < H)[None, :])
+            tl.store(
+                out_ptr + r64[:, None] * H + hh[None, :],
+                tl.zeros([ROWS, BLOCK_H], out_ptr.dtype.element_ty),
+                mask=hole[:, None] & (hh < H)[None, :],
+            )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -166,8 +184,9 @@ def combine_kernel(y_ptr, map_ptr, mp_ptr, E, H, out_ptr, BLOCK_H: tl.constexpr,
 
 
 @triton.jit
-def dispatch_bwd_kernel(g_ptr, map_ptr, gpp_ptr, E, H, dx_ptr, dprobs_ptr, BLOCK_H: tl.constexpr,
-                        BLOCK_E: tl.constexpr):
+def dispatch_bwd_kernel(
+    g_ptr, map_ptr, gpp_ptr, E, H, dx_ptr, dprobs_ptr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr
+):
     """dx[t] = sum of g over t's rows (fp32); dprobs[t, e] = g_permuted_probs[row(t, e)], 0 elsewhere."""
     t = tl.program_id(0).to(tl.int64)
     _combine_token(t, g_ptr, map_ptr, map_ptr, dx_ptr, E, H, BLOCK_H, False)
@@ -182,8 +201,20 @@ def dispatch_bwd_kernel(g_ptr, map_ptr, gpp_ptr, E, H, dx_ptr, dprobs_ptr, BLOCK
 
 
 @triton.jit
-def _combine_bwd_token(t, g_ptr, y_ptr, map_ptr, mp_ptr, dy_ptr, dmp_ptr, E, H, BLOCK_H: tl.constexpr,
-                       BLOCK_E: tl.constexpr, HAS_PROBS: tl.constexpr):
+def _combine_bwd_token(
+    t,
+    g_ptr,
+    y_ptr,
+    map_ptr,
+    mp_ptr,
+    dy_ptr,
+    dmp_ptr,
+    E,
+    H,
+    BLOCK_H: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    HAS_PROBS: tl.constexpr,
+):
     W = 2 * E + 1
     n = tl.load(map_ptr + t * W + 2 * E)
     for k in range(n):
@@ -206,12 +237,15 @@ def _combine_bwd_token(t, g_ptr, y_ptr, map_ptr, mp_ptr, dy_ptr, dmp_ptr, E, H, 
     if HAS_PROBS:
         kk = tl.arange(0, BLOCK_E)
         es = tl.load(map_ptr + t * W + E + kk, mask=kk < E, other=0)
-        tl.store(dmp_ptr + t * E + es, tl.zeros([BLOCK_E], dmp_ptr.dtype.element_ty), mask=(kk < E) & (kk >= n))
+        tl.store(
+            dmp_ptr + t * E + es, tl.zeros([BLOCK_E], dmp_ptr.dtype.element_ty), mask=(kk < E) & (kk >= n)
+        )
 
 
 @triton.jit
-def combine_bwd_kernel(g_ptr, y_ptr, map_ptr, mp_ptr, dy_ptr, E, H, dmp_ptr, BLOCK_H: tl.constexpr,
-                       BLOCK_E: tl.constexpr):
+def combine_bwd_kernel(
+    g_ptr, y_ptr, map_ptr, mp_ptr, dy_ptr, E, H, dmp_ptr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr
+):
     """dy[row] = g[t] * merging_probs[t, e] (``dy_ptr`` aliased, holes zeroed before);
     dmerging_probs[t, e] = <y[row], g[t]> in fp32, 0 where not routed."""
     t = tl.program_id(0).to(tl.int64)
@@ -230,8 +264,17 @@ def combine_bwd_noprobs_kernel(g_ptr, map_ptr, dy_ptr, E, H, BLOCK_H: tl.constex
 
 
 @triton.jit
-def chunk_src_kernel(src_start_ptr, dst_start_ptr, dst_end_ptr, S, N, src_ptr, map_ptr, ROWS: tl.constexpr,
-                     BLOCK_S: tl.constexpr):
+def chunk_src_kernel(
+    src_start_ptr,
+    dst_start_ptr,
+    dst_end_ptr,
+    S,
+    N,
+    src_ptr,
+    map_ptr,
+    ROWS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
     """For each output row r: src[r] = the input row it takes (gather form), and map[src[r]] = r.
     Chunk metadata is per position j of the sorted order (see reference.chunk_layout)."""
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -241,8 +284,11 @@ def chunk_src_kernel(src_start_ptr, dst_start_ptr, dst_end_ptr, S, N, src_ptr, m
     j = tl.sum((ends[None, :] <= r[:, None]).to(tl.int32), axis=1)
     inside = j < S
     jj = tl.where(inside, j, 0)
-    src = tl.load(src_start_ptr + jj, mask=rm & inside, other=0) + r - tl.load(dst_start_ptr + jj, mask=rm & inside,
-                                                                               other=0)
+    src = (
+        tl.load(src_start_ptr + jj, mask=rm & inside, other=0)
+        + r
+        - tl.load(dst_start_ptr + jj, mask=rm & inside, other=0)
+    )
     src = tl.where(inside, src, r)
     tl.store(src_ptr + r, src, mask=rm)
     tl.store(map_ptr + src, r, mask=rm)

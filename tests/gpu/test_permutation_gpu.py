@@ -31,8 +31,10 @@ def _reason(impl):
     return why or native.cuda_device_unavailable_reason()
 
 
-IMPLS = [pytest.param(i, marks=pytest.mark.skipif(_reason(i) is not None, reason=f"{i}: {_reason(i)}"))
-         for i in ("triton", "gluon")]
+IMPLS = [
+    pytest.param(i, marks=pytest.mark.skipif(_reason(i) is not None, reason=f"{i}: {_reason(i)}"))
+    for i in ("triton", "gluon")
+]
 
 
 def routing(t, e, k, seed):
@@ -55,7 +57,9 @@ def run(impl, x, rm, probs, align, k, g_seed=0):
     gpp = jax.random.normal(jax.random.PRNGKey(g_seed + 2), (n,), jnp.float32)
 
     def f(x, probs):
-        out, pp, m, pad, tpe = token_dispatch(x, rm, t * k, probs=probs, align_size=align, implementation=impl)
+        out, pp, m, pad, tpe = token_dispatch(
+            x, rm, t * k, probs=probs, align_size=align, implementation=impl
+        )
         y = token_combine(out * w, m, merging_probs=probs, implementation=impl)
         return (out, pp, m, pad, tpe), y
 
@@ -80,7 +84,14 @@ def run(impl, x, rm, probs, align, k, g_seed=0):
         return jax.jit(lambda x, p: step(x, p))(x, probs)
 
 
-CONFIGS = [(8, False, None), (8, True, 16), (64, True, None), (64, False, 8), (256, True, 16), (256, False, None)]
+CONFIGS = [
+    (8, False, None),
+    (8, True, 16),
+    (64, True, None),
+    (64, False, 8),
+    (256, True, 16),
+    (256, False, None),
+]
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -97,8 +108,9 @@ def test_matches_reference(impl, e, with_probs, align):
         if b is None:
             assert a is None, name
             continue
-        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)),
-                                      err_msg=f"{impl} {name}")
+        np.testing.assert_array_equal(
+            np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)), err_msg=f"{impl} {name}"
+        )
     assert_close(y, ry, jnp.bfloat16, scale=4, err_msg=f"{impl} combine")
     for i, (a, b) in enumerate(zip(grads, rgrads, strict=True)):
         if b is None:
@@ -113,8 +125,8 @@ def test_dropped_pairs_and_zero_tail(impl):
     x = jax.random.normal(jax.random.PRNGKey(3), (t, h), jnp.float32)
     for n0 in (40, 200):  # fewer rows than pairs (tail dropped), more rows (zero tail)
         with native.poisoned_outputs():
-            got = jax.jit(lambda x: token_dispatch(x, rm, n0, implementation=impl)[:3])(x)
-        want = jax.jit(lambda x: token_dispatch(x, rm, n0, implementation="reference")[:3])(x)
+            got = jax.jit(lambda x, n0=n0: token_dispatch(x, rm, n0, implementation=impl)[:3])(x)
+        want = jax.jit(lambda x, n0=n0: token_dispatch(x, rm, n0, implementation="reference")[:3])(x)
         np.testing.assert_array_equal(got[0], want[0])
         np.testing.assert_array_equal(got[2], want[2])
 
@@ -131,6 +143,7 @@ def test_sort_chunks_triton():
         def step(x):
             (out, m), vjp = jax.vjp(lambda x: sort_chunks_by_index(x, sizes, idx, implementation=impl), x)
             return out, m, vjp((g, np.zeros(m.shape, jax.dtypes.float0)))[0]
+
         with native.poisoned_outputs():
             return jax.jit(step)(x)
 
@@ -145,10 +158,18 @@ def test_lowering_threads_compile_once_and_in_parallel():
 
     def lower_scale(block_h):
         x = jnp.ones((4096,), jnp.float32)
-        fn = jax.jit(lambda x: tb.triton_call(
-            K.row_gather_kernel, x.reshape(64, 64), jnp.arange(64, dtype=jnp.int32), np.int32(64), np.int32(64),
-            out_shape=[jax.ShapeDtypeStruct((64, 64), jnp.float32)], grid=(16,),
-            constexprs=dict(ROWS=4, BLOCK_H=block_h))[0])
+        fn = jax.jit(
+            lambda x: tb.triton_call(
+                K.row_gather_kernel,
+                x.reshape(64, 64),
+                jnp.arange(64, dtype=jnp.int32),
+                np.int32(64),
+                np.int32(64),
+                out_shape=[jax.ShapeDtypeStruct((64, 64), jnp.float32)],
+                grid=(16,),
+                constexprs=dict(ROWS=4, BLOCK_H=block_h),
+            )[0]
+        )
         return fn.lower(x).compile()
 
     for blocks, want in (([64] * 8, 1), ([32, 64, 128, 256, 512, 1024, 2048, 4096], 8)):
@@ -157,7 +178,7 @@ def test_lowering_threads_compile_once_and_in_parallel():
         barrier = threading.Barrier(8)
         errors = []
 
-        def work(b):
+        def work(b, barrier=barrier, errors=errors):
             try:
                 barrier.wait()
                 lower_scale(b)
@@ -200,7 +221,8 @@ _CMD_BUFFER_SCRIPT = textwrap.dedent("""
         for _ in range(3):  # replays of the recorded graph
             got = fn(x, p)
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-            np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=3e-2, atol=3e-2)
+            np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                       rtol=3e-2, atol=3e-2)
         print("OK", impl)
 """)
 
@@ -208,10 +230,18 @@ _CMD_BUFFER_SCRIPT = textwrap.dedent("""
 def test_under_command_buffers():
     if _reason("triton"):
         pytest.skip(_reason("triton"))
-    env = dict(os.environ,
-               XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1")
+    env = dict(
+        os.environ,
+        XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1",
+    )
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-c", _CMD_BUFFER_SCRIPT], capture_output=True, text=True, env=env,
-                       timeout=300, cwd=root)
+    r = subprocess.run(
+        [sys.executable, "-c", _CMD_BUFFER_SCRIPT],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=root,
+    )
     assert r.returncode == 0 and "OK triton" in r.stdout, (r.stdout[-3000:], r.stderr[-5000:])

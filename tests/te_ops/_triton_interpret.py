@@ -38,8 +38,16 @@ class _Dtype:
         return "torch." + self.name
 
 
-_NAMES = {"float32": "float32", "int32": "int32", "int64": "int64", "float16": "float16", "bool": "int8",
-          "int8": "int8", "bfloat16": "bfloat16", "uint8": "uint8"}
+_NAMES = {
+    "float32": "float32",
+    "int32": "int32",
+    "int64": "int64",
+    "float16": "float16",
+    "bool": "int8",
+    "int8": "int8",
+    "bfloat16": "bfloat16",
+    "uint8": "uint8",
+}
 
 
 # One dtype object per name, alive for the whole process: Triton's argument specialisation caches
@@ -91,8 +99,18 @@ def _fix_interpreter_for_numpy2():
     interpreter._patch_lang_tensor = patched
 
 
-def interpreted_call(kernel, *args, out_shape, grid, constexprs=None, num_warps=4, num_stages=2,
-                     input_output_aliases=None, zeroed_outputs=(), name=None):
+def interpreted_call(
+    kernel,
+    *args,
+    out_shape,
+    grid,
+    constexprs=None,
+    num_warps=4,
+    num_stages=2,
+    input_output_aliases=None,
+    zeroed_outputs=(),
+    name=None,
+):
     aliases = dict(input_output_aliases or {})
     bufs = []
     for a in args:
@@ -136,9 +154,11 @@ def main():
     tri.tb.triton_call = interpreted_call
     rng = np.random.default_rng(0)
     failures = 0
-    for (t_, e_, h, k, align, with_probs, dtype) in [
-        (37, 8, 40, 2, None, True, np.float32), (37, 8, 40, 2, 4, False, np.float32),
-        (20, 64, 16, 3, None, False, np.float32), (20, 64, 16, 3, 8, True, np.float32),
+    for t_, e_, h, k, align, with_probs, dtype in [
+        (37, 8, 40, 2, None, True, np.float32),
+        (37, 8, 40, 2, 4, False, np.float32),
+        (20, 64, 16, 3, None, False, np.float32),
+        (20, 64, 16, 3, 8, True, np.float32),
         (9, 8, 24, 2, 4, True, jnp.bfloat16),
     ]:
         scores = rng.standard_normal((t_, e_))
@@ -152,7 +172,12 @@ def main():
         n0 = t_ * k
         got, _ = tri.dispatch_forward(x, rmj, probs, num_out_tokens=n0, align_size=align)
         want, _ = ref.dispatch_forward(x, rmj, probs, num_out_tokens=n0, align_size=align)
-        for name, g, w in zip(["out", "permuted_probs", "row_id_map", "pad_offsets", "tokens_per_expert"], got, want):
+        for name, g, w in zip(
+            ["out", "permuted_probs", "row_id_map", "pad_offsets", "tokens_per_expert"],
+            got,
+            want,
+            strict=False,
+        ):
             if w is None:
                 continue
             if not np.array_equal(np.asarray(g, np.float64), np.asarray(w, np.float64)):
@@ -165,16 +190,22 @@ def main():
         g_pp = jnp.asarray(rng.standard_normal((n,)), jnp.float32) if with_probs else None
         res = ref.DispatchResiduals(row_id_map, t_, with_probs)
         checks = [
-            ("dispatch_bwd", tri.dispatch_backward(res, g_out, g_pp, num_out_tokens=n0, align_size=align),
-             ref.dispatch_backward(res, g_out, g_pp, num_out_tokens=n0, align_size=align)),
-            ("combine_fwd", (tri.combine_forward(y, row_id_map, probs)[0],),
-             (ref.combine_forward(y, row_id_map, probs)[0],)),
+            (
+                "dispatch_bwd",
+                tri.dispatch_backward(res, g_out, g_pp, num_out_tokens=n0, align_size=align),
+                ref.dispatch_backward(res, g_out, g_pp, num_out_tokens=n0, align_size=align),
+            ),
+            (
+                "combine_fwd",
+                (tri.combine_forward(y, row_id_map, probs)[0],),
+                (ref.combine_forward(y, row_id_map, probs)[0],),
+            ),
         ]
         cres = ref.CombineResiduals(y if with_probs else None, row_id_map, probs, n)
         g = jnp.asarray(rng.standard_normal((t_, h)), dtype)
         checks.append(("combine_bwd", tri.combine_backward(cres, g), ref.combine_backward(cres, g)))
         for name, got, want in checks:
-            for gi, wi in zip(got, want):
+            for gi, wi in zip(got, want, strict=False):
                 if wi is None:
                     continue
                 ok = np.allclose(np.asarray(gi, np.float64), np.asarray(wi, np.float64), rtol=2e-2, atol=2e-2)

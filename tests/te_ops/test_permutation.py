@@ -48,15 +48,24 @@ def direct_layout(rm, n0, align):
 def direct_dispatch(x, probs, src_t, src_e):
     ok = (src_t >= 0)[:, None]
     out = jnp.where(ok, x[np.maximum(src_t, 0)], 0)
-    pp = None if probs is None else jnp.where(src_t >= 0, probs[np.maximum(src_t, 0), np.maximum(src_e, 0)], 0)
+    pp = (
+        None if probs is None else jnp.where(src_t >= 0, probs[np.maximum(src_t, 0), np.maximum(src_e, 0)], 0)
+    )
     return out, pp
 
 
 def direct_combine(y, mp, src_t, src_e, t):
-    w = (src_t >= 0).astype(np.float32) if mp is None else jnp.where(
-        src_t >= 0, mp[np.maximum(src_t, 0), np.maximum(src_e, 0)], 0)
-    return jnp.zeros((t, y.shape[1]), jnp.float32).at[np.where(src_t >= 0, src_t, t)].add(
-        y.astype(jnp.float32) * w[:, None], mode="drop").astype(y.dtype)
+    w = (
+        (src_t >= 0).astype(np.float32)
+        if mp is None
+        else jnp.where(src_t >= 0, mp[np.maximum(src_t, 0), np.maximum(src_e, 0)], 0)
+    )
+    return (
+        jnp.zeros((t, y.shape[1]), jnp.float32)
+        .at[np.where(src_t >= 0, src_t, t)]
+        .add(y.astype(jnp.float32) * w[:, None], mode="drop")
+        .astype(y.dtype)
+    )
 
 
 CASES = [(8, None, False), (8, 4, True), (64, None, True), (64, 8, False)]
@@ -69,7 +78,9 @@ def test_dispatch_matches_direct(e, align, with_probs):
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
     probs = jnp.asarray(rng.random((t, e)) * rm, jnp.float32) if with_probs else None
-    out, pp, row_id_map, pad_offsets, tpe = token_dispatch(x, jnp.asarray(rm), t * k, probs=probs, align_size=align)
+    out, pp, row_id_map, pad_offsets, tpe = token_dispatch(
+        x, jnp.asarray(rm), t * k, probs=probs, align_size=align
+    )
     src_t, src_e, padded, pad_off, n = direct_layout(rm, t * k, align)
     want_out, want_pp = direct_dispatch(x, probs, src_t, src_e)
     assert out.shape == (n, h)
@@ -89,8 +100,8 @@ def test_dispatch_matches_direct(e, align, with_probs):
     for tok in range(t):
         n_t = m[tok, 2 * e]
         assert n_t == rm[tok].sum()
-        np.testing.assert_array_equal(m[tok, e:e + n_t], np.nonzero(rm[tok])[0])
-        np.testing.assert_array_equal(np.sort(m[tok, e:2 * e]), np.arange(e))
+        np.testing.assert_array_equal(m[tok, e : e + n_t], np.nonzero(rm[tok])[0])
+        np.testing.assert_array_equal(np.sort(m[tok, e : 2 * e]), np.arange(e))
         assert (m[tok, n_t:e] == -1).all()
         for j in range(n_t):
             assert src_t[m[tok, j]] == tok and src_e[m[tok, j]] == m[tok, e + j]
@@ -129,7 +140,7 @@ def test_dropped_pairs_and_zero_tail():
     np.testing.assert_array_equal(small, direct_dispatch(x, None, src_t, src_t)[0])
     assert int(np.asarray(m_small)[:, 2 * e].sum()) == 20
     big, _, _, _, _ = token_dispatch(x, rm, 40)  # more rows than pairs: the extra rows are zero
-    np.testing.assert_array_equal(big[t * k:], 0)
+    np.testing.assert_array_equal(big[t * k :], 0)
 
 
 @pytest.mark.parametrize("align,with_probs", [(None, True), (4, True), (None, False)])
@@ -144,18 +155,19 @@ def test_gradients_match_direct(align, with_probs):
     w_pp = jnp.asarray(rng.standard_normal((n,)), jnp.float32)
 
     def ours(x, probs):
-        out, pp, m, _, _ = token_dispatch(x, jnp.asarray(rm), t * k, probs=probs if with_probs else None,
-                                          align_size=align)
+        out, pp, m, _, _ = token_dispatch(
+            x, jnp.asarray(rm), t * k, probs=probs if with_probs else None, align_size=align
+        )
         y = jnp.sin(out) * w_rows
         back = token_combine(y, m, merging_probs=probs)
-        loss = jnp.sum(back ** 2)
+        loss = jnp.sum(back**2)
         return loss + (jnp.sum(pp * w_pp) if with_probs else 0.0)
 
     def direct(x, probs):
         out, pp = direct_dispatch(x, probs if with_probs else None, src_t, src_e)
         y = jnp.sin(out) * w_rows
         back = direct_combine(y, probs, src_t, src_e, t)
-        loss = jnp.sum(back ** 2)
+        loss = jnp.sum(back**2)
         return loss + (jnp.sum(pp * w_pp) if with_probs else 0.0)
 
     got = jax.grad(ours, argnums=(0, 1))(x, probs)
@@ -201,7 +213,9 @@ def direct_sort(x, sizes, idx):
     return np.concatenate([chunks[i] for i in idx] + [x[total:]])
 
 
-@pytest.mark.parametrize("sizes,idx", [([3, 0, 5, 4], [2, 0, 3, 1]), ([1, 2, 3, 4, 5, 6, 7, 8], list(range(8))[::-1])])
+@pytest.mark.parametrize(
+    "sizes,idx", [([3, 0, 5, 4], [2, 0, 3, 1]), ([1, 2, 3, 4, 5, 6, 7, 8], list(range(8))[::-1])]
+)
 def test_sort_chunks(sizes, idx):
     n, h = 40, 8
     x = jax.random.normal(jax.random.PRNGKey(4), (n, h))
@@ -212,7 +226,8 @@ def test_sort_chunks(sizes, idx):
     g = jax.grad(lambda x: jnp.sum(sort_chunks_by_index(x, jnp.asarray(sizes), jnp.asarray(idx))[0] * w))(x)
     np.testing.assert_array_equal(np.asarray(g), np.asarray(w)[np.asarray(row_id_map)])
     vm = jax.jit(jax.vmap(lambda x: sort_chunks_by_index(x, jnp.asarray(sizes), jnp.asarray(idx))[0]))(
-        jnp.stack([x, 2 * x]))
+        jnp.stack([x, 2 * x])
+    )
     np.testing.assert_array_equal(vm[1], 2 * np.asarray(out))
 
 
@@ -270,7 +285,7 @@ def test_sharded_tokens_route_per_shard(with_probs):
     out_specs = (PS("dp"), PS("dp"), PS("dp"), PS()) + ((PS("dp"),) if with_probs else ())
     sharded, _, counts = run_sharded(f, args, specs, out_specs, mesh=mesh)
     # each shard routes its own tokens: compare with the per-shard results, concatenated
-    per = [f(*[a[i * 8:(i + 1) * 8] for a in args]) for i in range(8)]
+    per = [f(*[a[i * 8 : (i + 1) * 8] for a in args]) for i in range(8)]
     np.testing.assert_array_equal(sharded[0], np.concatenate([q[0] for q in per]))
     np.testing.assert_array_equal(sharded[1], np.concatenate([q[1] for q in per]))
     np.testing.assert_allclose(sharded[2], np.concatenate([q[2] for q in per]), rtol=1e-6, atol=1e-6)
@@ -282,8 +297,10 @@ def test_sharded_tokens_route_per_shard(with_probs):
     np.testing.assert_allclose(sharded[2], want, rtol=1e-5, atol=1e-5)
     assert counts["all-gather"] == 0 and counts["all-to-all"] == 0
     # gradients flow through the sharded ops
-    g = jax.jit(jax.grad(lambda x: jnp.sum(f(x, *args[1:])[2] ** 2)),
-                in_shardings=jax.sharding.NamedSharding(mesh, PS("dp")))(x)
+    g = jax.jit(
+        jax.grad(lambda x: jnp.sum(f(x, *args[1:])[2] ** 2)),
+        in_shardings=jax.sharding.NamedSharding(mesh, PS("dp")),
+    )(x)
     g_ref = jax.grad(lambda x: jnp.sum(f(x, *args[1:])[2] ** 2))(x)
     np.testing.assert_allclose(g, g_ref, rtol=1e-5, atol=1e-5)
 

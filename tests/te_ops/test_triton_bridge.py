@@ -35,7 +35,9 @@ def _plugin_triton_module():
 PLUGIN = _plugin_triton_module()
 needs_plugin = pytest.mark.skipif(
     PLUGIN is None or not HAS_TRITON,
-    reason="needs Triton and the jax CUDA plugin's _triton module (pip install --no-deps jax-cuda13-plugin==0.11.2)")
+    reason="needs Triton and the jax CUDA plugin's _triton module "
+    "(pip install --no-deps jax-cuda13-plugin==0.11.2)",
+)
 
 
 def test_te_ops_imports_without_triton():
@@ -69,7 +71,13 @@ def _kernels():
 
 
 def _spec(kernel, factor=2, num_warps=4):
-    sig = (("x_ptr", "*fp32"), ("n", "i32"), ("y_ptr", "*fp32"), ("BLOCK", "constexpr"), ("FACTOR", "constexpr"))
+    sig = (
+        ("x_ptr", "*fp32"),
+        ("n", "i32"),
+        ("y_ptr", "*fp32"),
+        ("BLOCK", "constexpr"),
+        ("FACTOR", "constexpr"),
+    )
     return tb.KernelSpec(kernel, sig, (("BLOCK", 128), ("FACTOR", factor)), num_warps, 2)
 
 
@@ -162,18 +170,29 @@ def test_lowering_for_cuda_without_gpu(monkeypatch):
 
     def lower(t, impl, poison=False):
         e, h, k = 8, 64, 2
-        rm = jnp.zeros((t, e), bool).at[jnp.arange(t)[:, None], jnp.stack([jnp.arange(t) % e, (jnp.arange(t) + 1) % e], 1)].set(True)
+        rm = (
+            jnp.zeros((t, e), bool)
+            .at[jnp.arange(t)[:, None], jnp.stack([jnp.arange(t) % e, (jnp.arange(t) + 1) % e], 1)]
+            .set(True)
+        )
         p = rm.astype(jnp.float32) / 2
 
         def loss(x, p):
             out, pp, m, _, _ = token_dispatch(x, rm, t * k, probs=p, align_size=4, implementation=impl)
-            return jnp.sum(token_combine(out, m, merging_probs=p, implementation=impl).astype(jnp.float32)) + pp.sum()
+            return (
+                jnp.sum(token_combine(out, m, merging_probs=p, implementation=impl).astype(jnp.float32))
+                + pp.sum()
+            )
 
         fn = jax.jit(lambda x, p: (loss(x, p), jax.grad(loss, argnums=(0, 1))(x, p)))
         with tb.target_override(TARGET):
             if poison:
                 with native.poisoned_outputs():
-                    return fn.trace(jnp.ones((t, h), jnp.bfloat16), p).lower(lowering_platforms=("cuda",)).as_text()
+                    return (
+                        fn.trace(jnp.ones((t, h), jnp.bfloat16), p)
+                        .lower(lowering_platforms=("cuda",))
+                        .as_text()
+                    )
             return fn.trace(jnp.ones((t, h), jnp.bfloat16), p).lower(lowering_platforms=("cuda",)).as_text()
 
     for impl in ("triton", "gluon"):
@@ -190,6 +209,12 @@ def test_zero_grid_returns_zeros():
     if not HAS_TRITON:
         pytest.skip(f"needs Triton: {tb.triton_unavailable_reason()}")
     kernel = _kernels()
-    out = tb.triton_call(kernel, jnp.ones((0,)), np.int32(0), out_shape=[jax.ShapeDtypeStruct((0,), jnp.float32)],
-                         grid=(0,), constexprs=dict(BLOCK=128, FACTOR=2))
+    out = tb.triton_call(
+        kernel,
+        jnp.ones((0,)),
+        np.int32(0),
+        out_shape=[jax.ShapeDtypeStruct((0,), jnp.float32)],
+        grid=(0,),
+        constexprs=dict(BLOCK=128, FACTOR=2),
+    )
     assert out[0].shape == (0,)
