@@ -165,11 +165,16 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) RowForwardKernel(RowParam
 #pragma unroll
       for (int q = 0; q < kMaxPerGroupTopk; ++q) top[q] = -INFINITY;
       const float* grp = buf + lane * gsize;
+      // Lane g starts its scan at element g of its group: with 32-float groups the lanes then hit
+      // 32 different banks instead of one. The top-m multiset (and its sum) is order-independent.
+      int jj = lane % gsize;
       for (int j = 0; j < gsize; ++j) {
-        float v = grp[j];
+        float v = grp[jj];
+        if (++jj == gsize) jj = 0;
 #pragma unroll
         for (int q = 0; q < kMaxPerGroupTopk; ++q) {
-          if (q < m && v > top[q]) {
+          if (q >= m) break;
+          if (v > top[q]) {
             const float t = top[q];
             top[q] = v;
             v = t;
