@@ -1,0 +1,492 @@
+"""The maths shared by te_layers' Linen, NNX and Equinox modules.
+
+Every layer in every framework is a thin shell (parameters, RNG handling, state) around the pure
+functions here, so the three flavours cannot drift apart: the same parameters give the same outputs.
+Parameter layouts (all frameworks):
+
+* Dense: ``kernel [in, out]``, ``bias [out]``.
+* MultiHeadAttention: ``qkv`` Dense ``[H, (Nq + 2 Nkv) * D]`` (fused, per-kv-group-free layout
+  ``[q heads | k heads | v heads]``) or ``query``/``key``/``value`` Dense; ``out`` Dense ``[Nq * D, H]``.
+* TopKRouter: ``kernel [H, E]`` (float32 by default), optional non-trainable ``expert_bias [E]``.
+* MoEBlock: ``router``, ``wi [E, H, F]`` (``[E, H, 2F]`` gated: ``[act half | linear half]``),
+  ``wo [E, F, H]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from te_ops.dense import dense as _te_dense
+try:
+    from te_ops.fused_attention import fused_attention
+except ImportError:  # an editable install made before the package existed sees it as a namespace package
+    from te_ops.fused_attention.api import fused_attention
+from te_ops.permutation import sort_chunks_by_index, token_combine, token_dispatch
+from te_ops.router import compute_routing_scores_for_aux_loss, fused_moe_aux_loss, fused_topk_with_score_function
+from te_ops.softmax import scaled_masked_softmax, scaled_softmax, scaled_upper_triang_masked_softmax
+
+# ----------------------------------------------------------------------------------------------
+# Dense
+# ----------------------------------------------------------------------------------------------
+
+FUSED_ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
+_NAMED_ACTIVATIONS: dict[str, Callable] = {
+    "gelu": lambda z: jax.nn.gelu(z, approximate=False),
+    "gelu_tanh": lambda z: jax.nn.gelu(z, approximate=True),
+    "relu": jax.nn.relu,
+    "silu": jax.nn.silu,
+    "tanh": jnp.tanh,
+    "sigmoid": jax.nn.sigmoid,
+}
+
+
+def activation_fn(activation: str | Callable | None) -> Callable:
+    if activation is None:
+        return lambda z: z
+    if callable(activation):
+        return activation
+    if activation not in _NAMED_ACTIVATIONS:
+        raise ValueError(
+            f"te_layers: activation must be None, a callable or one of {sorted(_NAMED_ACTIVATIONS)}, "
+            f"got {activation!r}."
+        )
+    return _NAMED_ACTIVATIONS[activation]
+
+
+def compute_dtype(x: jax.Array, dtype: Any) -> Any:
+    """The dtype a layer computes in: ``dtype`` when given, else the input's floating dtype."""
+    if dtype is not None:
+        return jnp.dtype(dtype)
+    return x.dtype if jnp.issubdtype(x.dtype, jnp.floating) else jnp.float32
+
+
+def dense_apply(
+    x: jax.Array,
+    kernel: jax.Array,
+    bias: jax.Array | None = None,
+    *,
+    activation: str | Callable | None = None,
+    dtype: Any = None,
+) -> jax.Array:
+    """``activation(x @ kernel + bias)`` through ``te_ops.dense`` (activation fused when it can be)."""
+    dt = compute_dtype(x, dtype)
+    x, kernel = x.astype(dt), kernel.astype(dt)
+    bias = None if bias is None else bias.astype(dt)
+    if activation is None or (isinstance(activation, str) and activation in FUSED_ACTIVATIONS):
+        return _te_dense(x, kernel, bias, activation=activation)
+    return activation_fn(activation)(_te_dense(x, kernel, bias))
+
+
+# ----------------------------------------------------------------------------------------------
+# Softmax
+# ----------------------------------------------------------------------------------------------
+
+SOFTMAX_VARIANTS = ("scaled", "masked", "causal")
+
+
+def softmax_apply(x: jax.Array, *, variant: str = "scaled", scale: float = 1.0, mask: jax.Array | None = None):
+    """The three te_ops softmax variants: "scaled", "masked" (``mask`` True = masked out), "causal"."""
+    if variant == "scaled":
+        if mask is not None:
+            raise ValueError("te_layers.Softmax: mask given to the 'scaled' variant; use variant='masked'.")
+        return scaled_softmax(x, scale)
+    if variant == "masked":
+        if mask is None:
+            raise ValueError("te_layers.Softmax: variant='masked' needs mask= (bool, True = masked out).")
+        return scaled_masked_softmax(x, mask, scale)
+    if variant == "causal":
+        return scaled_upper_triang_masked_softmax(x, scale)
+    raise ValueError(f"te_layers.Softmax: variant must be one of {SOFTMAX_VARIANTS}, got {variant!r}.")
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention
+# ----------------------------------------------------------------------------------------------
+
+
+def rotary_embedding(x: jax.Array, positions: jax.Array, theta: float = 10000.0) -> jax.Array:
+    """Rotary position embedding (rotate-half layout) of ``x [B, S, N, D]`` at ``positions [B, S]``."""
+    d = x.shape[-1]
+    if d % 2:
+        raise ValueError(f"te_layers: rotary embeddings need an even head_dim, got {d}.")
+    half = d // 2
+    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    ang = positions.astype(jnp.float32)[..., None, None] * freq  # [B, S, 1, half]
+    cos, sin = jnp.cos(ang), jnp.sin(ang)
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., :half], xf[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def positions_from_segments(segment_ids: jax.Array | None, batch: int, seq: int) -> jax.Array:
+    """Positions restarting at 0 at every segment start (packed sequences), else ``arange(seq)``."""
+    if segment_ids is None:
+        return jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
+    idx = jnp.arange(seq, dtype=jnp.int32)
+    start = jnp.concatenate(
+        [jnp.ones((batch, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1
+    )
+    seg_start = jax.lax.cummax(jnp.where(start, idx, 0), axis=1)
+    return idx - seg_start
+
+
+def attention_apply(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    mask_type: str = "none",
+    bias: jax.Array | None = None,
+    q_seqlens: jax.Array | None = None,
+    kv_seqlens: jax.Array | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    window_size: tuple[int, int] | None = None,
+    scale: float | None = None,
+    dropout_rate: float = 0.0,
+    rng: jax.Array | None = None,
+    deterministic: bool = True,
+) -> jax.Array:
+    """``te_ops.fused_attention`` with dropout turned off when deterministic."""
+    rate = 0.0 if deterministic else float(dropout_rate)
+    if rate > 0.0 and rng is None:
+        raise ValueError("te_layers attention: dropout_rate > 0 and deterministic=False need a dropout rng/key.")
+    if kv_segment_ids is None:
+        kv_segment_ids = q_segment_ids if q_segment_ids is not None and q.shape[1] == k.shape[1] else None
+    return fused_attention(
+        q, k, v, bias=bias, mask_type=mask_type, q_seqlens=q_seqlens, kv_seqlens=kv_seqlens,
+        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, window_size=window_size, scale=scale,
+        dropout_rate=rate, rng=rng if rate > 0.0 else None,
+    )  # fmt: skip
+
+
+def check_heads(num_heads: int, num_kv_heads: int | None) -> int:
+    nkv = num_heads if num_kv_heads is None else int(num_kv_heads)
+    if nkv < 1 or num_heads % nkv:
+        raise ValueError(
+            f"te_layers.MultiHeadAttention: num_heads ({num_heads}) must be a multiple of num_kv_heads ({nkv})."
+        )
+    return nkv
+
+
+def split_qkv(qkv: jax.Array, num_heads: int, num_kv_heads: int, head_dim: int):
+    """``[B, S, (Nq + 2 Nkv) * D]`` -> q ``[B, S, Nq, D]``, k, v ``[B, S, Nkv, D]``."""
+    b, s = qkv.shape[:2]
+    q, k, v = jnp.split(qkv, [num_heads * head_dim, (num_heads + num_kv_heads) * head_dim], axis=-1)
+    return (
+        q.reshape(b, s, num_heads, head_dim),
+        k.reshape(b, s, num_kv_heads, head_dim),
+        v.reshape(b, s, num_kv_heads, head_dim),
+    )
+
+
+def heads_attention(
+    q, k, v, *, use_rope, rope_theta, positions, kv_positions, segment_ids, **attn_kw
+) -> jax.Array:
+    """RoPE on q/k, fused attention, heads merged: ``[B, Sq, Nq * Dv]``."""
+    b, sq = q.shape[:2]
+    if use_rope:
+        if positions is None:
+            positions = positions_from_segments(segment_ids, b, sq)
+        if kv_positions is None:
+            kv_positions = positions if k.shape[1] == sq else positions_from_segments(None, b, k.shape[1])
+        q = rotary_embedding(q, positions, rope_theta)
+        k = rotary_embedding(k, kv_positions, rope_theta)
+    out = attention_apply(q, k, v, q_segment_ids=segment_ids, **attn_kw)
+    return out.reshape(b, sq, -1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Router
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterConfig:
+    """Every option of ``te_ops.router`` plus the aux loss and aux-loss-free bias settings."""
+
+    num_experts: int
+    topk: int
+    score_function: str = "softmax"
+    use_pre_softmax: bool = False
+    num_groups: int | None = None
+    group_topk: int | None = None
+    scaling_factor: float = 1.0
+    aux_loss_coeff: float = 0.0
+    use_expert_bias: bool = False
+    expert_bias_update_rate: float = 1e-3
+
+    def __post_init__(self):
+        if self.use_expert_bias and self.score_function != "sigmoid":
+            raise ValueError(
+                "te_layers.TopKRouter: use_expert_bias=True (aux-loss-free balancing) needs "
+                f"score_function='sigmoid', got {self.score_function!r}."
+            )
+
+
+class RouterOutput(NamedTuple):
+    probs: jax.Array  # [T, E] routing weights (0 where not routed), float32
+    routing_map: jax.Array  # bool [T, E]
+    aux_loss: jax.Array  # scalar float32 (0 when aux_loss_coeff == 0)
+    tokens_per_expert: jax.Array  # int32 [E]: tokens routed to each expert (global under expert parallelism)
+
+
+def router_logits(x2d: jax.Array, kernel: jax.Array) -> jax.Array:
+    """Router logits in float32 (``[T, H] @ [H, E]``)."""
+    return _te_dense(x2d.astype(jnp.float32), kernel.astype(jnp.float32))
+
+
+def route(
+    logits: jax.Array,
+    cfg: RouterConfig,
+    expert_bias: jax.Array | None = None,
+    *,
+    axis_name: str | tuple[str, ...] | None = None,
+) -> RouterOutput:
+    """Top-k routing and the load-balancing loss of ``logits [T, E]`` (float32).
+
+    Inside ``shard_map`` with tokens split over ``axis_name`` the aux loss and tokens_per_expert are
+    the global ones (token counts are summed over the axis and the loss uses the global token count).
+    """
+    probs, rmap = fused_topk_with_score_function(
+        logits, cfg.topk, score_function=cfg.score_function, use_pre_softmax=cfg.use_pre_softmax,
+        num_groups=cfg.num_groups, group_topk=cfg.group_topk, scaling_factor=cfg.scaling_factor,
+        expert_bias=expert_bias if cfg.use_expert_bias else None,
+    )  # fmt: skip
+    tpe = rmap.sum(0, dtype=jnp.int32)
+    if axis_name is not None:
+        tpe = jax.lax.psum(tpe, axis_name)
+    aux = jnp.zeros((), jnp.float32)
+    if cfg.aux_loss_coeff:
+        aux_map, scores = compute_routing_scores_for_aux_loss(logits, cfg.topk, score_function=cfg.score_function)
+        aux_tpe = aux_map.sum(0, dtype=jnp.int32)
+        if axis_name is None:
+            aux = fused_moe_aux_loss(scores, aux_tpe, topk=cfg.topk, coeff=cfg.aux_loss_coeff)
+        else:
+            # Local call scales by 1 / T_local^2; the global loss scales by 1 / (P T_local)^2.
+            shards = jax.lax.psum(1, axis_name)
+            aux_tpe = jax.lax.psum(aux_tpe, axis_name)
+            local = fused_moe_aux_loss(scores, aux_tpe, topk=cfg.topk, coeff=cfg.aux_loss_coeff)
+            aux = jax.lax.psum(local.astype(jnp.float32), axis_name) / (shards * shards)
+    return RouterOutput(probs.astype(jnp.float32), rmap, aux.astype(jnp.float32), tpe)
+
+
+def updated_expert_bias(expert_bias: jax.Array, tokens_per_expert: jax.Array, rate: float) -> jax.Array:
+    """Aux-loss-free balancing step: raise the bias of under-loaded experts, lower over-loaded ones."""
+    load = tokens_per_expert.astype(jnp.float32)
+    return (expert_bias.astype(jnp.float32) + rate * jnp.sign(load.mean() - load)).astype(expert_bias.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Grouped GEMM (te_ops.grouped_dense when it exists, else jax.lax.ragged_dot)
+# ----------------------------------------------------------------------------------------------
+
+GROUPED_GEMM_BACKENDS = ("auto", "te_ops", "ragged_dot")
+
+
+@functools.cache
+def _te_grouped_dense():
+    try:  # lazy: the op may land after the layers
+        from te_ops.grouped_dense import grouped_dense
+    except ImportError:
+        try:  # (editable installs made before the package existed see it as a namespace package)
+            from te_ops.grouped_dense.api import grouped_dense
+        except ImportError:
+            return None
+    return grouped_dense
+
+
+def grouped_gemm_available() -> str | None:
+    """None when ``te_ops.grouped_dense`` can be imported, else the reason it cannot."""
+    return None if _te_grouped_dense() is not None else "te_ops.grouped_dense is not available (not landed yet)"
+
+
+def _ragged_grouped_dense(x, kernels, group_sizes, bias=None):
+    """Fallback with grouped_dense's contract: rows past sum(group_sizes) are zero."""
+    m = x.shape[0]
+    y = jax.lax.ragged_dot(x, kernels, group_sizes, preferred_element_type=jnp.float32)
+    ends = jnp.cumsum(group_sizes)
+    rows = jnp.arange(m, dtype=group_sizes.dtype)
+    valid = (rows < ends[-1])[:, None]
+    if bias is not None:
+        gid = jnp.minimum(jnp.searchsorted(ends, rows, side="right"), kernels.shape[0] - 1)
+        y = y + bias.astype(jnp.float32)[gid]
+    return jnp.where(valid, y, 0.0).astype(x.dtype)
+
+
+def grouped_dense(x, kernels, group_sizes, bias=None, *, backend: str = "auto"):
+    """``grouped_dense(x[M, K], kernels[G, K, N], group_sizes[G], bias[G, N])`` per SEMANTICS.md."""
+    group_sizes = group_sizes.astype(jnp.int32)
+    if backend not in GROUPED_GEMM_BACKENDS:
+        raise ValueError(f"te_layers: grouped_gemm must be one of {GROUPED_GEMM_BACKENDS}, got {backend!r}.")
+    fn = _te_grouped_dense() if backend in ("auto", "te_ops") else None
+    if backend == "te_ops" and fn is None:
+        raise RuntimeError(f"te_layers: grouped_gemm='te_ops' requested but {grouped_gemm_available()}.")
+    if fn is None:
+        return _ragged_grouped_dense(x, kernels, group_sizes, bias)
+    return fn(x, kernels, group_sizes, bias) if bias is not None else fn(x, kernels, group_sizes)
+
+
+# ----------------------------------------------------------------------------------------------
+# MoE block
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    router: RouterConfig
+    ffn_dim: int
+    activation: str = "silu"  # "silu" (SwiGLU when gated) or "gelu"/"gelu_tanh" (GeGLU) or "relu"
+    gated: bool = True
+    expert_axis: str | None = None  # mesh axis the experts (and tokens) are split over
+    grouped_gemm: str = "auto"
+
+
+class MoEOutput(NamedTuple):
+    out: jax.Array  # [..., H]
+    aux_loss: jax.Array  # scalar float32
+    tokens_per_expert: jax.Array  # int32 [E] (global)
+
+
+def expert_ffn(x, wi, wo, group_sizes, *, activation, gated, backend):
+    """Per-expert FFN on expert-major rows: ``act(x @ wi[g]) [* (x @ wi_lin[g])] @ wo[g]``."""
+    h = grouped_dense(x, wi.astype(x.dtype), group_sizes, backend=backend)
+    act = activation_fn(activation)
+    if gated:
+        f = h.shape[-1] // 2
+        hf = h.astype(jnp.float32)
+        h = (act(hf[:, :f]) * hf[:, f:]).astype(x.dtype)
+    else:
+        h = act(h.astype(jnp.float32)).astype(x.dtype)
+    return grouped_dense(h, wo.astype(x.dtype), group_sizes, backend=backend)
+
+
+def _moe_local(x2d, router_kernel, expert_bias, wi, wo, cfg: MoEConfig, axis_name):
+    """MoE on the local tokens; with ``axis_name`` inside shard_map, experts are split over it."""
+    rc = cfg.router
+    logits = router_logits(x2d, router_kernel)
+    r = route(logits, rc, expert_bias, axis_name=axis_name)
+    t = x2d.shape[0]
+    n = t * rc.topk
+    rows, _, row_id_map, _, tpe_local = token_dispatch(x2d, r.routing_map, n)
+    ffn = functools.partial(expert_ffn, activation=cfg.activation, gated=cfg.gated, backend=cfg.grouped_gemm)
+    if axis_name is None:
+        y = ffn(rows, wi, wo, tpe_local)
+    else:
+        y = _expert_parallel_ffn(rows, tpe_local, wi, wo, ffn, axis_name)
+    out = token_combine(y, row_id_map, merging_probs=r.probs)
+    return out, r.aux_loss, r.tokens_per_expert
+
+
+def _expert_parallel_ffn(rows, tpe, wi_local, wo_local, ffn, axis_name):
+    """All-to-all the expert-major ``rows [N, H]`` to the shards owning the experts, regroup them by
+    local expert with sort_chunks_by_index, run the FFN, and send the results back.
+
+    Each send chunk is padded to N rows (the most one shard can send another), which keeps the
+    exchange exact (no token dropping) with static shapes.
+    """
+    p = jax.lax.psum(1, axis_name)
+    e = tpe.shape[0]
+    el = wi_local.shape[0]
+    if el * p != e:
+        raise ValueError(f"te_layers.MoEBlock: {e} experts do not split over {p} expert-parallel shards.")
+    n, h = rows.shape
+    counts = tpe.reshape(p, el)  # rows for shard j's local experts
+    send_sizes = counts.sum(1)
+    starts = jnp.cumsum(send_sizes) - send_sizes
+    ar = jnp.arange(n, dtype=jnp.int32)
+    src = starts[:, None] + ar[None, :]  # [P, N]
+    send = jnp.where((ar[None, :] < send_sizes[:, None])[..., None], rows[jnp.clip(src, 0, n - 1)], 0)
+    recv = jax.lax.all_to_all(send, axis_name, 0, 0, tiled=False)  # [P(source), N, H]
+    recv_counts = jax.lax.all_to_all(counts, axis_name, 0, 0, tiled=False)  # [P(source), El]
+    # chunks: for each source i, El expert chunks then its padding; regroup expert-major.
+    pad = n - recv_counts.sum(1, keepdims=True)
+    split = jnp.concatenate([recv_counts, pad], axis=1).reshape(-1).astype(jnp.int32)
+    order = np.array(
+        [i * (el + 1) + j for j in range(el) for i in range(p)] + [i * (el + 1) + el for i in range(p)], np.int32
+    )
+    grouped, _ = sort_chunks_by_index(recv.reshape(p * n, h), split, jnp.asarray(order))
+    y = ffn(grouped, wi_local, wo_local, recv_counts.sum(0))
+    inverse = np.argsort(order).astype(np.int32)
+    back, _ = sort_chunks_by_index(y, split[order], jnp.asarray(inverse))
+    ret = jax.lax.all_to_all(back.reshape(p, n, h), axis_name, 0, 0, tiled=False)  # [P(dest shard), N, H]
+    owner = jnp.clip(jnp.searchsorted(jnp.cumsum(send_sizes), ar, side="right"), 0, p - 1)
+    return ret.reshape(p * n, h)[owner * n + (ar - starts[owner])]
+
+
+def _current_mesh(mesh):
+    if mesh is not None:
+        return mesh
+    m = jax.sharding.get_abstract_mesh()
+    if m is None or m.empty:
+        raise ValueError(
+            "te_layers.MoEBlock: expert_axis is set but no mesh was given; pass mesh= or enter "
+            "`with jax.set_mesh(mesh):`."
+        )
+    return m
+
+
+def moe_apply(
+    x: jax.Array,
+    router_kernel: jax.Array,
+    wi: jax.Array,
+    wo: jax.Array,
+    cfg: MoEConfig,
+    expert_bias: jax.Array | None = None,
+    *,
+    dtype: Any = None,
+    mesh: Any = None,
+) -> MoEOutput:
+    """MoE block: router -> token_dispatch -> grouped expert FFN -> token_combine.
+
+    With ``cfg.expert_axis`` the experts (dimension 0 of wi/wo) and the tokens are split over that mesh
+    axis inside ``shard_map``; tokens are exchanged with two all-to-alls.
+    """
+    dt = compute_dtype(x, dtype)
+    lead, hdim = x.shape[:-1], x.shape[-1]
+    x2d = x.reshape(-1, hdim).astype(dt)
+    wi, wo = wi.astype(dt), wo.astype(dt)
+    if cfg.expert_axis is None:
+        out, aux, tpe = _moe_local(x2d, router_kernel, expert_bias, wi, wo, cfg, None)
+    else:
+        ax = cfg.expert_axis
+        m = _current_mesh(mesh)
+        if x2d.shape[0] % m.shape[ax]:
+            raise ValueError(
+                f"te_layers.MoEBlock: {x2d.shape[0]} tokens do not split over the {m.shape[ax]} shards of "
+                f"mesh axis {ax!r}."
+            )
+        eb = expert_bias if expert_bias is not None else jnp.zeros((cfg.router.num_experts,), jnp.float32)
+
+        def body(xs, rk, ebias, wis, wos):
+            return _moe_local(xs, rk, ebias if cfg.router.use_expert_bias else None, wis, wos, cfg, ax)
+
+        # check_vma=False: te_ops' custom VJPs do not annotate varying-manual-axes types yet.
+        out, aux, tpe = jax.shard_map(
+            body, mesh=m,
+            in_specs=(PartitionSpec(ax), PartitionSpec(), PartitionSpec(), PartitionSpec(ax), PartitionSpec(ax)),
+            out_specs=(PartitionSpec(ax), PartitionSpec(), PartitionSpec()), check_vma=False,
+        )(x2d, router_kernel, eb, wi, wo)  # fmt: skip
+    return MoEOutput(out.reshape(*lead, hdim), aux, tpe)
+
+
+def lecun_normal_in_axis(in_axis: int = -2, out_axis: int = -1, batch_axis=()):
+    """Variance-scaling init for stacked expert kernels (fan-in from ``in_axis``)."""
+    return jax.nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis, out_axis, batch_axis)
+
+
+def default_expert_init():
+    return lecun_normal_in_axis(-2, -1, (0,))
+
+
+def head_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)

@@ -1,0 +1,293 @@
+"""Flax Linen modules on te_ops: Dense, Softmax, DotProductAttention, MultiHeadAttention, TopKRouter,
+MoEBlock.
+
+Conventions: dataclass fields for configuration, ``self.param`` wrapped in
+``nn.with_logical_partitioning`` (logical axis names, mapped to mesh axes with
+``nn.logical_axis_rules``), a ``"dropout"`` RNG stream, ``deterministic`` at call time. MoE aux
+losses are sown into the ``"intermediates"`` collection under ``"aux_loss"`` (sum them with
+:func:`collect_aux_loss`); the aux-loss-free expert bias lives in the ``"router_state"`` collection
+and is updated when that collection is mutable and ``deterministic=False``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from te_layers import _common as C
+
+Initializer = Callable[..., jax.Array]
+Axes = Sequence[str | None] | None
+
+
+def _param(mod: nn.Module, name: str, init: Initializer, shape, dtype, axes: Axes):
+    if axes is not None:
+        init = nn.with_logical_partitioning(init, tuple(axes))
+    return mod.param(name, init, tuple(shape), dtype)
+
+
+class Dense(nn.Module):
+    """``activation(x @ kernel + bias)`` on ``te_ops.dense``: kernel ``[in, features]``, bias ``[features]``."""
+
+    features: int
+    use_bias: bool = True
+    activation: str | Callable | None = None
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    kernel_init: Initializer = nn.initializers.lecun_normal()
+    bias_init: Initializer = nn.initializers.zeros_init()
+    kernel_axes: Axes = None
+    bias_axes: Axes = None
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = _param(self, "kernel", self.kernel_init, (x.shape[-1], self.features), self.param_dtype,
+                        self.kernel_axes)  # fmt: skip
+        bias = None
+        if self.use_bias:
+            b_axes = self.bias_axes if self.bias_axes is not None else (
+                None if self.kernel_axes is None else (tuple(self.kernel_axes)[-1],))
+            bias = _param(self, "bias", self.bias_init, (self.features,), self.param_dtype, b_axes)
+        return C.dense_apply(x, kernel, bias, activation=self.activation, dtype=self.dtype)
+
+
+class Softmax(nn.Module):
+    """te_ops softmax: ``variant`` "scaled", "masked" (call with ``mask``, True = masked out) or "causal"."""
+
+    variant: str = "scaled"
+    scale: float = 1.0
+
+    def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+        return C.softmax_apply(x, variant=self.variant, scale=self.scale, mask=mask)
+
+
+class DotProductAttention(nn.Module):
+    """Fused attention of ``q [B, Sq, Nq, D]``, ``k``/``v [B, Sk, Nkv, D]`` (GQA when Nkv < Nq)."""
+
+    mask_type: str = "none"
+    window_size: tuple[int, int] | None = None
+    scale: float | None = None
+    dropout_rate: float = 0.0
+    dropout_rng: str = "dropout"
+
+    def __call__(self, q, k, v, *, bias=None, q_seqlens=None, kv_seqlens=None, q_segment_ids=None,
+                 kv_segment_ids=None, deterministic: bool = True):  # fmt: skip
+        rng = self.make_rng(self.dropout_rng) if (self.dropout_rate > 0 and not deterministic) else None
+        return C.attention_apply(
+            q, k, v, mask_type=self.mask_type, bias=bias, q_seqlens=q_seqlens, kv_seqlens=kv_seqlens,
+            q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, window_size=self.window_size,
+            scale=self.scale, dropout_rate=self.dropout_rate, rng=rng, deterministic=deterministic,
+        )  # fmt: skip
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head (GQA) self- or cross-attention with optional fused QKV projection and RoPE.
+
+    Call: ``mha(x, inputs_kv=None, *, segment_ids=None, seqlens=None, positions=None, bias=None,
+    deterministic=True)`` -> ``[B, S, out_features or H]``.
+    """
+
+    num_heads: int
+    head_dim: int
+    num_kv_heads: int | None = None
+    out_features: int | None = None
+    fused_qkv: bool = True
+    use_bias: bool = False
+    mask_type: str = "causal"
+    window_size: tuple[int, int] | None = None
+    use_rope: bool = True
+    rope_theta: float = 10000.0
+    dropout_rate: float = 0.0
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    kernel_init: Initializer = nn.initializers.lecun_normal()
+    bias_init: Initializer = nn.initializers.zeros_init()
+    kernel_axes: Axes = ("embed", "heads")
+    out_kernel_axes: Axes = ("heads", "embed")
+
+    @nn.compact
+    def __call__(self, x, inputs_kv=None, *, segment_ids=None, seqlens=None, positions=None, bias=None,
+                 deterministic: bool = True):  # fmt: skip
+        nq, d = self.num_heads, self.head_dim
+        nkv = C.check_heads(nq, self.num_kv_heads)
+        proj = lambda n, name: Dense(  # noqa: E731
+            n, use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype, kernel_init=self.kernel_init,
+            bias_init=self.bias_init, kernel_axes=self.kernel_axes, name=name)  # fmt: skip
+        b, s = x.shape[:2]
+        if self.fused_qkv:
+            if inputs_kv is not None:
+                raise ValueError("te_layers.MultiHeadAttention: fused_qkv=True is self-attention only; "
+                                 "set fused_qkv=False for cross-attention.")
+            q, k, v = C.split_qkv(proj((nq + 2 * nkv) * d, "qkv")(x), nq, nkv, d)
+        else:
+            kv_in = x if inputs_kv is None else inputs_kv
+            q = proj(nq * d, "query")(x).reshape(b, s, nq, d)
+            k = proj(nkv * d, "key")(kv_in).reshape(b, kv_in.shape[1], nkv, d)
+            v = proj(nkv * d, "value")(kv_in).reshape(b, kv_in.shape[1], nkv, d)
+        rng = self.make_rng("dropout") if (self.dropout_rate > 0 and not deterministic) else None
+        padded = self.mask_type.startswith("padding")
+        o = C.heads_attention(
+            q, k, v, use_rope=self.use_rope, rope_theta=self.rope_theta, positions=positions, kv_positions=None,
+            segment_ids=segment_ids, mask_type=self.mask_type, bias=bias,
+            q_seqlens=seqlens if padded else None, kv_seqlens=seqlens if padded and inputs_kv is None else None,
+            window_size=self.window_size, dropout_rate=self.dropout_rate, rng=rng, deterministic=deterministic,
+        )  # fmt: skip
+        return Dense(
+            self.out_features or x.shape[-1], use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype,
+            kernel_init=self.kernel_init, bias_init=self.bias_init, kernel_axes=self.out_kernel_axes, name="out",
+        )(o)  # fmt: skip
+
+
+def _router_config(m) -> C.RouterConfig:
+    return C.RouterConfig(
+        num_experts=m.num_experts, topk=m.topk, score_function=m.score_function, use_pre_softmax=m.use_pre_softmax,
+        num_groups=m.num_groups, group_topk=m.group_topk, scaling_factor=m.scaling_factor,
+        aux_loss_coeff=m.aux_loss_coeff, use_expert_bias=m.use_expert_bias,
+        expert_bias_update_rate=m.expert_bias_update_rate,
+    )  # fmt: skip
+
+
+def _router_params(mod, hidden: int):
+    kernel = _param(mod, "kernel", mod.kernel_init, (hidden, mod.num_experts), mod.param_dtype, mod.kernel_axes)
+    bias = None
+    if mod.use_expert_bias:
+        bias = mod.variable("router_state", "expert_bias", jnp.zeros, (mod.num_experts,), jnp.float32).value
+    return kernel, bias
+
+
+def _update_bias(mod, tokens_per_expert, rate, deterministic):
+    if mod.use_expert_bias and not deterministic and mod.is_mutable_collection("router_state"):
+        bias = mod.get_variable("router_state", "expert_bias")
+        mod.put_variable("router_state", "expert_bias", C.updated_expert_bias(bias, tokens_per_expert, rate))
+
+
+class TopKRouter(nn.Module):
+    """Router: logits = x @ kernel ``[H, E]`` (float32), then te_ops top-k routing and the aux loss.
+
+    Returns a :class:`te_layers._common.RouterOutput` ``(probs, routing_map, aux_loss,
+    tokens_per_expert)`` for ``x [..., H]`` flattened to tokens. The aux loss is also sown into
+    ``"intermediates"``/``"aux_loss"``. With ``use_expert_bias`` (sigmoid scores) the bias lives in
+    ``"router_state"``/``"expert_bias"`` and moves by ``expert_bias_update_rate`` per training call.
+    """
+
+    num_experts: int
+    topk: int
+    score_function: str = "softmax"
+    use_pre_softmax: bool = False
+    num_groups: int | None = None
+    group_topk: int | None = None
+    scaling_factor: float = 1.0
+    aux_loss_coeff: float = 0.0
+    use_expert_bias: bool = False
+    expert_bias_update_rate: float = 1e-3
+    param_dtype: Any = jnp.float32
+    kernel_init: Initializer = nn.initializers.lecun_normal()
+    kernel_axes: Axes = ("embed", None)
+
+    @nn.compact
+    def __call__(self, x: jax.Array, *, deterministic: bool = True) -> C.RouterOutput:
+        cfg = _router_config(self)
+        kernel, bias = _router_params(self, x.shape[-1])
+        logits = C.router_logits(x.reshape(-1, x.shape[-1]), kernel)
+        r = C.route(logits, cfg, bias)
+        if cfg.aux_loss_coeff:
+            self.sow("intermediates", "aux_loss", r.aux_loss)
+        _update_bias(self, r.tokens_per_expert, cfg.expert_bias_update_rate, deterministic)
+        return r
+
+
+class _RouterParams(nn.Module):
+    """The router's parameters inside MoEBlock (same names and layout as TopKRouter's)."""
+
+    num_experts: int
+    use_expert_bias: bool
+    param_dtype: Any
+    kernel_init: Initializer
+    kernel_axes: Axes
+
+    @nn.compact
+    def __call__(self, hidden: int):
+        return _router_params(self, hidden)
+
+    def update(self, tokens_per_expert, rate, deterministic):
+        _update_bias(self, tokens_per_expert, rate, deterministic)
+
+
+class MoEBlock(nn.Module):
+    """Mixture-of-experts FFN: router -> token_dispatch -> grouped expert FFN -> token_combine.
+
+    ``wi [E, H, 2F]`` (gated: ``act(x wi[:, :, :F]) * (x wi[:, :, F:])``, SwiGLU with "silu") or
+    ``[E, H, F]``, ``wo [E, F, H]``. With ``expert_axis`` the experts are sharded over that mesh axis
+    (``mesh`` or the mesh set with ``jax.set_mesh``) and tokens exchanged by all-to-all. Returns the
+    output ``[..., H]``; the aux loss is sown into ``"intermediates"``/``"aux_loss"`` and the
+    tokens per expert into ``"intermediates"``/``"tokens_per_expert"``.
+    """
+
+    num_experts: int
+    topk: int
+    ffn_dim: int
+    activation: str = "silu"
+    gated: bool = True
+    score_function: str = "softmax"
+    use_pre_softmax: bool = False
+    num_groups: int | None = None
+    group_topk: int | None = None
+    scaling_factor: float = 1.0
+    aux_loss_coeff: float = 1e-2
+    use_expert_bias: bool = False
+    expert_bias_update_rate: float = 1e-3
+    expert_axis: str | None = None
+    mesh: Any = None
+    grouped_gemm: str = "auto"
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    router_param_dtype: Any = jnp.float32
+    kernel_init: Initializer = C.default_expert_init()
+    router_kernel_init: Initializer = nn.initializers.lecun_normal()
+    router_kernel_axes: Axes = ("embed", None)
+    wi_axes: Axes = ("expert", "embed", "mlp")
+    wo_axes: Axes = ("expert", "mlp", "embed")
+
+    @nn.compact
+    def __call__(self, x: jax.Array, *, deterministic: bool = True) -> jax.Array:
+        hdim = x.shape[-1]
+        router = _RouterParams(self.num_experts, self.use_expert_bias, self.router_param_dtype,
+                               self.router_kernel_init, self.router_kernel_axes, name="router")
+        rkernel, bias = router(hdim)
+        f2 = self.ffn_dim * (2 if self.gated else 1)
+        wi = _param(self, "wi", self.kernel_init, (self.num_experts, hdim, f2), self.param_dtype, self.wi_axes)
+        wo = _param(self, "wo", self.kernel_init, (self.num_experts, self.ffn_dim, hdim), self.param_dtype,
+                    self.wo_axes)  # fmt: skip
+        cfg = C.MoEConfig(_router_config(self), self.ffn_dim, self.activation, self.gated, self.expert_axis,
+                          self.grouped_gemm)  # fmt: skip
+        r = C.moe_apply(x, rkernel, wi, wo, cfg, bias, dtype=self.dtype,
+                        mesh=self.mesh)  # fmt: skip
+        self.sow("intermediates", "aux_loss", r.aux_loss)
+        self.sow("intermediates", "tokens_per_expert", r.tokens_per_expert)
+        router.update(r.tokens_per_expert, self.expert_bias_update_rate, deterministic)
+        return r.out
+
+
+def collect_aux_loss(intermediates: Any) -> jax.Array:
+    """Sum of every sown ``aux_loss`` in an ``"intermediates"`` collection (0 if none)."""
+    total = jnp.zeros((), jnp.float32)
+    flat = jax.tree_util.tree_flatten_with_path(intermediates)[0]
+    for path, leaf in flat:
+        if any(getattr(k, "key", None) == "aux_loss" for k in path):
+            total = total + leaf.astype(jnp.float32)
+    return total
+
+
+__all__ = [
+    "Dense",
+    "DotProductAttention",
+    "MoEBlock",
+    "MultiHeadAttention",
+    "Softmax",
+    "TopKRouter",
+    "collect_aux_loss",
+]
