@@ -88,7 +88,6 @@ CONFIGS = [
     (8, False, None),
     (8, True, 16),
     (64, True, None),
-    (64, False, 8),
     (256, True, 16),
     (256, False, None),
 ]

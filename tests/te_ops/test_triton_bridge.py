@@ -23,7 +23,12 @@ needs_triton = pytest.mark.skipif(not HAS_TRITON, reason=f"needs Triton: {tb.tri
 
 
 def _plugin_triton_module():
-    """jaxlib's CUDA plugin `_triton` module; it imports without a GPU (pip install jax-cuda13-plugin)."""
+    """jaxlib's CUDA plugin `_triton` module; it imports without a GPU. CI can unpack the wheel
+    (``pip download --no-deps jax-cuda13-plugin==0.11.2`` + unzip) into a folder named by
+    $TE_JAX_CUDA_PLUGIN_DIR instead of installing it next to a CPU-only jaxlib."""
+    extra = os.environ.get("TE_JAX_CUDA_PLUGIN_DIR")
+    if extra and extra not in sys.path:
+        sys.path.append(extra)
     for name in ("jax_cuda13_plugin._triton", "jax_cuda12_plugin._triton"):
         try:
             return importlib.import_module(name)
