@@ -151,7 +151,7 @@ def unsupported_reason(
 
 
 def _valid(b, s_q, s_k, *, mask_type, window, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids):
-    """(row_valid [B|1, Sq], col_valid [B|1, Sk]) or (None, None) when nothing can be empty."""
+    """(row_valid [B|1, Sq] or None, col_valid [B|1, Sk] or None); None: every row (key) is visible."""
     if mask_type == "none" and window is None and q_segment_ids is None:
         return None, None
     if q_segment_ids is not None:
@@ -168,14 +168,22 @@ def _valid(b, s_q, s_k, *, mask_type, window, q_seqlens, kv_seqlens, q_segment_i
         )[:, 0]
         return vis.any(-1), vis.any(-2)
     big = s_q + s_k + 1
-    i = jnp.arange(s_q)[None, :]
-    j = jnp.arange(s_k)[None, :]
-    qlen = q_seqlens[:, None] if mask_type in _PADDING else jnp.full((1, 1), s_q, jnp.int32)
-    kvlen = kv_seqlens[:, None] if mask_type in _PADDING else jnp.full((1, 1), s_k, jnp.int32)
     left = window[0] if window is not None and window[0] >= 0 else big
     right = window[1] if window is not None and window[1] >= 0 else big
     if mask_type in _CAUSAL:
         right = min(right, 0)
+    if mask_type not in _PADDING:
+        # Static shapes and bounds: decide with numpy, and skip the where() passes (a full extra read and
+        # write of the output and gradients) whenever every row and every key is visible, e.g. plain causal.
+        i_np, j_np = np.arange(s_q), np.arange(s_k)
+        row_np = np.maximum(0, i_np - left) <= np.minimum(s_k - 1, i_np + right)
+        col_np = np.maximum(0, j_np - right) <= np.minimum(s_q - 1, j_np + left)
+        row = None if row_np.all() else jnp.asarray(row_np)[None]
+        col = None if col_np.all() else jnp.asarray(col_np)[None]
+        return row, col
+    i = jnp.arange(s_q)[None, :]
+    j = jnp.arange(s_k)[None, :]
+    qlen, kvlen = q_seqlens[:, None], kv_seqlens[:, None]
     row = (jnp.maximum(0, i - left) <= jnp.minimum(kvlen - 1, i + right)) & (i < qlen)
     col = (jnp.maximum(0, j - right) <= jnp.minimum(qlen - 1, j + left)) & (j < kvlen)
     return row, col
@@ -335,9 +343,10 @@ def backward(res: Residuals, g, *, mask_type: str, window, scale: float, dropout
         *_operands(q, bias_total, res.q_seqlens, res.kv_seqlens, res.seed, mask_type),
         **_attrs(cfg, scale, dropout_rate, bias_total is not None),
     )
+    zero = jnp.zeros((), q.dtype)
     if row is not None:
-        zero = jnp.zeros((), q.dtype)
         dq = jnp.where(row[:, :, None, None], dq, zero)
+    if col is not None:
         dk = jnp.where(col[:, :, None, None], dk, zero)
         dv = jnp.where(col[:, :, None, None], dv, zero)
     if bias is None:

@@ -31,7 +31,7 @@ def _grads(fn, q, k, v, g, *extra):
     def loss(q, k, v, *extra):
         return jnp.sum(fn(q, k, v, *extra).astype(F32) * g.astype(F32))
 
-    return jax.grad(loss, argnums=tuple(range(3 + len(extra))))(q, k, v, *extra)
+    return jax.jit(jax.grad(loss, argnums=tuple(range(3 + len(extra)))))(q, k, v, *extra)
 
 
 def _close(a, b, dtype=F32, scale=1.0, msg=""):
@@ -117,7 +117,7 @@ def test_reference_matches_xla(case):
     extra = (bias,) if bias is not None else ()
     rows = jnp.ones((b, sq), bool) if ql is None else jnp.arange(sq)[None] < ql[:, None]
     gm = jnp.where(rows[:, :, None, None], g, 0.0)  # padded query rows: XLA leaves them undefined
-    out, want = ours(q, k, v, *extra), xla(q, k, v, *extra)
+    out, want = jax.jit(ours)(q, k, v, *extra), jax.jit(xla)(q, k, v, *extra)
     _close(jnp.where(rows[:, :, None, None], out, 0), jnp.where(rows[:, :, None, None], want, 0), msg=case)
     for got, exp in zip(_grads(ours, q, k, v, gm, *extra), _grads(xla, q, k, v, gm, *extra), strict=True):
         _close(got, exp, scale=4.0, msg=case)
@@ -174,7 +174,7 @@ def test_segments_match_direct(mask_type, window):
     def direct(q, k, v):
         return _direct(q, k, v, mask, scale)
 
-    _close(ours(q, k, v), direct(q, k, v))
+    _close(jax.jit(ours)(q, k, v), jax.jit(direct)(q, k, v))
     for got, exp in zip(_grads(ours, q, k, v, g), _grads(direct, q, k, v, g), strict=True):
         _close(got, exp, scale=4.0)
 
@@ -186,8 +186,8 @@ def test_value_head_dim_differs():
     def ours(q, k, v):
         return fused_attention(q, k, v, mask_type="causal")
 
-    assert ours(q, k, v).shape == (2, 16, 4, 16)
-    _close(ours(q, k, v), _direct(q, k, v, mask, 1 / np.sqrt(32)))
+    assert jax.eval_shape(ours, q, k, v).shape == (2, 16, 4, 16)
+    _close(jax.jit(ours)(q, k, v), jax.jit(_direct, static_argnums=4)(q, k, v, mask, 1 / np.sqrt(32)))
     for got, exp in zip(
         _grads(ours, q, k, v, g),
         _grads(lambda *a: _direct(*a, mask, 1 / np.sqrt(32)), q, k, v, g),
@@ -204,18 +204,19 @@ def test_fully_masked_rows_give_zeros():
     def f(q, k, v):
         return fused_attention(q, k, v, q_segment_ids=qs, kv_segment_ids=ks)
 
-    out = f(q, k, v)
+    out = jax.jit(f)(q, k, v)
     assert np.all(np.asarray(out[0, 4:6]) == 0)
-    _, res = ref.forward(
-        q, k, v, None, None, None, qs, ks, None, mask_type="none", window=None, scale=0.1, dropout_rate=0.0
-    )
+    statics = dict(mask_type="none", window=None, scale=0.1, dropout_rate=0.0)
+    _, res = jax.jit(lambda *a: ref.forward(*a, **statics))(q, k, v, None, None, None, qs, ks, None)
     assert np.all(np.isinf(np.asarray(res.lse[0, :, 4:6])))
     grads = _grads(f, q, k, v, g)
     assert all(np.isfinite(np.asarray(x)).all() for x in grads)
     assert np.all(np.asarray(grads[0][0, 4:6]) == 0)
     # padding with kv length 0 for one batch row
     q2, k2, v2, _ = _qkv(5, b=2, sq=4, sk=4)
-    out2 = fused_attention(q2, k2, v2, mask_type="padding", kv_seqlens=jnp.array([0, 4]))
+    out2 = jax.jit(lambda *a: fused_attention(*a, mask_type="padding", kv_seqlens=jnp.array([0, 4])))(
+        q2, k2, v2
+    )
     assert np.all(np.asarray(out2[0]) == 0) and np.isfinite(np.asarray(out2)).all()
 
 
@@ -230,13 +231,14 @@ def test_dropout_statistics_and_determinism():
     k = jax.random.normal(jax.random.key(0), (b, s, h, d))
     v = jnp.ones((b, s, h, d))
     rate = 0.25
-    out = fused_attention(q, k, v, dropout_rate=rate, rng=jax.random.key(1))
+    drop = jax.jit(lambda q, k, v, key: fused_attention(q, k, v, dropout_rate=rate, rng=key))
+    out = drop(q, k, v, jax.random.key(1))
     assert abs(float(out.mean()) - 1.0) < 0.02
     kept = np.asarray(out[..., 0]) * (1 - rate) * s  # number of kept keys per row
     assert abs(kept.mean() / s - (1 - rate)) < 0.01
-    again = fused_attention(q, k, v, dropout_rate=rate, rng=jax.random.key(1))
+    again = drop(q, k, v, jax.random.key(1))
     np.testing.assert_array_equal(np.asarray(out), np.asarray(again))
-    other = fused_attention(q, k, v, dropout_rate=rate, rng=jax.random.key(2))
+    other = drop(q, k, v, jax.random.key(2))
     assert not np.array_equal(np.asarray(out), np.asarray(other))
 
 
@@ -257,7 +259,7 @@ def test_dropout_gradient_matches_direct():
     def ours(q, k, v):
         return fused_attention(q, k, v, dropout_rate=rate, rng=key)
 
-    _close(ours(q, k, v), direct(q, k, v))
+    _close(jax.jit(ours)(q, k, v), jax.jit(direct)(q, k, v))
     for got, exp in zip(_grads(ours, q, k, v, g), _grads(direct, q, k, v, g), strict=True):
         _close(got, exp, scale=4.0)
 
@@ -300,32 +302,32 @@ def test_vmap_matches_loop(with_bias):
             q, k, v, bias=bb, mask_type="padding_causal", q_seqlens=lens_, kv_seqlens=lens_
         )
 
-    out = jax.vmap(f, in_axes=(0, 0, 0, 0, in_axes_bias))(q, k, v, lens, bias)
+    out = jax.jit(jax.vmap(f, in_axes=(0, 0, 0, 0, in_axes_bias)))(q, k, v, lens, bias)
+    fj = jax.jit(f)
     for i in range(n):
         bi = None if bias is None else (bias[i] if in_axes_bias == 0 else bias)
-        _close(out[i], f(q[i], k[i], v[i], lens[i], bi))
+        _close(out[i], fj(q[i], k[i], v[i], lens[i], bi))
 
     def loss(q, k, v, bb):
         o = jax.vmap(f, in_axes=(0, 0, 0, 0, in_axes_bias))(q, k, v, lens, bb)
         return jnp.sum(o * g)
 
     argn = (0, 1, 2, 3) if bias is not None else (0, 1, 2)
-    grads = jax.grad(loss, argnums=argn)(q, k, v, bias)
+    grads = jax.jit(jax.grad(loss, argnums=argn))(q, k, v, bias)
     for i in range(n):
         bi = None if bias is None else (bias[i] if in_axes_bias == 0 else bias)
 
         def li(q, k, v, bb, i=i):
             return jnp.sum(f(q, k, v, lens[i], bb) * g[i])
 
-        gi = jax.grad(li, argnums=argn)(q[i], k[i], v[i], bi)
+        gi = jax.jit(jax.grad(li, argnums=argn))(q[i], k[i], v[i], bi)
         for a, e in zip(grads[:3], gi[:3], strict=True):
             _close(a[i], e, scale=4.0)
         if with_bias == "batched":
             _close(grads[3][i], gi[3], scale=4.0)
     if with_bias == "shared":
-        total = sum(
-            jax.grad(lambda bb, i=i: jnp.sum(f(q[i], k[i], v[i], lens[i], bb) * g[i]))(bias) for i in range(n)
-        )
+        gb = jax.jit(jax.grad(lambda bb, q, k, v, ln, g: jnp.sum(f(q, k, v, ln, bb) * g)))
+        total = sum(gb(bias, q[i], k[i], v[i], lens[i], g[i]) for i in range(n))
         _close(grads[3], total, scale=4.0)
 
 
@@ -548,14 +550,14 @@ def test_native_glue_with_emulated_cudnn(case, monkeypatch):
     assert not c
     statics = dict(mask_type=mask_type, window=window, scale=0.25, dropout_rate=0.0)
     args = (q, k, v, bias, ql, kl, qs, ks, None)
-    out_n, res_n = nat.forward(*args, **statics)
-    out_r, res_r = ref.forward(*args, **statics)
+    out_n, res_n = jax.jit(lambda *a: nat.forward(*a, **statics))(*args)
+    out_r, res_r = jax.jit(lambda *a: ref.forward(*a, **statics))(*args)
     _close(out_n, out_r, jnp.float16, msg=case)
     fin = np.isfinite(np.asarray(res_r.lse))
     np.testing.assert_array_equal(fin, np.isfinite(np.asarray(res_n.lse)))
     _close(jnp.where(fin, res_n.lse, 0), jnp.where(fin, res_r.lse, 0), jnp.float16, msg=case)
-    grads_n = nat.backward(res_n, g, **statics)
-    grads_r = ref.backward(res_r, g, **statics)
+    grads_n = jax.jit(lambda r, g: nat.backward(r, g, **statics))(res_n, g)
+    grads_r = jax.jit(lambda r, g: ref.backward(r, g, **statics))(res_r, g)
     for gn, gr in zip(grads_n, grads_r, strict=True):
         if gr is None:
             assert gn is None
