@@ -1,0 +1,289 @@
+"""Flax NNX modules on te_ops: Dense, Softmax, DotProductAttention, MultiHeadAttention, TopKRouter,
+MoEBlock.
+
+Conventions: input sizes given at construction, parameters created eagerly from ``rngs``
+(``rngs.params``), ``nnx.Param`` carrying ``out_sharding`` logical axis metadata (what
+``nnx.with_partitioning`` attaches; resolved with ``nnx.get_partition_spec`` and logical axis rules),
+dropout keys from a forked ``rngs.dropout`` stream, ``deterministic`` as an attribute switched by
+``model.train()`` / ``model.eval()`` (or overridden per call). MoE aux losses are sown as
+:class:`AuxLoss` (an ``nnx.Intermediate``); sum and clear them with :func:`collect_aux_loss`. The
+aux-loss-free expert bias is an :class:`ExpertBias` variable (not an ``nnx.Param``, so optimisers
+skip it) updated in place on training calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from te_layers import _common as C
+
+Initializer = Callable[..., jax.Array]
+Axes = Sequence[str | None] | None
+
+_lecun = jax.nn.initializers.lecun_normal()
+_zeros = jax.nn.initializers.zeros
+
+
+class AuxLoss(nnx.Intermediate):
+    """A sown MoE load-balancing loss."""
+
+
+class TokensPerExpert(nnx.Intermediate):
+    """Sown per-expert token counts of the last call."""
+
+
+class ExpertBias(nnx.Variable):
+    """Aux-loss-free balancing bias ``[E]``: not trained by gradients, updated from token counts."""
+
+
+def _param(rngs: nnx.Rngs, init: Initializer, shape, dtype, axes: Axes) -> nnx.Param:
+    value = init(rngs.params(), tuple(shape), dtype)
+    if axes is None:
+        return nnx.Param(value)
+    # Logical names are metadata (resolved by nnx.get_partition_spec + logical axis rules), so no eager
+    # sharding: a name such as "embed" is not a mesh axis.
+    return nnx.Param(value, out_sharding=tuple(axes), eager_sharding=False)
+
+
+def _dropout_stream(rngs: nnx.Rngs | None, rate: float):
+    if rate > 0 and rngs is not None:
+        return rngs.dropout.fork()
+    return nnx.data(None)
+
+
+class Dense(nnx.Module):
+    """``activation(x @ kernel + bias)`` on ``te_ops.dense``: kernel ``[in_features, out_features]``."""
+
+    def __init__(self, in_features: int, out_features: int, *, use_bias: bool = True,
+                 activation: str | Callable | None = None, dtype: Any = None, param_dtype: Any = jnp.float32,
+                 kernel_init: Initializer = _lecun, bias_init: Initializer = _zeros, kernel_axes: Axes = None,
+                 bias_axes: Axes = None, rngs: nnx.Rngs):  # fmt: skip
+        self.in_features, self.out_features = in_features, out_features
+        self.activation, self.dtype = activation, dtype
+        self.kernel = _param(rngs, kernel_init, (in_features, out_features), param_dtype, kernel_axes)
+        if bias_axes is None and kernel_axes is not None:
+            bias_axes = (tuple(kernel_axes)[-1],)
+        self.bias = _param(rngs, bias_init, (out_features,), param_dtype, bias_axes) if use_bias else nnx.data(None)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        bias = None if self.bias is None else self.bias[...]
+        return C.dense_apply(x, self.kernel[...], bias, activation=self.activation, dtype=self.dtype)
+
+
+class Softmax(nnx.Module):
+    """te_ops softmax: ``variant`` "scaled", "masked" (call with ``mask``, True = masked out) or "causal"."""
+
+    def __init__(self, variant: str = "scaled", scale: float = 1.0):
+        if variant not in C.SOFTMAX_VARIANTS:
+            raise ValueError(f"te_layers.nnx.Softmax: variant must be one of {C.SOFTMAX_VARIANTS}, got {variant!r}.")
+        self.variant, self.scale = variant, scale
+
+    def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+        return C.softmax_apply(x, variant=self.variant, scale=self.scale, mask=mask)
+
+
+class DotProductAttention(nnx.Module):
+    """Fused attention of ``q [B, Sq, Nq, D]``, ``k``/``v [B, Sk, Nkv, D]`` (GQA when Nkv < Nq)."""
+
+    def __init__(self, *, mask_type: str = "none", window_size: tuple[int, int] | None = None,
+                 scale: float | None = None, dropout_rate: float = 0.0, deterministic: bool = False,
+                 rngs: nnx.Rngs | None = None):  # fmt: skip
+        self.mask_type, self.window_size, self.scale = mask_type, window_size, scale
+        self.dropout_rate, self.deterministic = dropout_rate, deterministic
+        self.rngs = _dropout_stream(rngs, dropout_rate)
+
+    def __call__(self, q, k, v, *, bias=None, q_seqlens=None, kv_seqlens=None, q_segment_ids=None,
+                 kv_segment_ids=None, deterministic: bool | None = None, rngs=None):  # fmt: skip
+        det = self.deterministic if deterministic is None else deterministic
+        return C.attention_apply(
+            q, k, v, mask_type=self.mask_type, bias=bias, q_seqlens=q_seqlens, kv_seqlens=kv_seqlens,
+            q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, window_size=self.window_size,
+            scale=self.scale, dropout_rate=self.dropout_rate, rng=_dropout_key(self, rngs, det), deterministic=det,
+        )  # fmt: skip
+
+
+def _dropout_key(mod, rngs, deterministic):
+    if deterministic or mod.dropout_rate <= 0:
+        return None
+    stream = rngs if rngs is not None else mod.rngs
+    if stream is None:
+        raise ValueError(
+            f"te_layers.nnx.{type(mod).__name__}: dropout needs rngs (pass rngs= at construction or call), "
+            "or call with deterministic=True / model.eval()."
+        )
+    if isinstance(stream, nnx.Rngs):
+        return stream.dropout()
+    return stream() if isinstance(stream, nnx.RngStream) else stream
+
+
+class MultiHeadAttention(nnx.Module):
+    """Multi-head (GQA) self- or cross-attention with optional fused QKV projection and RoPE.
+
+    Call: ``mha(x, inputs_kv=None, *, segment_ids=None, seqlens=None, positions=None, bias=None,
+    deterministic=None)`` -> ``[B, S, out_features or in_features]``.
+    """
+
+    def __init__(self, in_features: int, num_heads: int, head_dim: int, *, num_kv_heads: int | None = None,
+                 out_features: int | None = None, fused_qkv: bool = True, use_bias: bool = False,
+                 mask_type: str = "causal", window_size: tuple[int, int] | None = None, use_rope: bool = True,
+                 rope_theta: float = 10000.0, dropout_rate: float = 0.0, deterministic: bool = False,
+                 dtype: Any = None, param_dtype: Any = jnp.float32, kernel_init: Initializer = _lecun,
+                 bias_init: Initializer = _zeros, kernel_axes: Axes = ("embed", "heads"),
+                 out_kernel_axes: Axes = ("heads", "embed"), rngs: nnx.Rngs):  # fmt: skip
+        nkv = C.check_heads(num_heads, num_kv_heads)
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, nkv, head_dim
+        self.fused_qkv, self.mask_type, self.window_size = fused_qkv, mask_type, window_size
+        self.use_rope, self.rope_theta = use_rope, rope_theta
+        self.dropout_rate, self.deterministic = dropout_rate, deterministic
+
+        def proj(fin, n, axes):
+            return Dense(fin, n, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init,
+                         bias_init=bias_init, kernel_axes=axes, rngs=rngs)  # fmt: skip
+
+        d = head_dim
+        if fused_qkv:
+            self.qkv = proj(in_features, (num_heads + 2 * nkv) * d, kernel_axes)
+        else:
+            self.query = proj(in_features, num_heads * d, kernel_axes)
+            self.key = proj(in_features, nkv * d, kernel_axes)
+            self.value = proj(in_features, nkv * d, kernel_axes)
+        self.out = proj(num_heads * d, out_features or in_features, out_kernel_axes)
+        self.rngs = _dropout_stream(rngs, dropout_rate)
+
+    def __call__(self, x, inputs_kv=None, *, segment_ids=None, seqlens=None, positions=None, bias=None,
+                 deterministic: bool | None = None, rngs=None):  # fmt: skip
+        det = self.deterministic if deterministic is None else deterministic
+        nq, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        b, s = x.shape[:2]
+        if self.fused_qkv:
+            if inputs_kv is not None:
+                raise ValueError("te_layers.nnx.MultiHeadAttention: fused_qkv=True is self-attention only; "
+                                 "construct with fused_qkv=False for cross-attention.")
+            q, k, v = C.split_qkv(self.qkv(x), nq, nkv, d)
+        else:
+            kv_in = x if inputs_kv is None else inputs_kv
+            q = self.query(x).reshape(b, s, nq, d)
+            k = self.key(kv_in).reshape(b, kv_in.shape[1], nkv, d)
+            v = self.value(kv_in).reshape(b, kv_in.shape[1], nkv, d)
+        padded = self.mask_type.startswith("padding")
+        o = C.heads_attention(
+            q, k, v, use_rope=self.use_rope, rope_theta=self.rope_theta, positions=positions, kv_positions=None,
+            segment_ids=segment_ids, mask_type=self.mask_type, bias=bias,
+            q_seqlens=seqlens if padded else None, kv_seqlens=seqlens if padded and inputs_kv is None else None,
+            window_size=self.window_size, dropout_rate=self.dropout_rate, rng=_dropout_key(self, rngs, det),
+            deterministic=det,
+        )  # fmt: skip
+        return self.out(o)
+
+
+def _router_config(num_experts, topk, kw) -> C.RouterConfig:
+    return C.RouterConfig(num_experts=num_experts, topk=topk, **kw)
+
+
+class _RouterParams(nnx.Module):
+    def __init__(self, in_features, num_experts, use_expert_bias, param_dtype, kernel_init, kernel_axes, rngs):
+        self.kernel = _param(rngs, kernel_init, (in_features, num_experts), param_dtype, kernel_axes)
+        self.expert_bias = ExpertBias(jnp.zeros((num_experts,), jnp.float32)) if use_expert_bias else nnx.data(None)
+
+    def bias_value(self):
+        return None if self.expert_bias is None else self.expert_bias[...]
+
+    def update(self, cfg: C.RouterConfig, tokens_per_expert, deterministic):
+        if self.expert_bias is not None and not deterministic:
+            self.expert_bias[...] = C.updated_expert_bias(
+                self.expert_bias[...], tokens_per_expert, cfg.expert_bias_update_rate
+            )
+
+
+class TopKRouter(nnx.Module):
+    """Router: logits = x @ kernel ``[H, E]`` (float32), then te_ops top-k routing and the aux loss.
+
+    Router options (keywords, see :class:`te_layers._common.RouterConfig`): score_function,
+    use_pre_softmax, num_groups, group_topk, scaling_factor, aux_loss_coeff, use_expert_bias,
+    expert_bias_update_rate. Returns a ``RouterOutput(probs, routing_map, aux_loss, tokens_per_expert)``;
+    the aux loss is also sown as :class:`AuxLoss`.
+    """
+
+    def __init__(self, in_features: int, num_experts: int, topk: int, *, param_dtype: Any = jnp.float32,
+                 kernel_init: Initializer = _lecun, kernel_axes: Axes = ("embed", None),
+                 deterministic: bool = False, rngs: nnx.Rngs, **router_options):  # fmt: skip
+        router_options.setdefault("aux_loss_coeff", 0.0)
+        self.cfg = nnx.static(_router_config(num_experts, topk, router_options))
+        self.deterministic = deterministic
+        p = _RouterParams(in_features, num_experts, self.cfg.use_expert_bias, param_dtype, kernel_init,
+                          kernel_axes, rngs)  # fmt: skip
+        self.kernel, self.expert_bias = p.kernel, p.expert_bias
+
+    def __call__(self, x: jax.Array, *, deterministic: bool | None = None) -> C.RouterOutput:
+        det = self.deterministic if deterministic is None else deterministic
+        bias = None if self.expert_bias is None else self.expert_bias[...]
+        logits = C.router_logits(x.reshape(-1, x.shape[-1]), self.kernel[...])
+        r = C.route(logits, self.cfg, bias)
+        if self.cfg.aux_loss_coeff:
+            self.sow(AuxLoss, "aux_loss", r.aux_loss)
+        if self.expert_bias is not None and not det:
+            self.expert_bias[...] = C.updated_expert_bias(bias, r.tokens_per_expert, self.cfg.expert_bias_update_rate)
+        return r
+
+
+class MoEBlock(nnx.Module):
+    """Mixture-of-experts FFN: router -> token_dispatch -> grouped expert FFN -> token_combine.
+
+    Parameters: ``router.kernel [H, E]``, ``wi [E, H, 2F]`` (gated) or ``[E, H, F]``, ``wo [E, F, H]``.
+    With ``expert_axis`` the experts are sharded over that mesh axis (``mesh`` or the mesh set with
+    ``jax.set_mesh``) and tokens exchanged by all-to-all. Returns ``[..., H]``; the aux loss is sown
+    as :class:`AuxLoss` and the token counts as :class:`TokensPerExpert`.
+    """
+
+    def __init__(self, in_features: int, num_experts: int, topk: int, ffn_dim: int, *, activation: str = "silu",
+                 gated: bool = True, aux_loss_coeff: float = 1e-2, expert_axis: str | None = None, mesh: Any = None,
+                 grouped_gemm: str = "auto", dtype: Any = None, param_dtype: Any = jnp.float32,
+                 router_param_dtype: Any = jnp.float32, kernel_init: Initializer = C.default_expert_init(),
+                 router_kernel_init: Initializer = _lecun, router_kernel_axes: Axes = ("embed", None),
+                 wi_axes: Axes = ("expert", "embed", "mlp"), wo_axes: Axes = ("expert", "mlp", "embed"),
+                 deterministic: bool = False, rngs: nnx.Rngs, **router_options):  # fmt: skip
+        rc = _router_config(num_experts, topk, dict(router_options, aux_loss_coeff=aux_loss_coeff))
+        self.cfg = nnx.static(C.MoEConfig(rc, ffn_dim, activation, gated, expert_axis, grouped_gemm))
+        self.mesh = nnx.static(mesh)
+        self.dtype, self.deterministic = dtype, deterministic
+        self.router = _RouterParams(in_features, num_experts, rc.use_expert_bias, router_param_dtype,
+                                    router_kernel_init, router_kernel_axes, rngs)  # fmt: skip
+        f2 = ffn_dim * (2 if gated else 1)
+        self.wi = _param(rngs, kernel_init, (num_experts, in_features, f2), param_dtype, wi_axes)
+        self.wo = _param(rngs, kernel_init, (num_experts, ffn_dim, in_features), param_dtype, wo_axes)
+
+    def __call__(self, x: jax.Array, *, deterministic: bool | None = None) -> jax.Array:
+        det = self.deterministic if deterministic is None else deterministic
+        r = C.moe_apply(x, self.router.kernel[...], self.wi[...], self.wo[...], self.cfg, self.router.bias_value(),
+                        dtype=self.dtype, mesh=self.mesh)  # fmt: skip
+        self.sow(AuxLoss, "aux_loss", r.aux_loss)
+        self.sow(TokensPerExpert, "tokens_per_expert", r.tokens_per_expert)
+        self.router.update(self.cfg.router, r.tokens_per_expert, det)
+        return r.out
+
+
+def collect_aux_loss(model: nnx.Module) -> jax.Array:
+    """Pops every sown :class:`AuxLoss` from ``model`` (and its token counts) and returns their sum."""
+    losses = nnx.pop(model, AuxLoss)
+    nnx.pop(model, TokensPerExpert)
+    leaves = jax.tree.leaves(losses)
+    return sum((jnp.asarray(v, jnp.float32) for v in leaves), jnp.zeros((), jnp.float32))
+
+
+__all__ = [
+    "AuxLoss",
+    "Dense",
+    "DotProductAttention",
+    "ExpertBias",
+    "MoEBlock",
+    "MultiHeadAttention",
+    "Softmax",
+    "TokensPerExpert",
+    "TopKRouter",
+    "collect_aux_loss",
+]
