@@ -155,6 +155,7 @@ class KernelSpec:
     constexprs: tuple[tuple[str, Any], ...]
     num_warps: int
     num_stages: int
+    divisible_by_16: tuple[str, ...] = ()  # integer parameters promised to be multiples of 16
 
     @property
     def gluon(self) -> bool:
@@ -192,6 +193,7 @@ def cache_key(spec: KernelSpec, target: tuple) -> tuple:
         tuple((k, repr(v)) for k, v in spec.constexprs),
         spec.num_warps,
         spec.num_stages,
+        spec.divisible_by_16,
         tuple(target),
     )
 
@@ -297,7 +299,9 @@ def _compile_uncached(spec: KernelSpec, target: tuple) -> CompiledKernel:
         source_cls = ASTSource
     signature = dict(spec.signature)
     attrs = {
-        (i,): [["tt.divisibility", 16]] for i, (_, ty) in enumerate(spec.signature) if ty.startswith("*")
+        (i,): [["tt.divisibility", 16]]
+        for i, (name, ty) in enumerate(spec.signature)
+        if ty.startswith("*") or name in spec.divisible_by_16
     }
     src = source_cls(spec.fn, signature, constexprs=dict(spec.constexprs), attrs=attrs)
     k = triton.compile(
@@ -534,6 +538,7 @@ def triton_call(
     num_stages: int = 2,
     input_output_aliases: dict[int, int] | None = None,
     zeroed_outputs: Sequence[int] = (),
+    divisible_by_16: Sequence[str] = (),
     name: str | None = None,
 ) -> list[jax.Array]:
     """Launches ``kernel`` on ``grid`` from JAX.
@@ -547,6 +552,11 @@ def triton_call(
       input_output_aliases: {index in args: output index}: the output is that input's buffer (the
         kernel writes through the input's pointer; use it to update a buffer in place).
       zeroed_outputs: outputs (not aliased) that jaxlib sets to zero before the launch.
+      divisible_by_16: names of integer parameters whose value is a multiple of 16 (checked). The
+        kernel is compiled with that promise (``tt.divisibility``), which lets Triton vectorise
+        row accesses such as ``ptr + row * H``; a value that is not a multiple of 16 must not be
+        named (it would select a different compiled kernel, not a wrong one). Other integer
+        parameters are not value-specialised at all.
 
     Returns:
       The list of outputs.
@@ -579,6 +589,10 @@ def triton_call(
             operands.append(a)
         else:
             value, ty = _scalar_type(a)
+            if n in divisible_by_16 and (ty not in ("i32", "i64", "u32") or value % 16):
+                raise ValueError(
+                    f"te_ops triton bridge: {n}={value!r} was declared divisible by 16 but is not"
+                )
             signature.append((n, ty))
             kernel_params.append(("scalar", value, ty))
     poison = _poison_on()
@@ -594,7 +608,14 @@ def triton_call(
             poison_ops.append((i, jnp.full(s.shape, fill, s.dtype)))
     full_sig = dict(signature)
     sig = tuple((n, full_sig.get(n, "constexpr")) for n in arg_names)
-    spec = KernelSpec(kernel, sig, tuple(sorted(constexprs.items())), int(num_warps), int(num_stages))
+    spec = KernelSpec(
+        kernel,
+        sig,
+        tuple(sorted(constexprs.items())),
+        int(num_warps),
+        int(num_stages),
+        tuple(sorted(divisible_by_16)),
+    )
     # map operand positions: args that are arrays, in order
     array_arg_pos = [k for k, a in enumerate(args) if _is_array(a)]
     op_index = {k: j for j, k in enumerate(array_arg_pos)}

@@ -58,6 +58,12 @@ def _h_config(h: int, itemsize: int) -> tuple[int, int, int]:
     return block_h, vec, warps
 
 
+def _div16(h: int) -> tuple[str, ...]:
+    """Promise H % 16 == 0 to the compiler when it holds: row offsets row * H are then 32-byte
+    aligned and loads/stores become 16-byte vectors (without it Triton emits 2-byte accesses)."""
+    return ("H",) if h % 16 == 0 else ()
+
+
 def _tile_t(e: int) -> tuple[int, int]:
     block_e = _pow2(max(e, 1))
     return max(1, min(64, 4096 // block_e)), block_e
@@ -145,6 +151,7 @@ def _zero_holes(inv, pp, n, h, dtype):
             grid=(_cdiv(n, rows),),
             constexprs=dict(ROWS=rows, BLOCK_H=block_h, HAS_PROBS=True),
             num_warps=warps,
+            divisible_by_16=_div16(h),
         )
         return out, pp
     out = tb.triton_call(
@@ -157,6 +164,7 @@ def _zero_holes(inv, pp, n, h, dtype):
         grid=(_cdiv(n, rows),),
         constexprs=dict(ROWS=rows, BLOCK_H=block_h, HAS_PROBS=False),
         num_warps=warps,
+        divisible_by_16=_div16(h),
     )[0]
     return out, None
 
@@ -180,6 +188,7 @@ def _move_rows(x, row_id_map, out0, gluon: bool):
             grid=(_cdiv(t_, tokens),),
             constexprs=dict(BLOCK_H=block_h, VEC=vec, TOKENS=tokens, NUM_WARPS=warps),
             num_warps=warps,
+            divisible_by_16=_div16(h),
         )[0]
     return tb.triton_call(
         _k().dispatch_kernel,
@@ -193,6 +202,7 @@ def _move_rows(x, row_id_map, out0, gluon: bool):
         grid=(t_,),
         constexprs=dict(BLOCK_H=block_h),
         num_warps=warps,
+        divisible_by_16=_div16(h),
     )[0]
 
 
@@ -226,6 +236,7 @@ def dispatch_backward(
             grid=(t_,),
             constexprs=dict(BLOCK_H=block_h, BLOCK_E=_pow2(e_)),
             num_warps=warps,
+            divisible_by_16=_div16(h),
         )
         return dx, dprobs
     dx = _combine(g_out, res.row_id_map, None, False)
@@ -259,6 +270,7 @@ def _combine(y, row_id_map, merging_probs, gluon: bool):
             constexprs=dict(
                 BLOCK_H=block_h, VEC=vec, TOKENS=tokens, NUM_WARPS=warps, HAS_PROBS=merging_probs is not None
             ),
+            divisible_by_16=_div16(h),
         )[0]
     return tb.triton_call(
         _k().combine_kernel,
@@ -271,6 +283,7 @@ def _combine(y, row_id_map, merging_probs, gluon: bool):
         grid=(t_,),
         constexprs=dict(BLOCK_H=block_h, HAS_PROBS=merging_probs is not None),
         num_warps=warps,
+        divisible_by_16=_div16(h),
     )[0]
 
 
@@ -317,6 +330,7 @@ def combine_backward(res, g, *, gluon: bool = False):
             grid=(t_,),
             constexprs=dict(BLOCK_H=block_h, BLOCK_E=block_e),
             num_warps=warps,
+            divisible_by_16=_div16(h),
         )
         return dy, dmp
     dy = tb.triton_call(
@@ -331,6 +345,7 @@ def combine_backward(res, g, *, gluon: bool = False):
         grid=(t_,),
         constexprs=dict(BLOCK_H=block_h, BLOCK_E=block_e),
         num_warps=warps,
+        divisible_by_16=_div16(h),
     )[0]
     return dy, None
 
@@ -354,6 +369,7 @@ def _gather(x, idx):
         grid=(_cdiv(n, rows),),
         constexprs=dict(ROWS=rows, BLOCK_H=block_h),
         num_warps=warps,
+        divisible_by_16=_div16(h),
     )[0]
 
 

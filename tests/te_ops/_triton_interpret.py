@@ -110,6 +110,7 @@ def interpreted_call(
     input_output_aliases=None,
     zeroed_outputs=(),
     name=None,
+    divisible_by_16=(),
 ):
     aliases = dict(input_output_aliases or {})
     bufs = []
