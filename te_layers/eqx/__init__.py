@@ -1,0 +1,300 @@
+"""Equinox modules on te_ops: Dense, Softmax, DotProductAttention, MultiHeadAttention, TopKRouter,
+MoEBlock.
+
+Conventions: input sizes at construction and a keyword-only ``key`` (``jax.random`` key) for the
+initialisers; configuration in static fields, parameters as array fields (stored in
+``param_dtype``, computed in ``dtype``); dropout takes a keyword-only ``key`` at call time and an
+``inference`` flag (field, overridable per call, toggled by ``eqx.nn.inference_mode``). MoE modules
+return the aux loss alongside the output (``(out, MoEAux(aux_loss, tokens_per_expert))``);
+aux-loss-free balancing is functional: ``block = block.update_expert_bias(aux.tokens_per_expert)``.
+Partitioning metadata: every parameter has logical axis names; :func:`logical_axes` returns a pytree
+of ``PartitionSpec`` (logical names) shaped like the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from te_layers import _common as C
+
+Initializer = Callable[..., jax.Array]
+Axes = Sequence[str | None] | None
+
+_lecun = jax.nn.initializers.lecun_normal()
+_zeros = jax.nn.initializers.zeros
+
+
+def _axes(a: Axes):
+    return None if a is None else tuple(a)
+
+
+class Dense(eqx.Module):
+    """``activation(x @ kernel + bias)`` on ``te_ops.dense``: kernel ``[in_features, out_features]``."""
+
+    kernel: jax.Array
+    bias: jax.Array | None
+    activation: str | Callable | None = eqx.field(static=True)
+    dtype: Any = eqx.field(static=True)
+    param_axes: dict = eqx.field(static=True)
+
+    def __init__(self, in_features: int, out_features: int, *, use_bias: bool = True,
+                 activation: str | Callable | None = None, dtype: Any = None, param_dtype: Any = jnp.float32,
+                 kernel_init: Initializer = _lecun, bias_init: Initializer = _zeros, kernel_axes: Axes = None,
+                 bias_axes: Axes = None, key: jax.Array):  # fmt: skip
+        kk, bk = jax.random.split(key)
+        self.kernel = kernel_init(kk, (in_features, out_features), param_dtype)
+        self.bias = bias_init(bk, (out_features,), param_dtype) if use_bias else None
+        self.activation, self.dtype = activation, dtype
+        if bias_axes is None and kernel_axes is not None:
+            bias_axes = (tuple(kernel_axes)[-1],)
+        self.param_axes = {"kernel": _axes(kernel_axes), "bias": _axes(bias_axes)}
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return C.dense_apply(x, self.kernel, self.bias, activation=self.activation, dtype=self.dtype)
+
+
+class Softmax(eqx.Module):
+    """te_ops softmax: ``variant`` "scaled", "masked" (call with ``mask``, True = masked out) or "causal"."""
+
+    variant: str = eqx.field(static=True, default="scaled")
+    scale: float = eqx.field(static=True, default=1.0)
+
+    def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+        return C.softmax_apply(x, variant=self.variant, scale=self.scale, mask=mask)
+
+
+def _dropout_key(name, rate, inference, key):
+    if inference or rate <= 0:
+        return None
+    if key is None:
+        raise ValueError(
+            f"te_layers.eqx.{name}: dropout_rate > 0 needs key= at call time (or inference=True)."
+        )
+    return key
+
+
+class DotProductAttention(eqx.Module):
+    """Fused attention of ``q [B, Sq, Nq, D]``, ``k``/``v [B, Sk, Nkv, D]`` (GQA when Nkv < Nq)."""
+
+    mask_type: str = eqx.field(static=True, default="none")
+    window_size: tuple[int, int] | None = eqx.field(static=True, default=None)
+    scale: float | None = eqx.field(static=True, default=None)
+    dropout_rate: float = eqx.field(static=True, default=0.0)
+    inference: bool = False
+
+    def __call__(self, q, k, v, *, bias=None, q_seqlens=None, kv_seqlens=None, q_segment_ids=None,
+                 kv_segment_ids=None, key=None, inference: bool | None = None):  # fmt: skip
+        inf = self.inference if inference is None else inference
+        return C.attention_apply(
+            q, k, v, mask_type=self.mask_type, bias=bias, q_seqlens=q_seqlens, kv_seqlens=kv_seqlens,
+            q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, window_size=self.window_size,
+            scale=self.scale, dropout_rate=self.dropout_rate,
+            rng=_dropout_key("DotProductAttention", self.dropout_rate, inf, key), deterministic=inf,
+        )  # fmt: skip
+
+
+class MultiHeadAttention(eqx.Module):
+    """Multi-head (GQA) self- or cross-attention with optional fused QKV projection and RoPE.
+
+    Call: ``mha(x, inputs_kv=None, *, segment_ids=None, seqlens=None, positions=None, bias=None,
+    key=None, inference=None)`` -> ``[B, S, out_features or in_features]``.
+    """
+
+    qkv: Dense | None
+    query: Dense | None
+    key: Dense | None
+    value: Dense | None
+    out: Dense
+    num_heads: int = eqx.field(static=True)
+    num_kv_heads: int = eqx.field(static=True)
+    head_dim: int = eqx.field(static=True)
+    mask_type: str = eqx.field(static=True)
+    window_size: tuple[int, int] | None = eqx.field(static=True)
+    use_rope: bool = eqx.field(static=True)
+    rope_theta: float = eqx.field(static=True)
+    dropout_rate: float = eqx.field(static=True)
+    inference: bool
+
+    def __init__(self, in_features: int, num_heads: int, head_dim: int, *, num_kv_heads: int | None = None,
+                 out_features: int | None = None, fused_qkv: bool = True, use_bias: bool = False,
+                 mask_type: str = "causal", window_size: tuple[int, int] | None = None, use_rope: bool = True,
+                 rope_theta: float = 10000.0, dropout_rate: float = 0.0, inference: bool = False,
+                 dtype: Any = None, param_dtype: Any = jnp.float32, kernel_init: Initializer = _lecun,
+                 bias_init: Initializer = _zeros, kernel_axes: Axes = ("embed", "heads"),
+                 out_kernel_axes: Axes = ("heads", "embed"), key: jax.Array):  # fmt: skip
+        nkv = C.check_heads(num_heads, num_kv_heads)
+        keys = iter(jax.random.split(key, 5))
+
+        def proj(fin, n, axes):
+            return Dense(fin, n, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init,
+                         bias_init=bias_init, kernel_axes=axes, key=next(keys))  # fmt: skip
+
+        d = head_dim
+        self.qkv = proj(in_features, (num_heads + 2 * nkv) * d, kernel_axes) if fused_qkv else None
+        self.query = None if fused_qkv else proj(in_features, num_heads * d, kernel_axes)
+        self.key = None if fused_qkv else proj(in_features, nkv * d, kernel_axes)
+        self.value = None if fused_qkv else proj(in_features, nkv * d, kernel_axes)
+        self.out = proj(num_heads * d, out_features or in_features, out_kernel_axes)
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, nkv, head_dim
+        self.mask_type, self.window_size = mask_type, window_size
+        self.use_rope, self.rope_theta = use_rope, rope_theta
+        self.dropout_rate, self.inference = dropout_rate, inference
+
+    def __call__(self, x, inputs_kv=None, *, segment_ids=None, seqlens=None, positions=None, bias=None,
+                 key=None, inference: bool | None = None):  # fmt: skip
+        inf = self.inference if inference is None else inference
+        nq, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        b, s = x.shape[:2]
+        if self.qkv is not None:
+            if inputs_kv is not None:
+                raise ValueError("te_layers.eqx.MultiHeadAttention: fused_qkv=True is self-attention only; "
+                                 "construct with fused_qkv=False for cross-attention.")
+            q, k, v = C.split_qkv(self.qkv(x), nq, nkv, d)
+        else:
+            kv_in = x if inputs_kv is None else inputs_kv
+            q = self.query(x).reshape(b, s, nq, d)
+            k = self.key(kv_in).reshape(b, kv_in.shape[1], nkv, d)
+            v = self.value(kv_in).reshape(b, kv_in.shape[1], nkv, d)
+        padded = self.mask_type.startswith("padding")
+        o = C.heads_attention(
+            q, k, v, use_rope=self.use_rope, rope_theta=self.rope_theta, positions=positions, kv_positions=None,
+            segment_ids=segment_ids, mask_type=self.mask_type, bias=bias,
+            q_seqlens=seqlens if padded else None, kv_seqlens=seqlens if padded and inputs_kv is None else None,
+            window_size=self.window_size, dropout_rate=self.dropout_rate,
+            rng=_dropout_key("MultiHeadAttention", self.dropout_rate, inf, key), deterministic=inf,
+        )  # fmt: skip
+        return self.out(o)
+
+
+class MoEAux(NamedTuple):
+    aux_loss: jax.Array  # scalar float32
+    tokens_per_expert: jax.Array  # int32 [E]
+
+
+class TopKRouter(eqx.Module):
+    """Router: logits = x @ kernel ``[H, E]`` (float32), then te_ops top-k routing and the aux loss.
+
+    Router options (keywords, see :class:`te_layers._common.RouterConfig`): score_function,
+    use_pre_softmax, num_groups, group_topk, scaling_factor, aux_loss_coeff, use_expert_bias,
+    expert_bias_update_rate. Returns ``RouterOutput(probs, routing_map, aux_loss, tokens_per_expert)``.
+    """
+
+    kernel: jax.Array
+    expert_bias: jax.Array | None
+    cfg: C.RouterConfig = eqx.field(static=True)
+    param_axes: dict = eqx.field(static=True)
+
+    def __init__(self, in_features: int, num_experts: int, topk: int, *, param_dtype: Any = jnp.float32,
+                 kernel_init: Initializer = _lecun, kernel_axes: Axes = ("embed", None), key: jax.Array,
+                 **router_options):  # fmt: skip
+        router_options.setdefault("aux_loss_coeff", 0.0)
+        self.cfg = C.RouterConfig(num_experts=num_experts, topk=topk, **router_options)
+        self.kernel = kernel_init(key, (in_features, num_experts), param_dtype)
+        self.expert_bias = jnp.zeros((num_experts,), jnp.float32) if self.cfg.use_expert_bias else None
+        self.param_axes = {"kernel": _axes(kernel_axes), "expert_bias": (None,)}
+
+    def __call__(self, x: jax.Array) -> C.RouterOutput:
+        logits = C.router_logits(x.reshape(-1, x.shape[-1]), self.kernel)
+        bias = None if self.expert_bias is None else jax.lax.stop_gradient(self.expert_bias)
+        return C.route(logits, self.cfg, bias)
+
+    def update_expert_bias(self, tokens_per_expert: jax.Array) -> TopKRouter:
+        """A copy with the aux-loss-free bias moved towards balance (no-op without use_expert_bias)."""
+        if self.expert_bias is None:
+            return self
+        new = C.updated_expert_bias(self.expert_bias, tokens_per_expert, self.cfg.expert_bias_update_rate)
+        return eqx.tree_at(lambda m: m.expert_bias, self, new)
+
+
+class MoEBlock(eqx.Module):
+    """Mixture-of-experts FFN: router -> token_dispatch -> grouped expert FFN -> token_combine.
+
+    Parameters: ``router.kernel [H, E]``, ``wi [E, H, 2F]`` (gated) or ``[E, H, F]``, ``wo [E, F, H]``.
+    With ``expert_axis`` the experts are sharded over that mesh axis (``mesh`` or the mesh set with
+    ``jax.set_mesh``) and tokens exchanged by all-to-all. ``block(x)`` returns
+    ``(out [..., H], MoEAux(aux_loss, tokens_per_expert))``.
+    """
+
+    router: TopKRouter
+    wi: jax.Array
+    wo: jax.Array
+    cfg: C.MoEConfig = eqx.field(static=True)
+    mesh: Any = eqx.field(static=True)
+    dtype: Any = eqx.field(static=True)
+    param_axes: dict = eqx.field(static=True)
+
+    def __init__(self, in_features: int, num_experts: int, topk: int, ffn_dim: int, *, activation: str = "silu",
+                 gated: bool = True, aux_loss_coeff: float = 1e-2, expert_axis: str | None = None, mesh: Any = None,
+                 grouped_gemm: str = "auto", dtype: Any = None, param_dtype: Any = jnp.float32,
+                 router_param_dtype: Any = jnp.float32, kernel_init: Initializer = C.default_expert_init(),
+                 router_kernel_init: Initializer = _lecun, router_kernel_axes: Axes = ("embed", None),
+                 wi_axes: Axes = ("expert", "embed", "mlp"), wo_axes: Axes = ("expert", "mlp", "embed"),
+                 key: jax.Array, **router_options):  # fmt: skip
+        rk, ik, ok = jax.random.split(key, 3)
+        self.router = TopKRouter(in_features, num_experts, topk, param_dtype=router_param_dtype,
+                                 kernel_init=router_kernel_init, kernel_axes=router_kernel_axes, key=rk,
+                                 aux_loss_coeff=aux_loss_coeff, **router_options)  # fmt: skip
+        f2 = ffn_dim * (2 if gated else 1)
+        self.wi = kernel_init(ik, (num_experts, in_features, f2), param_dtype)
+        self.wo = kernel_init(ok, (num_experts, ffn_dim, in_features), param_dtype)
+        self.cfg = C.MoEConfig(self.router.cfg, ffn_dim, activation, gated, expert_axis, grouped_gemm)
+        self.mesh, self.dtype = mesh, dtype
+        self.param_axes = {"wi": _axes(wi_axes), "wo": _axes(wo_axes)}
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEAux]:
+        bias = None if self.router.expert_bias is None else jax.lax.stop_gradient(self.router.expert_bias)
+        r = C.moe_apply(x, self.router.kernel, self.wi, self.wo, self.cfg, bias, dtype=self.dtype, mesh=self.mesh)
+        return r.out, MoEAux(r.aux_loss, r.tokens_per_expert)
+
+    def update_expert_bias(self, tokens_per_expert: jax.Array) -> MoEBlock:
+        """A copy with the router's aux-loss-free bias updated (no-op without use_expert_bias)."""
+        return eqx.tree_at(lambda m: m.router, self, self.router.update_expert_bias(tokens_per_expert))
+
+
+def logical_axes(model: Any) -> Any:
+    """A pytree like ``model`` whose array leaves are replaced by ``PartitionSpec`` s of logical axis
+    names (``PartitionSpec()`` where a parameter has none). Map them to mesh axes with your rules."""
+
+    def visit(node):
+        if isinstance(node, eqx.Module):
+            axes = getattr(node, "param_axes", {})
+            names, values = [], []
+            for f in dataclasses.fields(node):
+                if f.metadata.get("static", False):
+                    continue
+                v = getattr(node, f.name)
+                if isinstance(v, jax.Array):
+                    names.append(f.name)
+                    values.append(PartitionSpec(*(axes.get(f.name) or ())))
+                elif isinstance(v, (eqx.Module, list, tuple, dict)):
+                    names.append(f.name)
+                    values.append(visit(v))
+            if not names:
+                return node
+            return eqx.tree_at(lambda m: [getattr(m, n) for n in names], node, values, is_leaf=lambda x: x is None)
+        if isinstance(node, (list, tuple)):
+            return type(node)(visit(v) for v in node)
+        if isinstance(node, dict):
+            return {k: visit(v) for k, v in node.items()}
+        return PartitionSpec() if isinstance(node, jax.Array) else node
+
+    return visit(model)
+
+
+__all__ = [
+    "Dense",
+    "DotProductAttention",
+    "MoEAux",
+    "MoEBlock",
+    "MultiHeadAttention",
+    "Softmax",
+    "TopKRouter",
+    "logical_axes",
+]
