@@ -453,3 +453,51 @@ def test_aux_loss_sharded_tokens_and_experts():
     out, ref, counts = run_sharded(fn, [probs, tpe], [PS("data", "model"), PS("model")], mesh=mesh)
     assert counts["all-reduce"] == 1, counts
     assert_close(out, ref)
+
+
+# ----------------------------------------------------------------------------------------------
+# Native glue on a CPU-only machine: lower the native path for CUDA (nothing runs) and check the
+# FFI calls, their attributes and the poisoned-output aliasing.
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("poison", [False, True], ids=["plain", "poisoned"])
+def test_native_path_lowers_for_cuda(monkeypatch, poison):
+    import contextlib
+    import re
+
+    from te_ops._core import native as N
+
+    monkeypatch.setattr(N, "cuda_device_unavailable_reason", lambda: None)
+    monkeypatch.setattr(N, "native_unavailable_reason", lambda name="_native": None)
+    monkeypatch.setattr(N, "ensure_registered", lambda: None)
+
+    def step(x, b, tpe):
+        p, _ = fused_topk_with_score_function(
+            x,
+            8,
+            score_function="sigmoid",
+            num_groups=8,
+            group_topk=4,
+            scaling_factor=2.5,
+            expert_bias=b,
+            implementation="native",
+        )
+        p2, _ = fused_topk_with_score_function(x, 8, compact_routing_map=True, implementation="native")
+        _, s = compute_routing_scores_for_aux_loss(x, 8, score_function="sigmoid", implementation="native")
+        loss = fused_moe_aux_loss(s, tpe, topk=8, coeff=0.01, implementation="native")
+        return jnp.sum(p * p) + jnp.sum(p2 * p2) + loss
+
+    # Poisoning is a trace-time setting and jax caches the traces of the op's inner functions per
+    # shape, so each variant uses its own token count.
+    t = 48 if poison else 64
+    x, b, tpe = jnp.ones((t, 256)), jnp.zeros(256), jnp.ones(256, jnp.int32)
+    with N.poisoned_outputs() if poison else contextlib.nullcontext():
+        traced = jax.jit(jax.value_and_grad(step)).trace(x, b, tpe)
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    targets = set(re.findall(r"te_router_\w+", text))
+    assert targets == {f"te_router_{n}_{d}" for n in ("topk", "scores", "aux_loss") for d in ("fwd", "bwd")}
+    assert (
+        "scaling_factor = 2.5" in text and "group_topk = 4 : i32" in text and "num_groups = 8 : i32" in text
+    )
+    assert ("output_operand_aliases" in text) == poison
