@@ -166,7 +166,8 @@ def _partitioned_bwd(impl):
 def _map_fold(fn):
     def fold(axis_size, in_batched, *args):
         xs = P.broadcast_batched(axis_size, in_batched, args)
-        return jax.lax.map(lambda a: fn(*a), tuple(xs)), True
+        out = jax.lax.map(lambda a: fn(*a), tuple(xs))
+        return out, jax.tree.map(lambda _: True, out)
 
     return fold
 

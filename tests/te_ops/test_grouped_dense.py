@@ -1,0 +1,346 @@
+"""CPU tests of te_ops.grouped_dense: reference vs per-group jnp.dot on random uneven sizes (empty
+groups, sum < M), gradients vs jax.grad of the per-group formulation, jit, vmap, errors, dispatch,
+sharding on 8 virtual CPU devices (expert parallel, tensor parallel) with collective counts, the
+Triton kernels' logic under TRITON_INTERPRET=1, and their compilation for sm_90 without a GPU.
+
+Run as a script (``python tests/te_ops/test_grouped_dense.py --interpret``) it is the interpreter
+harness: the Triton kernels run eagerly on NumPy buffers (tests/te_ops/_triton_interpret.py, "NumPy
+shim, no torch") with NaN-poisoned outputs. fp16 only there: the shim's bfloat16 buffers are not
+read correctly by Triton 3.6's interpreter (fp16 runs the same kernel code)."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as PS
+
+from te_ops._core import registry
+from te_ops._core import triton_bridge as tb
+from te_ops._core.testing import assert_close, cpu_mesh, run_sharded
+from te_ops.grouped_dense import grouped_dense
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+
+def direct(x, kernels, sizes, bias=None):
+    """Per-group jnp.dot with static (host) sizes: the independent formulation."""
+    m, n = x.shape[0], kernels.shape[2]
+    out, s = [], 0
+    for g, c in enumerate(np.asarray(sizes).tolist()):
+        c = max(0, min(c, m - s))
+        y = jnp.dot(x[s : s + c].astype(jnp.float32), kernels[g].astype(jnp.float32),
+                    precision=jax.lax.Precision.HIGHEST)
+        if bias is not None:
+            y = y + bias[g].astype(jnp.float32)
+        out.append(y)
+        s += c
+    out.append(jnp.zeros((m - s, n), jnp.float32))
+    return jnp.concatenate(out).astype(x.dtype)
+
+
+def uneven_sizes(rng, g, m, fill=0.8, zeros=2):
+    """Random uneven sizes with `zeros` empty groups and sum about fill * m (<= m)."""
+    w = rng.dirichlet(np.full(g, 0.5))
+    sizes = np.floor(w * m * fill).astype(np.int32)
+    sizes[rng.choice(g, size=min(zeros, g), replace=False)] = 0
+    return sizes
+
+
+def make(rng, m, k, n, g, dtype=jnp.float32, fill=0.8, zeros=2):
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    w = jnp.asarray(rng.standard_normal((g, k, n)) / np.sqrt(k), dtype)
+    b = jnp.asarray(rng.standard_normal((g, n)), dtype)
+    return x, w, jnp.asarray(uneven_sizes(rng, g, m, fill, zeros)), b
+
+
+@pytest.mark.parametrize("m,k,n,g,fill,zeros", [(64, 16, 24, 5, 0.8, 2), (97, 32, 8, 8, 1.0, 3), (40, 8, 16, 3, 0.0, 3),
+                                                (33, 8, 8, 1, 1.0, 0)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_forward_matches_per_group_dot(m, k, n, g, fill, zeros, with_bias):
+    rng = np.random.default_rng(m + k + g)
+    x, w, sizes, b = make(rng, m, k, n, g, fill=fill, zeros=zeros)
+    b = b if with_bias else None
+    got = jax.jit(lambda x, w, s, *b: grouped_dense(x, w, s, *b))(x, w, sizes, *([b] if with_bias else []))
+    assert_close(got, direct(x, w, sizes, b), jnp.float32, scale=4)
+    assert np.all(np.asarray(got)[int(sizes.sum()):] == 0)
+
+
+def test_bf16_and_sum_over_m_clips():
+    rng = np.random.default_rng(1)
+    x, w, _, _ = make(rng, 48, 16, 16, 4, jnp.bfloat16)
+    sizes = jnp.array([10, 0, 30, 20], jnp.int32)  # sum 60 > 48: the last group is clipped at row 48
+    got = grouped_dense(x, w, sizes)
+    assert got.dtype == jnp.bfloat16
+    assert_close(got, direct(x, w, sizes), jnp.bfloat16, scale=4)
+    neg = grouped_dense(x, w, jnp.array([10, -5, 30, 0], jnp.int32))  # negative sizes count as 0
+    assert_close(neg, direct(x, w, np.array([10, 0, 30, 0])), jnp.bfloat16, scale=4)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gradients_match_per_group_formulation(with_bias):
+    rng = np.random.default_rng(2)
+    x, w, _, b = make(rng, 70, 16, 24, 6)
+    sizes = jnp.array([9, 0, 21, 3, 0, 30], jnp.int32)  # sum 63 < 70, two empty groups
+    dy = jnp.asarray(rng.standard_normal((70, 24)), jnp.float32)
+
+    def ours(x, w, b):
+        return jnp.sum(grouped_dense(x, w, sizes, b if with_bias else None) * dy)
+
+    def theirs(x, w, b):
+        return jnp.sum(direct(x, w, sizes, b if with_bias else None) * dy)
+
+    got = jax.jit(jax.grad(ours, argnums=(0, 1, 2)))(x, w, b)
+    want = jax.grad(theirs, argnums=(0, 1, 2))(x, w, b)
+    for a, e in zip(got, want, strict=True):
+        assert_close(a, e, jnp.float32, scale=8)
+    assert np.all(np.asarray(got[1])[[1, 4]] == 0)  # empty groups: zero dkernels
+    assert np.all(np.asarray(got[0])[63:] == 0)  # tail rows: zero dx
+    if with_bias:
+        assert np.all(np.asarray(got[2])[[1, 4]] == 0)
+    # group_sizes gets no cotangent (float0)
+    gs_grad = jax.grad(lambda x, s: jnp.sum(grouped_dense(x, w, s)), argnums=1, allow_int=True)(x, sizes)
+    assert gs_grad.dtype == jax.dtypes.float0
+
+
+def test_jit_with_device_sizes_one_compile():
+    rng = np.random.default_rng(3)
+    x, w, _, _ = make(rng, 50, 8, 8, 4)
+    fn = jax.jit(lambda x, w, s: grouped_dense(x, w, s))
+    for sizes in ([10, 10, 10, 10], [0, 50, 0, 0], [1, 2, 3, 4]):
+        s = jnp.array(sizes, jnp.int32)
+        assert_close(fn(x, w, s), direct(x, w, s), jnp.float32, scale=4)
+    assert fn._cache_size() == 1
+
+
+def test_vmap():
+    rng = np.random.default_rng(4)
+    xs = jnp.asarray(rng.standard_normal((3, 40, 16)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((4, 16, 8)), jnp.float32)
+    b = jnp.asarray(rng.standard_normal((4, 8)), jnp.float32)
+    sizes = jnp.array([[10, 0, 20, 5], [40, 0, 0, 0], [1, 2, 3, 4]], jnp.int32)
+    got = jax.jit(jax.vmap(lambda x, s: grouped_dense(x, w, s, b)))(xs, sizes)
+    for i in range(3):
+        assert_close(got[i], direct(xs[i], w, sizes[i], b), jnp.float32, scale=4)
+    # vmap of the gradient, kernels batched too
+    ws = jnp.stack([w, 2 * w, -w])
+    gw = jax.vmap(jax.grad(lambda x, w, s: jnp.sum(grouped_dense(x, w, s) ** 2), argnums=1))(xs, ws, sizes)
+    for i in range(3):
+        want = jax.grad(lambda w: jnp.sum(direct(xs[i], w, sizes[i]) ** 2))(ws[i])
+        assert_close(gw[i], want, jnp.float32, scale=16)
+
+
+def test_errors():
+    x = jnp.ones((16, 8))
+    w = jnp.ones((2, 8, 16))
+    s = jnp.array([8, 8], jnp.int32)
+    with pytest.raises(ValueError, match="x must have rank 2"):
+        grouped_dense(jnp.ones((2, 16, 8)), w, s)
+    with pytest.raises(ValueError, match="kernels must have rank 3"):
+        grouped_dense(x, jnp.ones((8, 16)), s)
+    with pytest.raises(ValueError, match="K = x.shape"):
+        grouped_dense(x, jnp.ones((2, 16, 16)), s)
+    with pytest.raises(TypeError, match="group_sizes must be int32"):
+        grouped_dense(x, w, s.astype(jnp.int64) if jax.config.jax_enable_x64 else s.astype(jnp.float32))
+    with pytest.raises(ValueError, match=r"group_sizes must have shape \[G\]"):
+        grouped_dense(x, w, jnp.array([8, 4, 4], jnp.int32))
+    with pytest.raises(TypeError, match="same dtype"):
+        grouped_dense(x.astype(jnp.bfloat16), w, s)
+    with pytest.raises(TypeError, match="x must be float32"):
+        grouped_dense(x.astype(jnp.int32), w.astype(jnp.int32), s)
+    with pytest.raises(ValueError, match="bias must have shape"):
+        grouped_dense(x, w, s, jnp.ones((2, 8)))
+    with pytest.raises(ValueError, match="multiples of 8"):
+        grouped_dense(jnp.ones((16, 12)), jnp.ones((2, 12, 16)), s)
+    with pytest.raises(ValueError, match="multiples of 8"):
+        grouped_dense(x, jnp.ones((2, 8, 20)), s)
+    # the pure-JAX path takes any K and N
+    out = grouped_dense(jnp.ones((16, 12)), jnp.ones((2, 12, 20)), s, implementation="reference")
+    assert out.shape == (16, 20)
+    with pytest.raises(ValueError, match="unknown implementation"):
+        grouped_dense(x, w, s, implementation="cutlass")
+
+
+def test_dispatch_reference_on_cpu_and_triton_refused_without_gpu():
+    fam = registry.family("grouped_dense")
+    assert set(fam.names) == {"triton", "reference"}
+    x, w, s = jnp.ones((16, 8), jnp.bfloat16), jnp.ones((2, 8, 16), jnp.bfloat16), jnp.array([8, 8], jnp.int32)
+    hlo = jax.jit(lambda x: grouped_dense(x, w, s)).lower(x).as_text()
+    assert "triton_kernel_call_ffi" not in hlo
+    with pytest.raises(registry.ImplementationUnavailableError, match="triton"):
+        jax.jit(lambda x: grouped_dense(x, w, s, implementation="triton")).lower(x)
+    with registry.use_implementation(grouped_dense="reference"):
+        assert grouped_dense(x, w, s).shape == (16, 16)
+
+
+def _ep_data(rng, shards, m_local, k, n, g_local, exact):
+    xs, sizes = [], []
+    for _ in range(shards):
+        s = uneven_sizes(rng, g_local, m_local, fill=1.0 if exact else 0.7, zeros=1)
+        if exact:
+            s[np.argmax(s)] += m_local - s.sum()  # each shard's groups fill its rows exactly
+        sizes.append(s)
+        xs.append(rng.standard_normal((m_local, k)))
+    x = jnp.asarray(np.concatenate(xs), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((shards * g_local, k, n)) / np.sqrt(k), jnp.float32)
+    b = jnp.asarray(rng.standard_normal((shards * g_local, n)), jnp.float32)
+    return x, w, jnp.asarray(np.concatenate(sizes)), b
+
+
+def _fwd_bwd(dy):
+    def f(x, w, s, b):
+        y, vjp = jax.vjp(lambda x, w, b: grouped_dense(x, w, s, b), x, w, b)
+        return (y, *vjp(dy))
+
+    return f
+
+
+def test_sharded_expert_parallel():
+    mesh = cpu_mesh((8,), ("ep",))
+    rng = np.random.default_rng(5)
+    m_local, k, n, g_local = 24, 16, 8, 2
+    # exact fill: the per-shard groups concatenate to the global layout, so unsharded == sharded
+    x, w, s, b = _ep_data(rng, 8, m_local, k, n, g_local, exact=True)
+    dy = jnp.asarray(rng.standard_normal((8 * m_local, n)), jnp.float32)
+    specs = [PS("ep"), PS("ep"), PS("ep"), PS("ep")]
+    out_specs = (PS("ep"), PS("ep"), PS("ep"), PS("ep"))
+    sharded, unsharded, counts = run_sharded(_fwd_bwd(dy), [x, w, s, b], specs, out_specs, mesh=mesh)
+    for a, e in zip(sharded, unsharded, strict=True):
+        assert_close(a, e, jnp.float32, scale=8)
+    assert sum(counts.values()) == 0, counts
+    # with a zero tail per shard: each shard is its own grouped GEMM (the EP contract)
+    x, w, s, b = _ep_data(rng, 8, m_local, k, n, g_local, exact=False)
+    sharded, _, counts = run_sharded(_fwd_bwd(dy), [x, w, s, b], specs, out_specs, mesh=mesh)
+    for i in range(8):
+        rows, grp = slice(i * m_local, (i + 1) * m_local), slice(i * g_local, (i + 1) * g_local)
+        want = _fwd_bwd(dy[rows])(x[rows], w[grp], s[grp], b[grp])
+        got = [sharded[0][rows], sharded[1][rows], sharded[2][grp], sharded[3][grp]]
+        for a, e in zip(got, want, strict=True):
+            assert_close(a, e, jnp.float32, scale=8)
+    assert sum(counts.values()) == 0, counts
+
+
+def test_sharded_tensor_parallel():
+    mesh = cpu_mesh((8,), ("tp",))
+    rng = np.random.default_rng(6)
+    x, w, s, b = make(rng, 64, 16, 64, 5)
+    dy = jnp.asarray(rng.standard_normal((64, 64)), jnp.float32)
+    fwd = lambda x, w, s, b: grouped_dense(x, w, s, b)  # noqa: E731
+    sharded, unsharded, counts = run_sharded(fwd, [x, w, s, b], [None, PS(None, None, "tp"), None, PS(None, "tp")],
+                                             PS(None, "tp"), mesh=mesh)
+    assert_close(sharded, unsharded, jnp.float32, scale=4)
+    assert sum(counts.values()) == 0, counts  # forward: no collective
+    sharded, unsharded, counts = run_sharded(
+        _fwd_bwd(dy), [x, w, s, b], [None, PS(None, None, "tp"), None, PS(None, "tp")],
+        (PS(None, "tp"), PS(), PS(None, None, "tp"), PS(None, "tp")), mesh=mesh)
+    for a, e in zip(sharded, unsharded, strict=True):
+        assert_close(a, e, jnp.float32, scale=8)
+    assert counts["all-reduce"] == 1, counts  # dx: one all-reduce over N
+    assert counts["all-gather"] == 0 and counts["all-to-all"] == 0, counts
+
+
+needs_triton = pytest.mark.skipif(tb.triton_unavailable_reason() is not None,
+                                  reason=f"needs Triton: {tb.triton_unavailable_reason()}")
+
+
+@needs_triton
+def test_triton_kernels_under_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1", JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, os.path.abspath(__file__), "--interpret"], capture_output=True, text=True,
+                       env=env, timeout=600, cwd=ROOT)
+    assert r.returncode == 0 and "interpret failures: 0" in r.stdout, (r.stdout[-3000:], r.stderr[-3000:])
+
+
+@needs_triton
+def test_triton_lowering_for_sm90_without_gpu(monkeypatch):
+    """Lowers fwd + bwd for CUDA here (kernels compiled for sm_90, jaxlib's launcher stubbed): the
+    kernels compile, use wgmma, fit in shared memory, and a new M reuses the compiled kernels."""
+    from te_ops._core import native
+
+    launches = []
+    monkeypatch.setattr(native, "cuda_device_unavailable_reason", lambda: None)
+    monkeypatch.setattr(tb, "launcher_unavailable_reason", lambda: None)
+    monkeypatch.setattr(tb, "_launcher_call", lambda params, compiled, grid, platform, name:
+                        launches.append((name, compiled, grid)) or b"x")
+
+    def lower(m):
+        k, n, g = 256, 128, 5
+
+        def loss(x, w, b, s):
+            return jnp.sum(grouped_dense(x, w, s, b, implementation="triton").astype(jnp.float32))
+
+        fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+        args = (jnp.ones((m, k), jnp.bfloat16), jnp.ones((g, k, n), jnp.bfloat16), jnp.ones((g, n), jnp.bfloat16),
+                jnp.ones((g,), jnp.int32))
+        with tb.target_override(("cuda", 90, 32)):
+            return fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+    txt = lower(1000)
+    assert txt.count("triton_kernel_call_ffi") == 3  # forward, dx, dkernels
+    names = sorted(n for n, _, _ in launches)
+    assert names == ["te_grouped_gemm", "te_grouped_gemm", "te_grouped_wgrad"], names
+    for _, compiled, grid in launches:
+        assert "wgmma.mma_async" in compiled.asm["ptx"]
+        assert compiled.num_warps == 8 and 0 < compiled.shared <= 227 * 1024
+        assert compiled.global_scratch_size == 0
+    before = tb.counters()["compiles"]
+    lower(3000)
+    assert tb.counters()["compiles"] == before, "a new M must not recompile"
+
+
+# ----------------------------------------------------------------------------------------------
+# Interpreter harness (run as a script in a subprocess with TRITON_INTERPRET=1)
+# ----------------------------------------------------------------------------------------------
+
+
+def _interpret_main() -> int:
+    sys.path.insert(0, ROOT)
+    from tests.te_ops import _triton_interpret as ti  # sets TRITON_INTERPRET=1 before triton loads
+
+    jax.config.update("jax_platforms", "cpu")
+    ti._fix_interpreter_for_numpy2()
+    from te_ops.grouped_dense import reference as ref
+    from te_ops.grouped_dense import triton as tri
+
+    tri.tb.triton_call = ti.interpreted_call
+    tri.num_sms = lambda: 3  # a few persistent programs, each walking several tiles
+    cfg = tri.GemmConfig(BM=16, BN=16, BK=16, GROUP_M=2, num_warps=4, num_stages=2)
+    wcfg = tri.WgradConfig(BKO=16, BN=16, BR=16, GROUP_K=2, num_warps=4, num_stages=2)
+    rng = np.random.default_rng(0)
+    failures = 0
+    cases = [(70, 32, 24, [7, 0, 20, 3, 10]), (64, 40, 16, [0, 33, 31]), (40, 16, 32, [0, 0, 0]),
+             (50, 16, 16, [50]), (45, 24, 40, [0, 17, 1, 0, 2])]
+    for m, k, n, sizes in cases:
+        g = len(sizes)
+        x = jnp.asarray(rng.standard_normal((m, k)), jnp.float16)
+        w = jnp.asarray(rng.standard_normal((g, k, n)), jnp.float16)
+        b = jnp.asarray(rng.standard_normal((g, n)), jnp.float16)
+        gs = jnp.array(sizes, jnp.int32)
+        dy = jnp.asarray(rng.standard_normal((m, n)), jnp.float16)
+        for has_bias in (True, False):
+            with tri.config_override(cfg, cfg, wcfg):
+                y, res = tri.forward(x, w, gs, b if has_bias else None, has_bias=has_bias)
+                got = tri.backward(res, dy, has_bias=has_bias)
+            yr, rres = ref.forward(x, w, gs, b if has_bias else None, has_bias=has_bias)
+            want = ref.backward(rres, dy, has_bias=has_bias)
+            for name, a, e in [("y", y, yr), ("dx", got[0], want[0]), ("dk", got[1], want[1]), ("db", got[2], want[2])]:
+                if e is None:
+                    continue
+                a = np.asarray(jnp.asarray(a, jnp.float32))
+                e = np.asarray(jnp.asarray(e, jnp.float32))
+                ok = not np.isnan(a).any() and np.allclose(a, e, rtol=1e-2, atol=1e-2 * max(1.0, np.abs(e).max()))
+                if not ok:
+                    failures += 1
+                    print(f"FAIL {name} M={m} K={k} N={n} sizes={sizes} bias={has_bias} "
+                          f"nan={np.isnan(a).sum()} err={np.nanmax(np.abs(a - e))}")
+    print(f"interpret failures: {failures}")
+    return failures
+
+
+if __name__ == "__main__" and "--interpret" in sys.argv:
+    sys.exit(1 if _interpret_main() else 0)
