@@ -98,25 +98,30 @@ def _routing(routing_map, probs, num_out_tokens, align_size):
     n = ref.out_rows(num_out_tokens, e_, align_size)
     block_t, block_e = _tile_t(e_)
     nb = _cdiv(t_, block_t)
-    counts = tb.triton_call(
+    counts, totals = tb.triton_call(
         k.count_kernel,
         routing_map,
         np.int32(t_),
         np.int32(e_),
-        out_shape=[SDS((nb, e_), I32)],
+        out_shape=[SDS((nb, e_), I32), SDS((e_,), I32)],
         grid=(nb,),
+        zeroed_outputs=(1,),
         constexprs=dict(BLOCK_T=block_t, BLOCK_E=block_e),
-    )[0]
-    block_b = max(1, min(64, 8192 // block_e))
+    )
+    # expert tiles of BE experts scan the block counts in parallel (BLOCK_B blocks per step)
+    be = min(block_e, 32)
+    chunk_e = min(block_e, 256)
+    block_b = max(1, min(256, 8192 // be))
     base, tpe, pad = tb.triton_call(
         k.scan_kernel,
         counts,
+        totals,
         np.int32(nb),
         np.int32(e_),
         np.int32(align_size or 1),
         out_shape=[SDS((nb, e_), I32), SDS((e_,), I32), SDS((e_,), I32)],
-        grid=(1,),
-        constexprs=dict(BLOCK_B=block_b, BLOCK_E=block_e),
+        grid=(_cdiv(e_, be),),
+        constexprs=dict(BLOCK_B=block_b, BE=be, CHUNK_E=chunk_e, BLOCK_E=block_e),
         num_warps=8,
     )
     pp_shape = SDS((n,), probs.dtype) if probs is not None else SDS((1,), jnp.float32)

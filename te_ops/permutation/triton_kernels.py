@@ -15,8 +15,9 @@ import triton.language as tl
 
 
 @triton.jit
-def count_kernel(rm_ptr, T, E, counts_ptr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
-    """counts[b, e] = number of tokens of block b routed to expert e."""
+def count_kernel(rm_ptr, T, E, counts_ptr, tot_ptr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    """counts[b, e] = number of tokens of block b routed to expert e; tot[e] += counts[b, e]
+    (tot is zeroed by the launcher)."""
     b = tl.program_id(0)
     t = b * BLOCK_T + tl.arange(0, BLOCK_T)
     e = tl.arange(0, BLOCK_E)
@@ -24,27 +25,44 @@ def count_kernel(rm_ptr, T, E, counts_ptr, BLOCK_T: tl.constexpr, BLOCK_E: tl.co
     r = tl.load(rm_ptr + t[:, None].to(tl.int64) * E + e[None, :], mask=m, other=0)
     c = tl.sum((r != 0).to(tl.int32), axis=0)
     tl.store(counts_ptr + b * E + e, c, mask=e < E)
+    tl.atomic_add(tot_ptr + e, c, mask=(e < E) & (c > 0))
 
 
 @triton.jit
 def scan_kernel(
-    counts_ptr, nb, E, A, base_ptr, tpe_ptr, pad_ptr, BLOCK_B: tl.constexpr, BLOCK_E: tl.constexpr
+    counts_ptr,
+    tot_ptr,
+    nb,
+    E,
+    A,
+    base_ptr,
+    tpe_ptr,
+    pad_ptr,
+    BLOCK_B: tl.constexpr,
+    BE: tl.constexpr,
+    CHUNK_E: tl.constexpr,
+    BLOCK_E: tl.constexpr,
 ):
-    """One program: expert totals, padded counts, expert start rows, and per-block base rows
-    base[b, e] = start[e] + sum_{b' < b} counts[b', e]."""
-    e = tl.arange(0, BLOCK_E)
+    """Program p owns experts [p * BE, (p + 1) * BE): their start rows (sum of the padded totals of
+    the experts before them) and the per-block bases base[b, e] = start[e] + sum_{b' < b}
+    counts[b', e]. Program 0 also writes tokens_per_expert (padded) and pad_offsets."""
+    p = tl.program_id(0)
+    e = p * BE + tl.arange(0, BE)
     em = e < E
+    start = tl.zeros([BE], tl.int32)
+    for c0 in range(0, E, CHUNK_E):
+        ec = c0 + tl.arange(0, CHUNK_E)
+        tot_c = tl.load(tot_ptr + ec, mask=ec < E, other=0)
+        padded_c = (tot_c + A - 1) // A * A
+        start += tl.sum(tl.where(ec[None, :] < e[:, None], padded_c[None, :], 0), axis=1)
+    if p == 0:
+        ea = tl.arange(0, BLOCK_E)
+        tot = tl.load(tot_ptr + ea, mask=ea < E, other=0)
+        padded = (tot + A - 1) // A * A
+        pad = padded - tot
+        tl.store(tpe_ptr + ea, padded, mask=ea < E)
+        tl.store(pad_ptr + ea, tl.cumsum(pad, axis=0) - pad, mask=ea < E)
     bb = tl.arange(0, BLOCK_B)
-    tot = tl.zeros([BLOCK_E], tl.int32)
-    for b0 in range(0, nb, BLOCK_B):
-        m = ((b0 + bb)[:, None] < nb) & em[None, :]
-        c = tl.load(counts_ptr + (b0 + bb)[:, None] * E + e[None, :], mask=m, other=0)
-        tot += tl.sum(c, axis=0)
-    padded = (tot + A - 1) // A * A
-    start = tl.cumsum(padded, axis=0) - padded
-    pad = padded - tot
-    tl.store(tpe_ptr + e, padded, mask=em)
-    tl.store(pad_ptr + e, tl.cumsum(pad, axis=0) - pad, mask=em)
     run = start
     for b0 in range(0, nb, BLOCK_B):
         m = ((b0 + bb)[:, None] < nb) & em[None, :]

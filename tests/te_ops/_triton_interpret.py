@@ -161,6 +161,7 @@ def main():
         (20, 64, 16, 3, None, False, np.float32),
         (20, 64, 16, 3, 8, True, np.float32),
         (9, 8, 24, 2, 4, True, jnp.bfloat16),
+        (70, 256, 32, 8, 16, True, np.float32),
     ]:
         scores = rng.standard_normal((t_, e_))
         scores[:, : e_ // 2] -= 100.0  # uneven: the first half of the experts is never chosen
