@@ -135,6 +135,8 @@ def grouped_gemm(a, b, group_sizes, bias, *, trans_b: bool, cfg: GemmConfig):
     m, kc = a.shape
     g = b.shape[0]
     nout = b.shape[1] if trans_b else b.shape[2]
+    if m == 0 or nout == 0:
+        return jnp.zeros((m, nout), a.dtype)
     n_tiles = _cdiv(nout, cfg.BN)
     max_tiles = (_cdiv(m, cfg.BM) + g + 1) * n_tiles
     grid = max(1, min(num_sms(), max_tiles))
@@ -151,6 +153,8 @@ def grouped_gemm(a, b, group_sizes, bias, *, trans_b: bool, cfg: GemmConfig):
 def grouped_wgrad(x, dy, group_sizes, g: int, *, cfg: WgradConfig, out_dtype):
     m, k = x.shape
     n = dy.shape[1]
+    if k == 0 or n == 0:
+        return jnp.zeros((g, k, n), out_dtype)
     grid = g * _cdiv(k, cfg.BKO) * _cdiv(n, cfg.BN)
     return tb.triton_call(
         _k().grouped_wgrad_kernel, x, dy, group_sizes.astype(jnp.int32),
