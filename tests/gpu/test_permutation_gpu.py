@@ -7,6 +7,7 @@ buffers (subprocess with XLA_FLAGS), and the bridge's compile-once / compile-in-
 when lowering from 8 threads. Budget: < 90 s on an H200.
 """
 
+import functools
 import os
 import subprocess
 import sys
@@ -84,6 +85,20 @@ def run(impl, x, rm, probs, align, k, g_seed=0):
         return jax.jit(lambda x, p: step(x, p))(x, probs)
 
 
+def _inputs(e, with_probs):
+    t, h, k = 384, 320, 4
+    rm = routing(t, e, k, seed=e)
+    x = jax.random.normal(jax.random.PRNGKey(e), (t, h), jnp.bfloat16)
+    probs = (jax.random.uniform(jax.random.PRNGKey(e + 1), (t, e)) * rm) if with_probs else None
+    return x, rm, probs, k
+
+
+@functools.cache
+def _reference(e, with_probs, align):  # shared by the triton and gluon cases (saves compiles)
+    x, rm, probs, k = _inputs(e, with_probs)
+    return run("reference", x, rm, probs, align, k)
+
+
 CONFIGS = [
     (8, False, None),
     (8, True, 16),
@@ -96,12 +111,9 @@ CONFIGS = [
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("e,with_probs,align", CONFIGS)
 def test_matches_reference(impl, e, with_probs, align):
-    t, h, k = 384, 320, 4
-    rm = routing(t, e, k, seed=e)
-    x = jax.random.normal(jax.random.PRNGKey(e), (t, h), jnp.bfloat16)
-    probs = (jax.random.uniform(jax.random.PRNGKey(e + 1), (t, e)) * rm) if with_probs else None
+    x, rm, probs, k = _inputs(e, with_probs)
     (fwd, y), grads = run(impl, x, rm, probs, align, k)
-    (rfwd, ry), rgrads = run("reference", x, rm, probs, align, k)
+    (rfwd, ry), rgrads = _reference(e, with_probs, align)
     names = ["out", "permuted_probs", "row_id_map", "pad_offsets", "tokens_per_expert"]
     for name, a, b in zip(names, fwd, rfwd, strict=True):
         if b is None:
