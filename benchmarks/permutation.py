@@ -76,44 +76,44 @@ def bench_workload(t, h, e, k, impls, quick):
     reps = dict(repeats=3, calls=5) if quick else {}
     g = jax.random.normal(jax.random.PRNGKey(1), (t, h), jnp.bfloat16)
 
+    # Every array is a jit argument: a closed-over routing map would be constant-folded by XLA
+    # (slow compiles, and the routing work would silently drop out of the timing).
     fns = {}
-    # XLA
     fns[("xla", "dispatch_fwd")] = (jax.jit(lambda x, rm, p: xla_dispatch(x, rm, p, n)[:2]), (x, rm, probs))
     _, _, tok, exp, valid = jax.jit(lambda x, rm, p: xla_dispatch(x, rm, p, n))(x, rm, probs)
     y = jax.random.normal(jax.random.PRNGKey(2), (n, h), jnp.bfloat16)
-    fns[("xla", "combine_fwd")] = (jax.jit(lambda y, p: xla_combine(y, tok, exp, valid, p, t)), (y, probs))
+    fns[("xla", "combine_fwd")] = (
+        jax.jit(lambda y, p, tok, exp, valid: xla_combine(y, tok, exp, valid, p, t)),
+        (y, probs, tok, exp, valid),
+    )
 
-    def xla_both(x, p):
+    def xla_both(x, p, rm):
         out, pp, tok, exp, valid = xla_dispatch(x, rm, p, n)
         return xla_combine(out, tok, exp, valid, p, t)
 
     fns[("xla", "dispatch_combine_fwd_bwd")] = (
-        jax.jit(lambda x, p, g: jax.vjp(xla_both, x, p)[1](g)),
-        (x, probs, g),
+        jax.jit(lambda x, p, g, rm: jax.vjp(lambda x, p: xla_both(x, p, rm), x, p)[1](g)),
+        (x, probs, g, rm),
     )
 
+    row_id_map = jax.jit(lambda x, rm: token_dispatch(x, rm, n, implementation="reference")[2])(x, rm)
     for impl in impls:
         fns[(impl, "dispatch_fwd")] = (
             jax.jit(lambda x, rm, p, impl=impl: token_dispatch(x, rm, n, probs=p, implementation=impl)[:3]),
             (x, rm, probs),
         )
-        row_id_map = jax.jit(lambda x, rm: token_dispatch(x, rm, n, implementation="reference")[2])(x, rm)
         fns[(impl, "combine_fwd")] = (
-            jax.jit(
-                lambda y, p, impl=impl, m=row_id_map: token_combine(
-                    y, m, merging_probs=p, implementation=impl
-                )
-            ),
-            (y, probs),
+            jax.jit(lambda y, p, m, impl=impl: token_combine(y, m, merging_probs=p, implementation=impl)),
+            (y, probs, row_id_map),
         )
 
-        def both(x, p, impl=impl):
+        def both(x, p, rm, impl=impl):
             out, _, m, _, _ = token_dispatch(x, rm, n, probs=p, implementation=impl)
             return token_combine(out, m, merging_probs=p, implementation=impl)
 
         fns[(impl, "dispatch_combine_fwd_bwd")] = (
-            jax.jit(lambda x, p, g, both=both: jax.vjp(both, x, p)[1](g)),
-            (x, probs, g),
+            jax.jit(lambda x, p, g, rm, both=both: jax.vjp(lambda x, p: both(x, p, rm), x, p)[1](g)),
+            (x, probs, g, rm),
         )
 
     rows, results = [], {}

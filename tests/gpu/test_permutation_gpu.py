@@ -57,7 +57,7 @@ def run(impl, x, rm, probs, align, k, g_seed=0):
     g = jax.random.normal(jax.random.PRNGKey(g_seed + 1), (t, h), x.dtype)
     gpp = jax.random.normal(jax.random.PRNGKey(g_seed + 2), (n,), jnp.float32)
 
-    def f(x, probs):
+    def f(x, probs, rm):
         out, pp, m, pad, tpe = token_dispatch(
             x, rm, t * k, probs=probs, align_size=align, implementation=impl
         )
@@ -73,8 +73,8 @@ def run(impl, x, rm, probs, align, k, g_seed=0):
             return np.zeros(v.shape, jax.dtypes.float0)
         return jnp.zeros_like(v)
 
-    def step(x, probs):
-        fwd, vjp = jax.vjp(f, x, probs)
+    def step(x, probs, rm):
+        fwd, vjp = jax.vjp(lambda x, p: f(x, p, rm), x, probs)
         cts = [ct_like(v) for v in fwd[0]]
         cts[0] = g_out
         if probs is not None:
@@ -82,7 +82,7 @@ def run(impl, x, rm, probs, align, k, g_seed=0):
         return fwd, vjp((tuple(cts), g))
 
     with native.poisoned_outputs():
-        return jax.jit(lambda x, p: step(x, p))(x, probs)
+        return jax.jit(step)(x, probs, rm)
 
 
 def _inputs(e, with_probs):
@@ -136,8 +136,8 @@ def test_dropped_pairs_and_zero_tail(impl):
     x = jax.random.normal(jax.random.PRNGKey(3), (t, h), jnp.float32)
     for n0 in (40, 200):  # fewer rows than pairs (tail dropped), more rows (zero tail)
         with native.poisoned_outputs():
-            got = jax.jit(lambda x, n0=n0: token_dispatch(x, rm, n0, implementation=impl)[:3])(x)
-        want = jax.jit(lambda x, n0=n0: token_dispatch(x, rm, n0, implementation="reference")[:3])(x)
+            got = jax.jit(lambda x, rm, n0=n0: token_dispatch(x, rm, n0, implementation=impl)[:3])(x, rm)
+        want = jax.jit(lambda x, rm, n0=n0: token_dispatch(x, rm, n0, implementation="reference")[:3])(x, rm)
         np.testing.assert_array_equal(got[0], want[0])
         np.testing.assert_array_equal(got[2], want[2])
 
@@ -218,19 +218,19 @@ _CMD_BUFFER_SCRIPT = textwrap.dedent("""
     x = jax.random.normal(jax.random.PRNGKey(0), (t, h), jnp.bfloat16)
     p = jax.random.uniform(jax.random.PRNGKey(1), (t, e)) * rm
     def loss(impl):
-        def f(x, p):
+        def f(x, p, rm):
             out, pp, m, _, _ = token_dispatch(x, rm, t * k, probs=p, align_size=16, implementation=impl)
             y = token_combine(out * 2, m, merging_probs=p, implementation=impl)
             return jnp.sum(y.astype(jnp.float32) ** 2) + jnp.sum(pp)
         return jax.jit(jax.value_and_grad(f, argnums=(0, 1)))
-    want = loss("reference")(x, p)
+    want = loss("reference")(x, p, rm)
     impls = ["triton"] + (["gluon"] if api.DISPATCH.get("gluon").available() is None else [])
     for impl in impls:
         fn = loss(impl)
-        txt = fn.lower(x, p).compile().as_text()
+        txt = fn.lower(x, p, rm).compile().as_text()
         assert "command_buffer" in txt.lower(), "no command buffer in the optimized HLO"
         for _ in range(3):  # replays of the recorded graph
-            got = fn(x, p)
+            got = fn(x, p, rm)
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                        rtol=3e-2, atol=3e-2)
