@@ -19,6 +19,7 @@ and folding them into one call would need a copy of the kernels per element.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
@@ -184,18 +185,25 @@ def _call_desc(x, kernels):
 
 
 @functools.cache
-def _build(implementation: str | None, has_bias: bool):
+def _build(implementation: str | None, has_bias: bool, tuning: tuple | None):
+    """``tuning``: the Triton tile configurations active when the op was called (benchmark sweeps);
+    re-entered around the dispatch because the partition callback may trace the impl later."""
     statics = dict(has_bias=has_bias)
+
+    def tuned():
+        return tri.config_override(*tuning) if tuning is not None else contextlib.nullcontext()
 
     def fwd_impl(x, kernels, group_sizes, *bias):
         b = bias[0] if bias else None
-        y, _ = FAMILY.dispatch(implementation, "forward", (x, kernels, group_sizes, b), statics,
-                               _call_desc(x, kernels))
+        with tuned():
+            y, _ = FAMILY.dispatch(implementation, "forward", (x, kernels, group_sizes, b), statics,
+                                   _call_desc(x, kernels))
         return y
 
     def bwd_impl(x, kernels, group_sizes, dy):
-        dx, dk, db = FAMILY.dispatch(implementation, "backward", (Residuals(x, kernels, group_sizes), dy), statics,
-                                     _call_desc(x, kernels))
+        with tuned():
+            dx, dk, db = FAMILY.dispatch(implementation, "backward", (Residuals(x, kernels, group_sizes), dy),
+                                         statics, _call_desc(x, kernels))
         if db is None:
             db = jnp.zeros((kernels.shape[0], dy.shape[1]), jnp.float32)
         return dx, dk, db.astype(jnp.float32)
@@ -276,7 +284,7 @@ def grouped_dense(x: jax.Array, kernels: jax.Array, group_sizes: jax.Array, bias
     local experts' rows) or tensor parallel (N sharded); see the module docstring.
     """
     x, kernels, group_sizes, bias = _validate(x, kernels, group_sizes, bias, implementation)
-    op = _build(implementation, bias is not None)
+    op = _build(implementation, bias is not None, tri.current_override())
     if bias is not None:
         return op(x, kernels, group_sizes, bias)
     return op(x, kernels, group_sizes)

@@ -20,7 +20,7 @@ Why this engine
 
 Backward: dx is the same persistent kernel with the kernels read transposed (strides, no copy);
 dkernels is ``grouped_wgrad_kernel`` (one program per (g, K-tile, N-tile), M reduction inside the
-program, zero for empty groups); dbias is a segment sum in JAX (memory-bound, one pass over dy).
+program, zero for empty groups); dbias is a one-hot [G, M] x dy GEMM in XLA (tiny next to the grouped GEMMs).
 
 Configuration: :data:`DEFAULT_FWD`, :data:`DEFAULT_DX`, :data:`DEFAULT_WGRAD`; :func:`config_override`
 (trace-time, like ``use_implementation``) lets the benchmark sweep candidates in one process.
@@ -86,6 +86,11 @@ def config_override(fwd: GemmConfig | None = None, dx: GemmConfig | None = None,
         yield
     finally:
         _override.value = prev
+
+
+def current_override() -> tuple | None:
+    """The (fwd, dx, wgrad) override active now (None outside :func:`config_override`)."""
+    return getattr(_override, "value", None)
 
 
 def _configs() -> tuple[GemmConfig, GemmConfig, WgradConfig]:
@@ -179,6 +184,9 @@ def backward(res: Residuals, dy, *, has_bias: bool):
     db = None
     if has_bias:
         g = kernels.shape[0]
+        # per-group row sums as a [G, M] one-hot GEMM (exact products, fp32 accumulation): a sorted
+        # segment_sum lowers to a scatter-add whose atomics all hit the same G rows
         seg = ref.segment_ids(group_sizes, x.shape[0])
-        db = jax.ops.segment_sum(dy.astype(jnp.float32), seg, num_segments=g + 1)[:g]
+        onehot = (seg[None, :] == jnp.arange(g, dtype=jnp.int32)[:, None]).astype(dy.dtype)
+        db = jnp.dot(onehot, dy, preferred_element_type=jnp.float32)
     return dx, dk, db

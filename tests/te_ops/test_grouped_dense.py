@@ -291,6 +291,15 @@ def test_triton_lowering_for_sm90_without_gpu(monkeypatch):
     before = tb.counters()["compiles"]
     lower(3000)
     assert tb.counters()["compiles"] == before, "a new M must not recompile"
+    # a tile configuration set with config_override reaches every kernel of the public op
+    from te_ops.grouped_dense import triton as tri
+
+    launches.clear()
+    small = tri.GemmConfig(BM=128, BN=128, BK=64, GROUP_M=4, num_warps=4, num_stages=4)
+    with tri.config_override(small, small, tri.WgradConfig(128, 128, 64, 4, 4, 4)):
+        lower(1000)
+    assert [c.num_warps for _, c, _ in launches] == [4, 4, 4]
+    assert all(c.shared == (128 * 64 + 64 * 128) * 2 * 4 for _, c, _ in launches), [c.shared for _, c, _ in launches]
 
 
 # ----------------------------------------------------------------------------------------------

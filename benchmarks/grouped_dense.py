@@ -1,0 +1,220 @@
+"""Grouped GEMM benchmark: te_ops.grouped_dense (Triton persistent grouped GEMM) vs jax.lax.ragged_dot
+and vs the equal-groups batched einsum (x reshaped [G, M/G, K] @ kernels: the speed of light for a
+grouped GEMM of this size), in the same process.
+
+TFLOP/s counts useful FLOPs: 2*M*K*N forward, 3x that for forward+backward (dx, dkernels). Group
+sizes are random and uneven (Dirichlet, all > 0, a few small groups) but fixed per case.
+
+A tile-configuration sweep comes first (main case only): every candidate's forward, dx and dkernels
+kernels are timed on their own, and the best per kernel is reported (``best``), so one GPU run tells
+which configuration to make the default in ``te_ops/grouped_dense/triton.py``; then the public op is
+timed with the defaults and with the best combination.
+
+    python benchmarks/grouped_dense.py            # prints tables, writes benchmarks/results/grouped_dense.json
+    python benchmarks/grouped_dense.py --no-sweep --no-ragged
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _timing  # noqa: E402
+
+from te_ops.grouped_dense import grouped_dense  # noqa: E402
+from te_ops.grouped_dense import triton as tri  # noqa: E402
+
+G_ = tri.GemmConfig
+W_ = tri.WgradConfig
+# (name, fwd/dx config, dkernels config)
+CANDIDATES = [
+    ("128x256x64 w8 s3 gm8", G_(128, 256, 64, 8, 8, 3), W_(128, 256, 64, 8, 8, 3)),
+    ("128x256x64 w8 s4 gm8", G_(128, 256, 64, 8, 8, 4), W_(128, 256, 64, 8, 8, 4)),
+    ("128x128x64 w8 s4 gm8", G_(128, 128, 64, 8, 8, 4), W_(128, 128, 64, 8, 8, 4)),
+    ("128x128x64 w4 s4 gm4", G_(128, 128, 64, 4, 4, 4), W_(128, 128, 64, 4, 4, 4)),
+    ("256x128x64 w8 s3 gm8", G_(256, 128, 64, 8, 8, 3), W_(256, 128, 64, 8, 8, 3)),
+]
+# (name, M, K, N, G)
+CASES = [
+    ("M131072 K4096 N1024 G64", 131072, 4096, 1024, 64),
+    ("DeepSeek-like M65536 K7168 N2048 G32", 65536, 7168, 2048, 32),
+]
+TARGETS = {"M131072 K4096 N1024 G64": {"forward": 570.0, "forward+backward": 500.0}}
+
+
+def uneven_sizes(m, g, seed=0):
+    """Dirichlet sizes, every group > 0, four small groups (1, 7, 33, 100 rows), summing to m."""
+    rng = np.random.default_rng(seed)
+    small = np.array([1, 7, 33, 100][: max(0, g - 1)])
+    rest = m - small.sum()
+    w = rng.dirichlet(np.full(g - len(small), 2.0))
+    big = np.maximum(1, np.floor(w * rest)).astype(np.int64)
+    big[np.argmax(big)] += rest - big.sum()
+    sizes = np.concatenate([small, big])
+    rng.shuffle(sizes)
+    assert sizes.sum() == m and sizes.min() > 0
+    return jnp.asarray(sizes, jnp.int32)
+
+
+def make_args(m, k, n, g, dtype=jnp.bfloat16, seed=0):
+    ks = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(ks[0], (m, k), jnp.float32).astype(dtype)
+    w = (jax.random.normal(ks[1], (g, k, n), jnp.float32) / np.sqrt(k)).astype(dtype)
+    dy = jax.random.normal(ks[2], (m, n), jnp.float32).astype(dtype)
+    return jax.block_until_ready((x, w, dy))
+
+
+def fwd_bwd(f):
+    def run(x, w, s, dy):
+        y, vjp = jax.vjp(lambda x, w: f(x, w, s), x, w)
+        return (y, *vjp(dy))
+
+    return run
+
+
+def ours(x, w, s):
+    return grouped_dense(x, w, s, implementation="triton")
+
+
+def ragged(x, w, s):
+    return jax.lax.ragged_dot(x, w, s)
+
+
+def einsum_equal(x, w, s):
+    del s
+    g = w.shape[0]
+    return jnp.einsum("gmk,gkn->gmn", x.reshape(g, -1, x.shape[1]), w).reshape(x.shape[0], -1)
+
+
+def rel_err(a, b):
+    a = np.asarray(jnp.asarray(a, jnp.float32))
+    b = np.asarray(jnp.asarray(b, jnp.float32))
+    return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-6))
+
+
+def sweep(x, w, s, dy, reps):
+    """Times the forward, dx and dkernels kernels of every candidate on their own."""
+    m, k = x.shape
+    n = w.shape[2]
+    flops = 2.0 * m * k * n
+    rows, best = [], {}
+    for name, gc, wc in CANDIDATES:
+        kernels = {
+            "fwd": jax.jit(lambda x, w, s, gc=gc: tri.grouped_gemm(x, w, s, None, trans_b=False, cfg=gc)),
+            "dx": jax.jit(lambda dy, w, s, gc=gc: tri.grouped_gemm(dy, w, s, None, trans_b=True, cfg=gc)),
+            "dkernels": jax.jit(lambda x, dy, s, wc=wc: tri.grouped_wgrad(x, dy, s, w.shape[0], cfg=wc,
+                                                                           out_dtype=w.dtype)),
+        }
+        args = {"fwd": (x, w, s), "dx": (dy, w, s), "dkernels": (x, dy, s)}
+        for kname, fn in kernels.items():
+            row = {"config": name, "kernel": kname}
+            try:
+                t = _timing.time_fn(fn, [args[kname]], repeats=reps[0], calls=reps[1])
+                row.update(ms=t, TFLOPs=flops / t / 1e9)
+                if kname not in best or t < best[kname][1]:
+                    best[kname] = (name, t, gc if kname != "dkernels" else wc)
+            except Exception as e:  # a candidate that does not compile or launch: report, go on
+                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                traceback.print_exc()
+            rows.append(row)
+            print(f"sweep {name:24s} {kname:9s} {row.get('ms', float('nan')):8.3f} ms "
+                  f"{row.get('TFLOPs', float('nan')):7.1f} TFLOP/s {row.get('error', '')}", flush=True)
+    return rows, best
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--calls", type=int, default=10)
+    parser.add_argument("--only", default=None, help="substring of a case name")
+    parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument("--no-ragged", action="store_true", help="skip jax.lax.ragged_dot (a dense expansion: slow)")
+    args = parser.parse_args()
+    why = tri.tb.unavailable_reason()
+    if why or jax.devices()[0].platform != "gpu":
+        print(f"WARNING: the Triton grouped GEMM cannot run here ({why or 'no GPU'}); nothing to time")
+        _timing.write_json("grouped_dense", {"skipped": why or "no GPU"})
+        return
+    print("defaults:", tri.DEFAULT_FWD, tri.DEFAULT_DX, tri.DEFAULT_WGRAD, "SMs:", tri.num_sms(), flush=True)
+    rows, sweep_rows, best_cfg = [], [], None
+    for ci, (name, m, k, n, g) in enumerate(CASES):
+        if args.only and args.only not in name:
+            continue
+        x, w, dy = make_args(m, k, n, g)
+        s = uneven_sizes(m, g, seed=ci)
+        s_eq = jnp.full((g,), m // g, jnp.int32)
+        flops = 2.0 * m * k * n
+        if ci == 0 and not args.no_sweep:
+            sweep_rows, best = sweep(x, w, s, dy, (3, args.calls))
+            if {"fwd", "dx", "dkernels"} <= set(best):
+                best_cfg = (best["fwd"][2], best["dx"][2], best["dkernels"][2])
+                print("best per kernel:", {k_: v[0] for k_, v in best.items()}, flush=True)
+        variants = [("ours (defaults)", None)]
+        if best_cfg is not None:
+            variants.append(("ours (best per kernel)", best_cfg))
+        # correctness sanity: equal groups vs the batched einsum
+        err_f = rel_err(jax.jit(ours)(x, w, s_eq), jax.jit(einsum_equal)(x, w, s_eq))
+        fb_o, fb_e = jax.jit(fwd_bwd(ours))(x, w, s_eq, dy), jax.jit(fwd_bwd(einsum_equal))(x, w, s_eq, dy)
+        err_b = max(rel_err(a, b) for a, b in zip(fb_o, fb_e, strict=True))
+        del fb_o, fb_e
+        print(f"{name}: max rel diff vs einsum (equal groups) fwd {err_f:.2e} fwd+bwd {err_b:.2e}", flush=True)
+        timings = {}
+        for vname, cfg in variants:
+            for stage, maker, arg_set, fl in (("forward", lambda f: f, (x, w, s), flops),
+                                              ("forward+backward", fwd_bwd, (x, w, s, dy), 3 * flops)):
+                if cfg is not None:
+                    with tri.config_override(*cfg):
+                        fn = jax.jit(maker(lambda x, w, s: ours(x, w, s)))
+                        fn = fn.lower(*arg_set).compile()
+                else:
+                    fn = jax.jit(maker(ours))
+                timings[(vname, stage)] = (_timing.time_fn(fn, [arg_set], repeats=args.repeats, calls=args.calls), fl)
+        for vname, f, reps in (("batched einsum (equal groups)", einsum_equal, (args.repeats, args.calls)),
+                               ("jax.lax.ragged_dot", ragged, (2, 2))):
+            if vname.startswith("jax.lax") and args.no_ragged:
+                continue
+            for stage, maker, arg_set, fl in (("forward", lambda f: f, (x, w, s), flops),
+                                              ("forward+backward", fwd_bwd, (x, w, s, dy), 3 * flops)):
+                try:
+                    fn = jax.jit(maker(f))
+                    timings[(vname, stage)] = (_timing.time_fn(fn, [arg_set], warmup=1, repeats=reps[0],
+                                                               calls=reps[1]), fl)
+                except Exception as e:
+                    print(f"{vname} {stage} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        base = {st: timings.get(("batched einsum (equal groups)", st), (None,))[0]
+                for st in ("forward", "forward+backward")}
+        for (vname, stage), (t, fl) in timings.items():
+            target = TARGETS.get(name, {}).get(stage) if vname.startswith("ours") else None
+            tf = fl / t / 1e9
+            rows.append({"case": name, "impl": vname, "stage": stage, "ms": t, "TFLOPs": tf,
+                         "vs_einsum": (base[stage] / t) if base[stage] else None, "target_TFLOPs": target,
+                         "meets_target": None if target is None else bool(tf >= target),
+                         "max_rel_diff_vs_einsum": (err_f if stage == "forward" else err_b)
+                         if vname.startswith("ours") else None})
+            print(f"{name:38s} {vname:30s} {stage:17s} {t:9.3f} ms {tf:7.1f} TFLOP/s", flush=True)
+        del x, w, dy
+    cols = ["case", "impl", "stage", "ms", "TFLOPs", "vs_einsum", "target_TFLOPs", "meets_target"]
+    _timing.print_table("grouped_dense (bf16)", rows, cols)
+    if sweep_rows:
+        _timing.print_table("tile-configuration sweep (M131072 K4096 N1024 G64)", sweep_rows,
+                            ["config", "kernel", "ms", "TFLOPs", "error"])
+    best_json = None
+    if best_cfg is not None:
+        best_json = {k_: dataclasses.asdict(c) for k_, c in zip(("fwd", "dx", "dkernels"), best_cfg, strict=True)}
+        print("best configuration per kernel (make it the default in te_ops/grouped_dense/triton.py):", best_json)
+    _timing.write_json("grouped_dense", {"dtype": "bfloat16", "rows": rows, "sweep": sweep_rows, "best": best_json,
+                                         "defaults": {"fwd": dataclasses.asdict(tri.DEFAULT_FWD),
+                                                      "dx": dataclasses.asdict(tri.DEFAULT_DX),
+                                                      "dkernels": dataclasses.asdict(tri.DEFAULT_WGRAD)}})
+
+
+if __name__ == "__main__":
+    main()
