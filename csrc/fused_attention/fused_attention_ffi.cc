@@ -42,6 +42,7 @@ ffi::Error Invalid(const char* op, const std::string& msg) { return InvalidArgum
 struct Common {
   int32_t has_bias, padding, left_bound, right_bound;
   float scale, dropout;
+  int32_t stats = 1;
 };
 
 ffi::Error FillConfig(const char* op, int device, bool backward, const AnyBuffer& q, const AnyBuffer& k,
@@ -82,6 +83,7 @@ ffi::Error FillConfig(const char* op, int device, bool backward, const AnyBuffer
   cfg->left_bound = c.left_bound;
   cfg->right_bound = c.right_bound;
   cfg->padding = c.padding != 0;
+  cfg->stats = backward || c.stats != 0;
   if (c.has_bias) {
     auto bd = bias.dimensions();
     if (bd.size() != 4 || (bd[0] != 1 && bd[0] != cfg->b) || (bd[1] != 1 && bd[1] != cfg->hq) || bd[2] != cfg->sq ||
@@ -188,10 +190,10 @@ template <ExecutionStage kStage>
 ffi::Error FwdImpl(cudaStream_t stream, int32_t device, AnyBuffer q, AnyBuffer k, AnyBuffer v, AnyBuffer bias,
                    AnyBuffer q_len, AnyBuffer kv_len, AnyBuffer seed, ffi::RemainingArgs, Result<AnyBuffer> out,
                    Result<AnyBuffer> lse, Result<AnyBuffer> workspace, float scale, float dropout, int32_t has_bias,
-                   int32_t padding, int32_t left_bound, int32_t right_bound) {
+                   int32_t padding, int32_t left_bound, int32_t right_bound, int32_t stats) {
   const char* op = kFwdName;
   Config cfg;
-  Common c{has_bias, padding, left_bound, right_bound, scale, dropout};
+  Common c{has_bias, padding, left_bound, right_bound, scale, dropout, stats};
   TE_RETURN_IF_ERROR(FillConfig(op, device, false, q, k, v, bias, q_len, kv_len, seed, c, &cfg));
   if (lse->element_type() != ffi::DataType::F32 || NumElements(*lse) != cfg.b * cfg.hq * cfg.sq) {
     return Invalid(op, "lse result must be float32 [B, Hq, Sq], got " + ShapeStr(lse->dimensions()));
@@ -265,14 +267,15 @@ auto BindFwd() {
       .template Arg<AnyBuffer>()  // seed uint32[4] (dummy unless dropout)
       .RemainingArgs()            // optional output buffers aliased to the results (tests poison them)
       .template Ret<AnyBuffer>()  // out
-      .template Ret<AnyBuffer>()  // lse
+      .template Ret<AnyBuffer>()  // lse (unwritten when stats == 0)
       .template Ret<AnyBuffer>()  // workspace
       .template Attr<float>("scale")
       .template Attr<float>("dropout")
       .template Attr<int32_t>("has_bias")
       .template Attr<int32_t>("padding")
       .template Attr<int32_t>("left_bound")
-      .template Attr<int32_t>("right_bound");
+      .template Attr<int32_t>("right_bound")
+      .template Attr<int32_t>("stats");  // 1: training (write lse), 0: inference
 }
 
 template <ExecutionStage kStage>

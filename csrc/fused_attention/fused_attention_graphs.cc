@@ -22,7 +22,8 @@ std::string Config::Key() const {
   std::ostringstream os;
   os << device << (backward ? "|bwd|" : "|fwd|") << static_cast<int>(io) << "|" << b << "," << sq << "," << sk
      << "," << hq << "," << hk << "," << d << "," << dv << "|bias" << bias_b << "x" << bias_h << "|pad"
-     << padding << "|lb" << left_bound << "|rb" << right_bound << "|s" << scale_hex << "|p" << drop_hex;
+     << padding << "|lb" << left_bound << "|rb" << right_bound << "|s" << scale_hex << "|p" << drop_hex
+     << "|st" << (backward || stats);
   return os.str();
 }
 
@@ -36,6 +37,7 @@ std::string Config::Describe() const {
   if (right_bound >= 0) os << " right_bound=" << right_bound;
   if (left_bound >= 0) os << " left_bound=" << left_bound;
   if (dropout > 0.f) os << " dropout=" << dropout;
+  if (!backward && !stats) os << " inference";
   return os.str();
 }
 
@@ -144,18 +146,20 @@ std::string Build(const Config& cfg, cudnnHandle_t handle, Entry* entry) {
   TensorPtr seq_q, seq_kv, seed, offset, bias;
 
   if (!cfg.backward) {
-    auto attrs = fe::graph::SDPA_attributes().set_name("te_sdpa_fwd").set_generate_stats(true);
+    auto attrs = fe::graph::SDPA_attributes().set_name("te_sdpa_fwd").set_generate_stats(cfg.stats);
     SetCommon(cfg, *g, attrs, &seq_q, &seq_kv, &seed, &offset, &bias);
     auto outs = g->sdpa(q, k, v, attrs);
     auto o = outs[0];
     auto stats = outs[1];
     o->set_output(true).set_uid(kO).set_dim({b, hq, sq, dv}).set_stride(BshdStride(sq, hq, dv));
-    if (!stats) return "cudnn_frontend sdpa returned no stats tensor";
-    stats->set_output(true)
-        .set_uid(kStats)
-        .set_data_type(fe::DataType_t::FLOAT)
-        .set_dim({b, hq, sq, 1})
-        .set_stride({hq * sq, sq, 1, 1});
+    if (cfg.stats) {
+      if (!stats) return "cudnn_frontend sdpa returned no stats tensor";
+      stats->set_output(true)
+          .set_uid(kStats)
+          .set_data_type(fe::DataType_t::FLOAT)
+          .set_dim({b, hq, sq, 1})
+          .set_stride({hq * sq, sq, 1, 1});
+    }
   } else {
     auto o = tensor("O", kO, {b, hq, sq, dv}, BshdStride(sq, hq, dv));
     auto d_o = tensor("dO", kDO, {b, hq, sq, dv}, BshdStride(sq, hq, dv));
@@ -261,7 +265,8 @@ std::shared_ptr<const Entry> GetOrBuild(const Config& cfg) {
 std::string Execute(const Config& cfg, const Entry& entry, cudaStream_t stream, void* const* ptrs, void* workspace) {
   auto* g = static_cast<Graph*>(entry.graph.get());
   if (g == nullptr) return "graph not built: " + entry.error;
-  std::vector<int64_t> uids = {kQ, kK, kV, kO, kStats};
+  std::vector<int64_t> uids = {kQ, kK, kV, kO};
+  if (cfg.backward || cfg.stats) uids.push_back(kStats);
   if (cfg.backward) uids.insert(uids.end(), {kDO, kDQ, kDK, kDV});
   if (cfg.has_bias()) {
     uids.push_back(kBias);
@@ -292,8 +297,8 @@ std::string Execute(const Config& cfg, const Entry& entry, cudaStream_t stream, 
 // with default visibility so ctypes finds it in the extension module.
 //
 // ints: device, io (0 bf16, 1 f16), backward, b, sq, sk, hq, hk, d, dv, bias_b, bias_h, padding,
-//       left_bound, right_bound. Returns 0 when supported (workspace set), 1 when not (err filled),
-//       2 on bad arguments.
+//       left_bound, right_bound, stats (forward: 1 training, 0 inference). Returns 0 when supported
+//       (workspace set), 1 when not (err filled), 2 on bad arguments.
 extern "C" __attribute__((visibility("default"))) int te_fused_attention_query(const int64_t* ints, int n_ints,
                                                                                  double scale, double dropout,
                                                                                  int64_t* workspace, char* err,
@@ -306,7 +311,7 @@ extern "C" __attribute__((visibility("default"))) int te_fused_attention_query(c
     }
     return code;
   };
-  if (ints == nullptr || n_ints != 15) return fail("te_fused_attention_query: expected 15 ints", 2);
+  if (ints == nullptr || n_ints != 16) return fail("te_fused_attention_query: expected 16 ints", 2);
   Config cfg;
   cfg.device = static_cast<int>(ints[0]);
   cfg.io = ints[1] == 0 ? IoType::kBF16 : IoType::kF16;
@@ -323,6 +328,7 @@ extern "C" __attribute__((visibility("default"))) int te_fused_attention_query(c
   cfg.padding = ints[12] != 0;
   cfg.left_bound = ints[13];
   cfg.right_bound = ints[14];
+  cfg.stats = ints[15] != 0;
   cfg.scale = static_cast<float>(scale);
   cfg.dropout = static_cast<float>(dropout);
   auto entry = GetOrBuild(cfg);

@@ -37,6 +37,7 @@ struct Config {
   int64_t right_bound = -1;        // cuDNN diagonal band right bound (keep j <= i + right_bound); -1 = none
   float scale = 1.f;
   float dropout = 0.f;             // probability of dropping; > 0 needs seed/offset int64 [1] tensors
+  bool stats = true;               // forward: write the softmax statistics (training); false = inference
 
   bool has_bias() const { return bias_b > 0; }
   std::string Key() const;

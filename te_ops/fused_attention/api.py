@@ -237,6 +237,8 @@ def _factor_strings(shapes, present, stage):
             replicated.append("r")
     if stage == "fwd":
         results = [f"b sq {qh} e", f"b {qh} sq"]
+    elif stage == "infer":
+        results = [f"b sq {qh} e"]
     else:
         results = [f"b sq {qh} d", "b sk h d", "b sk h e"]
         if "bias" in names:
@@ -272,7 +274,7 @@ def _specs(present, stage):
         ops, results, _, _, names = _factor_strings(shapes, present, stage)
         q_shape = shapes[0]
         q_spec = arg_specs[0]
-        rep_b, rep_h = _bias_blocks(shapes, names, 3 if stage == "fwd" else 6, q_shape)
+        rep_b, rep_h = _bias_blocks(shapes, names, 6 if stage == "bwd" else 3, q_shape)
         b_ax = None if rep_b else q_spec[0]
         h_ax = None if rep_h else q_spec[2]
         table = {"b": b_ax, "h": h_ax, "(h g)": h_ax}
@@ -280,7 +282,8 @@ def _specs(present, stage):
         def spec_of(factors):
             return [table.get(f) for f in _split(factors)]
 
-        return [spec_of(o) for o in ops], [spec_of(r) for r in results]
+        out_specs = [spec_of(r) for r in results]
+        return [spec_of(o) for o in ops], (out_specs[0] if stage == "infer" else out_specs)
 
     return specs
 
@@ -307,7 +310,7 @@ def _split(factors: str) -> list[str]:
 
 
 def _fold(present, stage):
-    n_lead = 3 if stage == "fwd" else 6
+    n_lead = 6 if stage == "bwd" else 3
     names = [n for n, p in zip(OPTIONAL, present, strict=True) if p]
     kinds = ["x"] * n_lead + names
     bias_idx = n_lead + names.index("bias") if "bias" in names else None
@@ -326,6 +329,9 @@ def _fold(present, stage):
                 a = jnp.broadcast_to(a, (vb, batch, *a.shape[2:]))
             folded.append(a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]))
         outs = fold.fn(*folded)
+        single = stage == "infer"
+        if single:
+            outs = (outs,)
         result, out_batched = [], []
         for i, o in enumerate(outs):
             if stage == "bwd" and i == 3:  # dbias
@@ -346,6 +352,8 @@ def _fold(present, stage):
                 continue
             result.append(o.reshape(vb, o.shape[0] // vb, *o.shape[1:]))
             out_batched.append(True)
+        if single:
+            return result[0], out_batched[0]
         return tuple(result), tuple(out_batched)
 
     return fold
@@ -388,6 +396,18 @@ def _build(mask_type, window, scale, dropout_rate, implementation, present):
         )
         return out, res.lse
 
+    def infer_impl(q, k, v, *optional):  # primal outside autodiff: no statistics (cuDNN inference graph)
+        opt = _unpack(present, optional)
+        args = (q, k, v, *(opt[n] for n in OPTIONAL))
+        out, _ = FAMILY.dispatch(
+            implementation,
+            "forward",
+            args,
+            {**statics, "need_stats": False},
+            _call_desc(q, k, v, opt, statics),
+        )
+        return out
+
     def bwd_impl(q, k, v, out, g, lse, *optional):
         opt = _unpack(present, optional)
         res = Residuals(
@@ -410,14 +430,16 @@ def _build(mask_type, window, scale, dropout_rate, implementation, present):
 
     fwd_part = P.partitioned(fwd_impl, rule=_rule(present, "fwd"), specs=_specs(present, "fwd"))
     bwd_part = P.partitioned(bwd_impl, rule=_rule(present, "bwd"), specs=_specs(present, "bwd"))
-    fold_f, fold_b = _fold(present, "fwd"), _fold(present, "bwd")
-    fold_f.fn, fold_b.fn = fwd_part, bwd_part
+    infer_part = P.partitioned(infer_impl, rule=_rule(present, "infer"), specs=_specs(present, "infer"))
+    fold_f, fold_b, fold_i = _fold(present, "fwd"), _fold(present, "bwd"), _fold(present, "infer")
+    fold_f.fn, fold_b.fn, fold_i.fn = fwd_part, bwd_part, infer_part
     fwd_call = P.batch_folding(fwd_part, fold_f)
     bwd_call = P.batch_folding(bwd_part, fold_b)
+    infer_call = P.batch_folding(infer_part, fold_i)
 
     @jax.custom_vjp
     def op(q, k, v, optional):
-        return fwd_call(q, k, v, *optional)[0]
+        return infer_call(q, k, v, *optional)
 
     def op_fwd(q, k, v, optional):
         out, lse = fwd_call(q, k, v, *optional)

@@ -106,9 +106,9 @@ def _graph_config(*, dtype, q_shape, k_shape, v_shape, bias_shape, has_segments,
     return io, b, s_q, s_k, hq, hk, d, dv, bias_b, bias_h, int(mask_type in _PADDING), left_bound, right_bound
 
 
-def _ints(cfg, backward: bool, device: int = 0) -> tuple[int, ...]:
+def _ints(cfg, backward: bool, stats: bool = True, device: int = 0) -> tuple[int, ...]:
     io, *rest = cfg
-    return (device, io, int(backward), *rest)
+    return (device, io, int(backward), *rest, int(stats or backward))
 
 
 def unsupported_reason(
@@ -212,9 +212,11 @@ def _operands(q, bias_total, q_seqlens, kv_seqlens, seed, mask_type):
     )
 
 
-def _attrs(cfg, scale, dropout_rate, has_bias):
+def _attrs(cfg, scale, dropout_rate, has_bias, stats=None):
     _, _, _, _, _, _, _, _, _, _, padding, left_bound, right_bound = cfg
+    extra = {} if stats is None else {"stats": np.int32(stats)}
     return dict(
+        **extra,
         scale=np.float32(scale),
         dropout=np.float32(dropout_rate),
         has_bias=np.int32(has_bias),
@@ -259,11 +261,17 @@ def forward(
     window,
     scale: float,
     dropout_rate: float,
+    need_stats: bool = True,
 ):
     b, s_q, hq, _ = q.shape
     s_k = k.shape[1]
     cfg = _setup(q, k, v, bias, q_segment_ids, mask_type, window)
-    why, ws = query(_ints(cfg, False), float(scale), float(dropout_rate))
+    stats = True
+    if not need_stats:  # inference graph (no statistics), as jax's cuDNN path uses outside autodiff
+        why, ws = query(_ints(cfg, False, stats=False), float(scale), float(dropout_rate))
+        stats = why is not None  # fall back to the training graph if cuDNN refuses the inference one
+    if stats:
+        why, ws = query(_ints(cfg, False), float(scale), float(dropout_rate))
     if why is not None:
         raise RuntimeError(f"te_ops.fused_attention: cuDNN cannot run this forward configuration: {why}")
     bias_total = _bias_for_cudnn(q, bias, q_segment_ids, kv_segment_ids)
@@ -278,7 +286,7 @@ def forward(
         k,
         v,
         *_operands(q, bias_total, q_seqlens, kv_seqlens, seed, mask_type),
-        **_attrs(cfg, scale, dropout_rate, bias_total is not None),
+        **_attrs(cfg, scale, dropout_rate, bias_total is not None, stats=int(stats)),
     )
     row, _ = _valid(
         b,

@@ -3,7 +3,7 @@
 Signatures shared by every fused_attention implementation::
 
     forward(q, k, v, bias, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, seed, *, mask_type,
-            window, scale, dropout_rate) -> (out, Residuals)
+            window, scale, dropout_rate, need_stats=True) -> (out, Residuals)
     backward(res: Residuals, g, *, mask_type, window, scale, dropout_rate) -> (dq, dk, dv, dbias)
 
 Shapes: ``q [B, Sq, Hq, D]``, ``k [B, Sk, Hk, D]``, ``v [B, Sk, Hk, Dv]``, ``out [B, Sq, Hq, Dv]``;
@@ -161,7 +161,11 @@ def forward(
     window: tuple[int, int] | None,
     scale: float,
     dropout_rate: float,
+    need_stats: bool = True,
 ):
+    del (
+        need_stats
+    )  # False: the caller discards the statistics (inference); the reference computes them anyway
     keep = _keep(q, k, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, mask_type, window)
     p, lse, _ = _probs(q, k, bias, keep, scale)
     if dropout_rate > 0.0:
