@@ -553,6 +553,8 @@ def test_native_glue_with_emulated_cudnn(case, monkeypatch):
     out_n, res_n = jax.jit(lambda *a: nat.forward(*a, **statics))(*args)
     out_r, res_r = jax.jit(lambda *a: ref.forward(*a, **statics))(*args)
     _close(out_n, out_r, jnp.float16, msg=case)
+    out_i, _ = jax.jit(lambda *a: nat.forward(*a, **statics, need_stats=False))(*args)  # inference graph
+    _close(out_i, out_r, jnp.float16, msg=case)
     fin = np.isfinite(np.asarray(res_r.lse))
     np.testing.assert_array_equal(fin, np.isfinite(np.asarray(res_n.lse)))
     _close(jnp.where(fin, res_n.lse, 0), jnp.where(fin, res_r.lse, 0), jnp.float16, msg=case)
@@ -563,3 +565,12 @@ def test_native_glue_with_emulated_cudnn(case, monkeypatch):
             assert gn is None
             continue
         _close(gn, gr, jnp.float16, scale=8.0, msg=case)
+
+
+def test_vmap_over_dropout_keys_matches_loop():
+    q, k, v, _ = _qkv(40, b=2, sq=8, sk=8, hq=2, hk=2, d=16)
+    keys = jax.random.split(jax.random.key(9), 3)
+    f = jax.jit(lambda key: fused_attention(q, k, v, dropout_rate=0.3, rng=key))
+    out = jax.jit(jax.vmap(lambda key: fused_attention(q, k, v, dropout_rate=0.3, rng=key)))(keys)
+    for i in range(3):
+        np.testing.assert_allclose(np.asarray(out[i]), np.asarray(f(keys[i])), rtol=1e-6, atol=1e-6)
