@@ -90,6 +90,9 @@ def _fix_interpreter_for_numpy2():
     which NumPy >= 2.5 refuses; use .item() instead (same value)."""
     from triton.runtime import interpreter
 
+    if getattr(interpreter, "_te_ops_numpy2_fix", False):
+        return
+    interpreter._te_ops_numpy2_fix = True
     original = interpreter._patch_lang_tensor
 
     def patched(tensor, scope):
@@ -112,6 +115,7 @@ def interpreted_call(
     name=None,
     divisible_by_16=(),
 ):
+    _fix_interpreter_for_numpy2()
     aliases = dict(input_output_aliases or {})
     bufs = []
     for a in args:
