@@ -68,11 +68,16 @@ def combine_kernel(
                 hh = h0 + gl.arange(0, BLOCK_H, layout=layout)
                 hm = hh < H
                 acc = gl.zeros([BLOCK_H], gl.float32, layout)
-                for k in range(n):
-                    row = gl.load(map_ptr + t * W + k).to(gl.int64)
-                    v = gl.load(y_ptr + row * H + hh, mask=hm, other=0.0).to(gl.float32)
+                for k in range(0, n, 2):  # two independent row loads in flight per step
+                    has1 = k + 1 < n
+                    row0 = gl.load(map_ptr + t * W + k).to(gl.int64)
+                    row1 = gl.load(map_ptr + t * W + k + 1, mask=has1, other=0).to(gl.int64)
+                    v0 = gl.load(y_ptr + row0 * H + hh, mask=hm, other=0.0).to(gl.float32)
+                    v1 = gl.load(y_ptr + row1 * H + hh, mask=hm & has1, other=0.0).to(gl.float32)
                     if HAS_PROBS:
-                        e = gl.load(map_ptr + t * W + E + k)
-                        v = v * gl.load(mp_ptr + t * E + e).to(gl.float32)
-                    acc += v
+                        e0 = gl.load(map_ptr + t * W + E + k)
+                        e1 = gl.load(map_ptr + t * W + E + k + 1, mask=has1, other=0)
+                        v0 = v0 * gl.load(mp_ptr + t * E + e0).to(gl.float32)
+                        v1 = v1 * gl.load(mp_ptr + t * E + e1, mask=has1, other=0.0).to(gl.float32)
+                    acc += v0 + v1
                 gl.store(out_ptr + t * H + hh, acc.to(out_ptr.dtype.element_ty), mask=hm)

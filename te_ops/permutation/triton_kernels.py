@@ -184,13 +184,19 @@ def _combine_token(t, y_ptr, map_ptr, mp_ptr, out_ptr, E, H, BLOCK_H: tl.constex
         hh = h0 + tl.arange(0, BLOCK_H)
         hm = hh < H
         acc = tl.zeros([BLOCK_H], tl.float32)
-        for k in range(n):
-            row = tl.load(map_ptr + t * W + k).to(tl.int64)
-            v = tl.load(y_ptr + row * H + hh, mask=hm, other=0).to(tl.float32)
+        # two rows per step: two independent row loads in flight per warp (memory-level parallelism)
+        for k in range(0, n, 2):
+            has1 = k + 1 < n
+            row0 = tl.load(map_ptr + t * W + k).to(tl.int64)
+            row1 = tl.load(map_ptr + t * W + k + 1, mask=has1, other=0).to(tl.int64)
+            v0 = tl.load(y_ptr + row0 * H + hh, mask=hm, other=0).to(tl.float32)
+            v1 = tl.load(y_ptr + row1 * H + hh, mask=hm & has1, other=0).to(tl.float32)
             if HAS_PROBS:
-                e = tl.load(map_ptr + t * W + E + k)
-                v = v * tl.load(mp_ptr + t * E + e).to(tl.float32)
-            acc += v
+                e0 = tl.load(map_ptr + t * W + E + k)
+                e1 = tl.load(map_ptr + t * W + E + k + 1, mask=has1, other=0)
+                v0 = v0 * tl.load(mp_ptr + t * E + e0).to(tl.float32)
+                v1 = v1 * tl.load(mp_ptr + t * E + e1, mask=has1, other=0).to(tl.float32)
+            acc += v0 + v1
         tl.store(out_ptr + t * H + hh, acc.to(out_ptr.dtype.element_ty), mask=hm)
 
 
