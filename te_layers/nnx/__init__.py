@@ -6,7 +6,9 @@ Conventions: input sizes given at construction, parameters created eagerly from 
 ``nnx.with_partitioning`` attaches; resolved with ``nnx.get_partition_spec`` and logical axis rules),
 dropout keys from a forked ``rngs.dropout`` stream, ``deterministic`` as an attribute switched by
 ``model.train()`` / ``model.eval()`` (or overridden per call). MoE aux losses are sown as
-:class:`AuxLoss` (an ``nnx.Intermediate``); sum and clear them with :func:`collect_aux_loss`. The
+:class:`AuxLoss` (an ``nnx.Intermediate``): capture them with
+``nnx.capture(fn, te_layers.nnx.AuxLoss)`` and sum the captured state with :func:`collect_aux_loss`
+(which also pops them from a module when sown outside ``nnx.capture``, the older idiom). The
 aux-loss-free expert bias is an :class:`ExpertBias` variable (not an ``nnx.Param``, so optimisers
 skip it) updated in place on training calls.
 """
@@ -267,10 +269,14 @@ class MoEBlock(nnx.Module):
         return r.out
 
 
-def collect_aux_loss(model: nnx.Module) -> jax.Array:
-    """Pops every sown :class:`AuxLoss` from ``model`` (and its token counts) and returns their sum."""
-    losses = nnx.pop(model, AuxLoss)
-    nnx.pop(model, TokensPerExpert)
+def collect_aux_loss(captured: Any) -> jax.Array:
+    """Sum of the :class:`AuxLoss` values in ``captured``: the state ``nnx.capture(fn, AuxLoss)``
+    returned, or a module (its sown losses and token counts are popped)."""
+    if isinstance(captured, nnx.Module):
+        losses = nnx.pop(captured, AuxLoss)
+        nnx.pop(captured, TokensPerExpert)
+    else:
+        losses = captured
     leaves = jax.tree.leaves(losses)
     return sum((jnp.asarray(v, jnp.float32) for v in leaves), jnp.zeros((), jnp.float32))
 
