@@ -35,11 +35,12 @@ from te_ops.grouped_dense import triton as tri  # noqa: E402
 G_ = tri.GemmConfig
 W_ = tri.WgradConfig
 # (name, fwd/dx config, dkernels config)
-CANDIDATES = [
+CANDIDATES = [  # the first is the current default (the sweep checks the others against it)
     ("128x256x64 w8 s3 gm8", G_(128, 256, 64, 8, 8, 3), W_(128, 256, 64, 8, 8, 3)),
     ("128x256x64 w8 s4 gm8", G_(128, 256, 64, 8, 8, 4), W_(128, 256, 64, 8, 8, 4)),
+    ("128x256x64 w8 s3 gm8 flat", G_(128, 256, 64, 8, 8, 3, True), W_(128, 256, 64, 4, 8, 3)),
     ("128x128x64 w8 s4 gm8", G_(128, 128, 64, 8, 8, 4), W_(128, 128, 64, 8, 8, 4)),
-    ("128x128x64 w4 s4 gm4", G_(128, 128, 64, 4, 4, 4), W_(128, 128, 64, 4, 4, 4)),
+    ("128x128x64 w8 s4 gm8 flat", G_(128, 128, 64, 8, 8, 4, True), W_(128, 128, 64, 16, 8, 4)),
     ("256x128x64 w8 s3 gm8", G_(256, 128, 64, 8, 8, 3), W_(256, 128, 64, 8, 8, 3)),
 ]
 # (name, M, K, N, G)
@@ -105,7 +106,7 @@ def sweep(x, w, s, dy, reps):
     m, k = x.shape
     n = w.shape[2]
     flops = 2.0 * m * k * n
-    rows, best = [], {}
+    rows, best, first = [], {}, {}
     for name, gc, wc in CANDIDATES:
         kernels = {
             "fwd": jax.jit(lambda x, w, s, gc=gc: tri.grouped_gemm(x, w, s, None, trans_b=False, cfg=gc)),
@@ -117,9 +118,16 @@ def sweep(x, w, s, dy, reps):
         for kname, fn in kernels.items():
             row = {"config": name, "kernel": kname}
             try:
+                out = jax.block_until_ready(fn(*args[kname]))
+                if kname not in first:
+                    first[kname] = out
+                row["rel_diff_vs_first"] = err = rel_err(out, first[kname])
+                del out
                 t = _timing.time_fn(fn, [args[kname]], repeats=reps[0], calls=reps[1])
                 row.update(ms=t, TFLOPs=flops / t / 1e9)
-                if kname not in best or t < best[kname][1]:
+                if err > 1e-2:
+                    row["error"] = f"result differs from the first candidate's (max rel diff {err:.2e})"
+                elif kname not in best or t < best[kname][1]:
                     best[kname] = (name, t, gc if kname != "dkernels" else wc)
             except Exception as e:  # a candidate that does not compile or launch: report, go on
                 row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
@@ -205,7 +213,7 @@ def main():
     _timing.print_table("grouped_dense (bf16)", rows, cols)
     if sweep_rows:
         _timing.print_table("tile-configuration sweep (M131072 K4096 N1024 G64)", sweep_rows,
-                            ["config", "kernel", "ms", "TFLOPs", "error"])
+                            ["config", "kernel", "ms", "TFLOPs", "rel_diff_vs_first", "error"])
     best_json = None
     if best_cfg is not None:
         best_json = {k_: dataclasses.asdict(c) for k_, c in zip(("fwd", "dx", "dkernels"), best_cfg, strict=True)}

@@ -56,6 +56,7 @@ class GemmConfig:
     GROUP_M: int = 8
     num_warps: int = 8
     num_stages: int = 3
+    FLATTEN: bool = False  # let Triton fuse the tile loop with the K loop (overlaps a tile's epilogue)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,7 +152,8 @@ def grouped_gemm(a, b, group_sizes, bias, *, trans_b: bool, cfg: GemmConfig):
         np.int32(m), np.int32(kc // 8), np.int32(nout // 8), np.int32(g), np.int32(grid),
         out_shape=[SDS((m, nout), a.dtype)], grid=(grid,),
         constexprs=dict(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M, BLOCK_G=max(16, _pow2(g)),
-                        TRANS_B=bool(trans_b), HAS_BIAS=bias is not None, EVEN_K=(kc % cfg.BK == 0)),
+                        TRANS_B=bool(trans_b), HAS_BIAS=bias is not None, EVEN_K=(kc % cfg.BK == 0),
+                        FLATTEN=bool(cfg.FLATTEN)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, name="te_grouped_gemm")[0]
 
 

@@ -43,7 +43,7 @@ def _group_table(gs_ptr, G, M, BLOCK_G: tl.constexpr):
 def grouped_gemm_kernel(
     a_ptr, b_ptr, bias_ptr, gs_ptr, M, KC8, N8, G, num_programs, out_ptr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_G: tl.constexpr,
-    TRANS_B: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    TRANS_B: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, FLATTEN: tl.constexpr,
 ):
     """a: [M, KC]; b: [G, KC, NOUT] (or [G, NOUT, KC] with TRANS_B); bias: [G, NOUT]; out: [M, NOUT]."""
     KC = KC8 * 8
@@ -61,7 +61,7 @@ def grouped_gemm_kernel(
     total = group_tiles + tail_m_tiles * n_tiles
     k_iters = tl.cdiv(KC, BK)
     offs_k = tl.arange(0, BK)
-    for t in range(pid, total, num_programs):
+    for t in tl.range(pid, total, num_programs, flatten=FLATTEN):
         in_group = t < group_tiles
         # the group of tile t: number of groups whose tiles all come before t
         g = tl.sum((cum <= t).to(tl.int32), axis=0)

@@ -318,7 +318,7 @@ def _interpret_main() -> int:
 
     tri.tb.triton_call = ti.interpreted_call
     tri.num_sms = lambda: 3  # a few persistent programs, each walking several tiles
-    cfg = tri.GemmConfig(BM=16, BN=16, BK=16, GROUP_M=2, num_warps=4, num_stages=2)
+    cfg = tri.GemmConfig(BM=16, BN=16, BK=16, GROUP_M=2, num_warps=4, num_stages=2, FLATTEN=True)
     wcfg = tri.WgradConfig(BKO=16, BN=16, BR=16, GROUP_K=2, num_warps=4, num_stages=2)
     rng = np.random.default_rng(0)
     failures = 0
