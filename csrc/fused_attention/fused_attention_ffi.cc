@@ -43,6 +43,7 @@ struct Common {
   int32_t has_bias, padding, left_bound, right_bound;
   float scale, dropout;
   int32_t stats = 1;
+  int32_t need_dbias = 0;
 };
 
 ffi::Error FillConfig(const char* op, int device, bool backward, const AnyBuffer& q, const AnyBuffer& k,
@@ -84,6 +85,7 @@ ffi::Error FillConfig(const char* op, int device, bool backward, const AnyBuffer
   cfg->right_bound = c.right_bound;
   cfg->padding = c.padding != 0;
   cfg->stats = backward || c.stats != 0;
+  cfg->dbias = backward && c.has_bias && c.need_dbias != 0;
   if (c.has_bias) {
     auto bd = bias.dimensions();
     if (bd.size() != 4 || (bd[0] != 1 && bd[0] != cfg->b) || (bd[1] != 1 && bd[1] != cfg->hq) || bd[2] != cfg->sq ||
@@ -217,10 +219,10 @@ ffi::Error BwdImpl(cudaStream_t stream, int32_t device, AnyBuffer q, AnyBuffer k
                    AnyBuffer d_out, AnyBuffer lse, AnyBuffer bias, AnyBuffer q_len, AnyBuffer kv_len, AnyBuffer seed,
                    ffi::RemainingArgs, Result<AnyBuffer> dq, Result<AnyBuffer> dk, Result<AnyBuffer> dv,
                    Result<AnyBuffer> dbias, Result<AnyBuffer> workspace, float scale, float dropout, int32_t has_bias,
-                   int32_t padding, int32_t left_bound, int32_t right_bound) {
+                   int32_t padding, int32_t left_bound, int32_t right_bound, int32_t need_dbias) {
   const char* op = kBwdName;
   Config cfg;
-  Common c{has_bias, padding, left_bound, right_bound, scale, dropout};
+  Common c{has_bias, padding, left_bound, right_bound, scale, dropout, 1, need_dbias};
   TE_RETURN_IF_ERROR(FillConfig(op, device, true, q, k, v, bias, q_len, kv_len, seed, c, &cfg));
   if (lse.element_type() != ffi::DataType::F32 || NumElements(lse) != cfg.b * cfg.hq * cfg.sq) {
     return Invalid(op, "lse must be float32 [B, Hq, Sq], got " + ShapeStr(lse.dimensions()));
@@ -230,7 +232,7 @@ ffi::Error BwdImpl(cudaStream_t stream, int32_t device, AnyBuffer q, AnyBuffer k
     return Invalid(op, "out and d_out must be [B, Sq, Hq, Dv] in q's dtype, got " + ShapeStr(out.dimensions()) +
                            " and " + ShapeStr(d_out.dimensions()));
   }
-  if (cfg.has_bias() && NumElements(*dbias) != NumElements(bias)) {
+  if (cfg.dbias && NumElements(*dbias) != NumElements(bias)) {
     return Invalid(op, "dbias result must have bias's shape " + ShapeStr(bias.dimensions()) + ", got " +
                            ShapeStr(dbias->dimensions()));
   }
@@ -297,14 +299,15 @@ auto BindBwd() {
       .template Ret<AnyBuffer>()  // dq
       .template Ret<AnyBuffer>()  // dk
       .template Ret<AnyBuffer>()  // dv
-      .template Ret<AnyBuffer>()  // dbias (dummy when has_bias == 0)
+      .template Ret<AnyBuffer>()  // dbias (dummy [1] unless need_dbias)
       .template Ret<AnyBuffer>()  // workspace
       .template Attr<float>("scale")
       .template Attr<float>("dropout")
       .template Attr<int32_t>("has_bias")
       .template Attr<int32_t>("padding")
       .template Attr<int32_t>("left_bound")
-      .template Attr<int32_t>("right_bound");
+      .template Attr<int32_t>("right_bound")
+      .template Attr<int32_t>("need_dbias");  // the bias is the user's (not only the segment mask)
 }
 
 constexpr ExecutionStage kInit = ExecutionStage::kInitialize;

@@ -23,7 +23,7 @@ std::string Config::Key() const {
   os << device << (backward ? "|bwd|" : "|fwd|") << static_cast<int>(io) << "|" << b << "," << sq << "," << sk
      << "," << hq << "," << hk << "," << d << "," << dv << "|bias" << bias_b << "x" << bias_h << "|pad"
      << padding << "|lb" << left_bound << "|rb" << right_bound << "|s" << scale_hex << "|p" << drop_hex
-     << "|st" << (backward || stats);
+     << "|st" << (backward || stats) << "|db" << (backward && dbias);
   return os.str();
 }
 
@@ -38,6 +38,7 @@ std::string Config::Describe() const {
   if (left_bound >= 0) os << " left_bound=" << left_bound;
   if (dropout > 0.f) os << " dropout=" << dropout;
   if (!backward && !stats) os << " inference";
+  if (backward && dbias) os << " dbias";
   return os.str();
 }
 
@@ -171,7 +172,7 @@ std::string Build(const Config& cfg, cudnnHandle_t handle, Entry* entry) {
                                .set_data_type(fe::DataType_t::FLOAT));
     auto attrs = fe::graph::SDPA_backward_attributes().set_name("te_sdpa_bwd");
     SetCommon(cfg, *g, attrs, &seq_q, &seq_kv, &seed, &offset, &bias);
-    if (cfg.has_bias()) {
+    if (cfg.has_bias() && cfg.dbias) {
       auto dbias = g->tensor(fe::graph::Tensor_attributes()
                                  .set_name("dbias")
                                  .set_uid(kDBias)
@@ -270,7 +271,7 @@ std::string Execute(const Config& cfg, const Entry& entry, cudaStream_t stream, 
   if (cfg.backward) uids.insert(uids.end(), {kDO, kDQ, kDK, kDV});
   if (cfg.has_bias()) {
     uids.push_back(kBias);
-    if (cfg.backward) uids.push_back(kDBias);
+    if (cfg.backward && cfg.dbias) uids.push_back(kDBias);
   }
   if (cfg.padding) uids.insert(uids.end(), {kSeqQ, kSeqKV});
   if (cfg.dropout > 0.f) uids.insert(uids.end(), {kSeed, kOffset});
@@ -297,7 +298,8 @@ std::string Execute(const Config& cfg, const Entry& entry, cudaStream_t stream, 
 // with default visibility so ctypes finds it in the extension module.
 //
 // ints: device, io (0 bf16, 1 f16), backward, b, sq, sk, hq, hk, d, dv, bias_b, bias_h, padding,
-//       left_bound, right_bound, stats (forward: 1 training, 0 inference). Returns 0 when supported
+//       left_bound, right_bound, stats (forward: 1 training, 0 inference), dbias (backward: 1 = compute the
+//       bias gradient). Returns 0 when supported
 //       (workspace set), 1 when not (err filled), 2 on bad arguments.
 extern "C" __attribute__((visibility("default"))) int te_fused_attention_query(const int64_t* ints, int n_ints,
                                                                                  double scale, double dropout,
@@ -311,7 +313,7 @@ extern "C" __attribute__((visibility("default"))) int te_fused_attention_query(c
     }
     return code;
   };
-  if (ints == nullptr || n_ints != 16) return fail("te_fused_attention_query: expected 16 ints", 2);
+  if (ints == nullptr || n_ints != 17) return fail("te_fused_attention_query: expected 17 ints", 2);
   Config cfg;
   cfg.device = static_cast<int>(ints[0]);
   cfg.io = ints[1] == 0 ? IoType::kBF16 : IoType::kF16;
@@ -329,6 +331,7 @@ extern "C" __attribute__((visibility("default"))) int te_fused_attention_query(c
   cfg.left_bound = ints[13];
   cfg.right_bound = ints[14];
   cfg.stats = ints[15] != 0;
+  cfg.dbias = cfg.backward && cfg.bias_b > 0 && ints[16] != 0;
   cfg.scale = static_cast<float>(scale);
   cfg.dropout = static_cast<float>(dropout);
   auto entry = GetOrBuild(cfg);

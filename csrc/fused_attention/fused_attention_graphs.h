@@ -38,6 +38,7 @@ struct Config {
   float scale = 1.f;
   float dropout = 0.f;             // probability of dropping; > 0 needs seed/offset int64 [1] tensors
   bool stats = true;               // forward: write the softmax statistics (training); false = inference
+  bool dbias = false;              // backward: also compute the bias gradient (only for a user bias)
 
   bool has_bias() const { return bias_b > 0; }
   std::string Key() const;

@@ -106,9 +106,11 @@ def _graph_config(*, dtype, q_shape, k_shape, v_shape, bias_shape, has_segments,
     return io, b, s_q, s_k, hq, hk, d, dv, bias_b, bias_h, int(mask_type in _PADDING), left_bound, right_bound
 
 
-def _ints(cfg, backward: bool, stats: bool = True, device: int = 0) -> tuple[int, ...]:
+def _ints(
+    cfg, backward: bool, *, stats: bool = True, dbias: bool = False, device: int = 0
+) -> tuple[int, ...]:
     io, *rest = cfg
-    return (device, io, int(backward), *rest, int(stats or backward))
+    return (device, io, int(backward), *rest, int(stats or backward), int(backward and dbias))
 
 
 def unsupported_reason(
@@ -138,7 +140,7 @@ def unsupported_reason(
         window=window,
     )
     for backward in (False, True):
-        why, _ = query(_ints(cfg, backward), float(scale), float(dropout_rate))
+        why, _ = query(_ints(cfg, backward, dbias=bias_shape is not None), float(scale), float(dropout_rate))
         if why is not None:
             kind = "backward" if backward else "forward"
             return f"cuDNN cannot run this {kind} configuration: {why}"
@@ -212,9 +214,11 @@ def _operands(q, bias_total, q_seqlens, kv_seqlens, seed, mask_type):
     )
 
 
-def _attrs(cfg, scale, dropout_rate, has_bias, stats=None):
+def _attrs(cfg, scale, dropout_rate, has_bias, stats=None, need_dbias=None):
     _, _, _, _, _, _, _, _, _, _, padding, left_bound, right_bound = cfg
     extra = {} if stats is None else {"stats": np.int32(stats)}
+    if need_dbias is not None:
+        extra["need_dbias"] = np.int32(need_dbias)
     return dict(
         **extra,
         scale=np.float32(scale),
@@ -311,7 +315,7 @@ def backward(res: Residuals, g, *, mask_type: str, window, scale: float, dropout
     b, s_q, hq, d = q.shape
     s_k = k.shape[1]
     cfg = _setup(q, k, v, bias, res.q_segment_ids, mask_type, window)
-    why, ws = query(_ints(cfg, True), float(scale), float(dropout_rate))
+    why, ws = query(_ints(cfg, True, dbias=bias is not None), float(scale), float(dropout_rate))
     if why is not None:
         raise RuntimeError(f"te_ops.fused_attention: cuDNN cannot run this backward configuration: {why}")
     row, col = _valid(
@@ -332,7 +336,7 @@ def backward(res: Residuals, g, *, mask_type: str, window, scale: float, dropout
         out = jnp.where(row[:, :, None, None], out, jnp.zeros((), out.dtype))
         lse = jnp.where(row[:, None, :], lse, jnp.inf)
     bias_total = _bias_for_cudnn(q, bias, res.q_segment_ids, res.kv_segment_ids)
-    dbias_shape = bias_total.shape if bias_total is not None else (1,)
+    dbias_shape = bias_total.shape if bias is not None else (1,)
     dq, dk, dv, dbias, _ = _native.ffi_call(
         "te_fused_attention_bwd",
         (
@@ -349,7 +353,7 @@ def backward(res: Residuals, g, *, mask_type: str, window, scale: float, dropout
         g,
         lse.astype(jnp.float32),
         *_operands(q, bias_total, res.q_seqlens, res.kv_seqlens, res.seed, mask_type),
-        **_attrs(cfg, scale, dropout_rate, bias_total is not None),
+        **_attrs(cfg, scale, dropout_rate, bias_total is not None, need_dbias=int(bias is not None)),
     )
     zero = jnp.zeros((), q.dtype)
     if row is not None:

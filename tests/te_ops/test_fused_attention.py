@@ -501,7 +501,7 @@ def _emulated_ffi_call(target, result_shapes, *args, **attrs):
     dk = jnp.where(cols_ok[:, :, None, None], dk, nan)  # padded keys unwritten
     dv = jnp.where(cols_ok[:, :, None, None], dv, nan)
     dbias = jnp.zeros(result_shapes[3].shape, F32)
-    if has_bias:
+    if int(attrs["need_dbias"]):
         dsb, seen = jnp.where(keep, ds, 0.0), jnp.broadcast_to(keep, ds.shape)
         if bias.shape[0] == 1:
             dsb, seen = dsb.sum(0, keepdims=True), seen.any(0, keepdims=True)
