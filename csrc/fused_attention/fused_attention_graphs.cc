@@ -286,8 +286,12 @@ std::string Execute(const Config& cfg, const Entry& entry, cudaStream_t stream, 
   if (!guard.ok()) return "cudaSetDevice(" + std::to_string(cfg.device) + ") failed";
   cudnnStatus_t st = cudnnSetStream(h, stream);
   if (st != CUDNN_STATUS_SUCCESS) return std::string("cudnnSetStream failed: ") + cudnnGetErrorString(st);
-  auto status = g->execute(h, pack, workspace);
-  if (status.is_bad()) return "cudnn_frontend execute: " + status.get_message();
+  try {
+    auto status = g->execute(h, pack, workspace);
+    if (status.is_bad()) return "cudnn_frontend execute: " + status.get_message();
+  } catch (const std::exception& e) {
+    return std::string("exception in cudnn_frontend execute: ") + e.what();
+  }
   return "";
 }
 

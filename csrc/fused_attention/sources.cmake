@@ -39,7 +39,7 @@ list(APPEND _te_cudnn_inc_hints ${_te_dist_dirs} ${CUDAToolkit_INCLUDE_DIRS})
 list(APPEND _te_cudnn_lib_hints ${_te_dist_dirs} ${CUDAToolkit_LIBRARY_DIR})
 
 find_path(TE_CUDNN_INCLUDE_DIR cudnn.h HINTS ${_te_cudnn_inc_hints} NO_CACHE)
-find_library(TE_CUDNN_LIBRARY NAMES cudnn libcudnn.so.9 HINTS ${_te_cudnn_lib_hints} NO_CACHE)
+find_library(TE_CUDNN_LIBRARY NAMES libcudnn.so.9 cudnn NAMES_PER_DIR HINTS ${_te_cudnn_lib_hints} NO_CACHE)
 # The frontend (1.2x+) includes nvrtc.h and, without dynamic loading, calls NVRTC and the CUDA driver
 # directly (its optional runtime-compiled engines): the CUDA toolkit, or the nvidia-cuda-nvrtc wheel.
 set(TE_NVRTC_ROOT "" CACHE PATH "Directory with include/nvrtc.h and lib/libnvrtc.so* (default: CUDA toolkit / wheel)")
@@ -54,7 +54,7 @@ foreach(_s ${_te_site})
   list(APPEND _te_nvrtc_lib_hints "${_s}/nvidia/cu13/lib" "${_s}/nvidia/cuda_nvrtc/lib")
 endforeach()
 find_path(TE_NVRTC_INCLUDE_DIR nvrtc.h HINTS ${_te_nvrtc_inc_hints} NO_CACHE)
-find_library(TE_NVRTC_LIBRARY NAMES nvrtc libnvrtc.so.13 libnvrtc.so.12 HINTS ${_te_nvrtc_lib_hints} NO_CACHE)
+find_library(TE_NVRTC_LIBRARY NAMES nvrtc libnvrtc.so.13 libnvrtc.so.12 NAMES_PER_DIR HINTS ${_te_nvrtc_lib_hints} NO_CACHE)
 
 # cuDNN frontend headers: explicit dir, installed wheel, or a wheel file in .whl/ unpacked here.
 set(_te_fe_hints "")
