@@ -10,7 +10,7 @@ kernels are timed on their own, and the best per kernel is reported (``best``), 
 which configuration to make the default in ``te_ops/grouped_dense/triton.py``; then the public op is
 timed with the defaults and with the best combination.
 
-    python benchmarks/grouped_dense.py            # prints tables, writes benchmarks/results/grouped_dense.json
+    python benchmarks/grouped_dense.py   # prints tables, writes benchmarks/results/grouped_dense.json
     python benchmarks/grouped_dense.py --no-sweep --no-ragged
 """
 
@@ -111,8 +111,9 @@ def sweep(x, w, s, dy, reps):
         kernels = {
             "fwd": jax.jit(lambda x, w, s, gc=gc: tri.grouped_gemm(x, w, s, None, trans_b=False, cfg=gc)),
             "dx": jax.jit(lambda dy, w, s, gc=gc: tri.grouped_gemm(dy, w, s, None, trans_b=True, cfg=gc)),
-            "dkernels": jax.jit(lambda x, dy, s, wc=wc: tri.grouped_wgrad(x, dy, s, w.shape[0], cfg=wc,
-                                                                           out_dtype=w.dtype)),
+            "dkernels": jax.jit(
+                lambda x, dy, s, wc=wc: tri.grouped_wgrad(x, dy, s, w.shape[0], cfg=wc, out_dtype=w.dtype)
+            ),
         }
         args = {"fwd": (x, w, s), "dx": (dy, w, s), "dkernels": (x, dy, s)}
         for kname, fn in kernels.items():
@@ -133,8 +134,11 @@ def sweep(x, w, s, dy, reps):
                 row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
                 traceback.print_exc()
             rows.append(row)
-            print(f"sweep {name:24s} {kname:9s} {row.get('ms', float('nan')):8.3f} ms "
-                  f"{row.get('TFLOPs', float('nan')):7.1f} TFLOP/s {row.get('error', '')}", flush=True)
+            print(
+                f"sweep {name:24s} {kname:9s} {row.get('ms', float('nan')):8.3f} ms "
+                f"{row.get('TFLOPs', float('nan')):7.1f} TFLOP/s {row.get('error', '')}",
+                flush=True,
+            )
     return rows, best
 
 
@@ -144,7 +148,9 @@ def main():
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--only", default=None, help="substring of a case name")
     parser.add_argument("--no-sweep", action="store_true")
-    parser.add_argument("--no-ragged", action="store_true", help="skip jax.lax.ragged_dot (a dense expansion: slow)")
+    parser.add_argument(
+        "--no-ragged", action="store_true", help="skip jax.lax.ragged_dot (a dense expansion: slow)"
+    )
     args = parser.parse_args()
     why = tri.tb.unavailable_reason()
     if why or jax.devices()[0].platform != "gpu":
@@ -173,55 +179,98 @@ def main():
         fb_o, fb_e = jax.jit(fwd_bwd(ours))(x, w, s_eq, dy), jax.jit(fwd_bwd(einsum_equal))(x, w, s_eq, dy)
         err_b = max(rel_err(a, b) for a, b in zip(fb_o, fb_e, strict=True))
         del fb_o, fb_e
-        print(f"{name}: max rel diff vs einsum (equal groups) fwd {err_f:.2e} fwd+bwd {err_b:.2e}", flush=True)
+        print(
+            f"{name}: max rel diff vs einsum (equal groups) fwd {err_f:.2e} fwd+bwd {err_b:.2e}", flush=True
+        )
         timings = {}
         for vname, cfg in variants:
-            for stage, maker, arg_set, fl in (("forward", lambda f: f, (x, w, s), flops),
-                                              ("forward+backward", fwd_bwd, (x, w, s, dy), 3 * flops)):
+            for stage, maker, arg_set, fl in (
+                ("forward", lambda f: f, (x, w, s), flops),
+                ("forward+backward", fwd_bwd, (x, w, s, dy), 3 * flops),
+            ):
                 if cfg is not None:
                     with tri.config_override(*cfg):
                         fn = jax.jit(maker(lambda x, w, s: ours(x, w, s)))
                         fn = fn.lower(*arg_set).compile()
                 else:
                     fn = jax.jit(maker(ours))
-                timings[(vname, stage)] = (_timing.time_fn(fn, [arg_set], repeats=args.repeats, calls=args.calls), fl)
-        for vname, f, reps in (("batched einsum (equal groups)", einsum_equal, (args.repeats, args.calls)),
-                               ("jax.lax.ragged_dot", ragged, (2, 2))):
+                timings[(vname, stage)] = (
+                    _timing.time_fn(fn, [arg_set], repeats=args.repeats, calls=args.calls),
+                    fl,
+                )
+        for vname, f, reps in (
+            ("batched einsum (equal groups)", einsum_equal, (args.repeats, args.calls)),
+            ("jax.lax.ragged_dot", ragged, (2, 2)),
+        ):
             if vname.startswith("jax.lax") and args.no_ragged:
                 continue
-            for stage, maker, arg_set, fl in (("forward", lambda f: f, (x, w, s), flops),
-                                              ("forward+backward", fwd_bwd, (x, w, s, dy), 3 * flops)):
+            for stage, maker, arg_set, fl in (
+                ("forward", lambda f: f, (x, w, s), flops),
+                ("forward+backward", fwd_bwd, (x, w, s, dy), 3 * flops),
+            ):
                 try:
                     fn = jax.jit(maker(f))
-                    timings[(vname, stage)] = (_timing.time_fn(fn, [arg_set], warmup=1, repeats=reps[0],
-                                                               calls=reps[1]), fl)
+                    timings[(vname, stage)] = (
+                        _timing.time_fn(fn, [arg_set], warmup=1, repeats=reps[0], calls=reps[1]),
+                        fl,
+                    )
                 except Exception as e:
                     print(f"{vname} {stage} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
-        base = {st: timings.get(("batched einsum (equal groups)", st), (None,))[0]
-                for st in ("forward", "forward+backward")}
+        base = {
+            st: timings.get(("batched einsum (equal groups)", st), (None,))[0]
+            for st in ("forward", "forward+backward")
+        }
         for (vname, stage), (t, fl) in timings.items():
             target = TARGETS.get(name, {}).get(stage) if vname.startswith("ours") else None
             tf = fl / t / 1e9
-            rows.append({"case": name, "impl": vname, "stage": stage, "ms": t, "TFLOPs": tf,
-                         "vs_einsum": (base[stage] / t) if base[stage] else None, "target_TFLOPs": target,
-                         "meets_target": None if target is None else bool(tf >= target),
-                         "max_rel_diff_vs_einsum": (err_f if stage == "forward" else err_b)
-                         if vname.startswith("ours") else None})
+            rows.append(
+                {
+                    "case": name,
+                    "impl": vname,
+                    "stage": stage,
+                    "ms": t,
+                    "TFLOPs": tf,
+                    "vs_einsum": (base[stage] / t) if base[stage] else None,
+                    "target_TFLOPs": target,
+                    "meets_target": None if target is None else bool(tf >= target),
+                    "max_rel_diff_vs_einsum": (err_f if stage == "forward" else err_b)
+                    if vname.startswith("ours")
+                    else None,
+                }
+            )
             print(f"{name:38s} {vname:30s} {stage:17s} {t:9.3f} ms {tf:7.1f} TFLOP/s", flush=True)
         del x, w, dy
     cols = ["case", "impl", "stage", "ms", "TFLOPs", "vs_einsum", "target_TFLOPs", "meets_target"]
     _timing.print_table("grouped_dense (bf16)", rows, cols)
     if sweep_rows:
-        _timing.print_table("tile-configuration sweep (M131072 K4096 N1024 G64)", sweep_rows,
-                            ["config", "kernel", "ms", "TFLOPs", "rel_diff_vs_first", "error"])
+        _timing.print_table(
+            "tile-configuration sweep (M131072 K4096 N1024 G64)",
+            sweep_rows,
+            ["config", "kernel", "ms", "TFLOPs", "rel_diff_vs_first", "error"],
+        )
     best_json = None
     if best_cfg is not None:
-        best_json = {k_: dataclasses.asdict(c) for k_, c in zip(("fwd", "dx", "dkernels"), best_cfg, strict=True)}
-        print("best configuration per kernel (make it the default in te_ops/grouped_dense/triton.py):", best_json)
-    _timing.write_json("grouped_dense", {"dtype": "bfloat16", "rows": rows, "sweep": sweep_rows, "best": best_json,
-                                         "defaults": {"fwd": dataclasses.asdict(tri.DEFAULT_FWD),
-                                                      "dx": dataclasses.asdict(tri.DEFAULT_DX),
-                                                      "dkernels": dataclasses.asdict(tri.DEFAULT_WGRAD)}})
+        best_json = {
+            k_: dataclasses.asdict(c) for k_, c in zip(("fwd", "dx", "dkernels"), best_cfg, strict=True)
+        }
+        print(
+            "best configuration per kernel (make it the default in te_ops/grouped_dense/triton.py):",
+            best_json,
+        )
+    _timing.write_json(
+        "grouped_dense",
+        {
+            "dtype": "bfloat16",
+            "rows": rows,
+            "sweep": sweep_rows,
+            "best": best_json,
+            "defaults": {
+                "fwd": dataclasses.asdict(tri.DEFAULT_FWD),
+                "dx": dataclasses.asdict(tri.DEFAULT_DX),
+                "dkernels": dataclasses.asdict(tri.DEFAULT_WGRAD),
+            },
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -2,13 +2,15 @@
 
 Sharding (Shardy rule + partition callback):
 
-* **Expert parallel**: the expert axis G of ``kernels`` (and ``bias``, ``group_sizes``) sharded over
-  a mesh axis. Contract: ``x`` is then sharded on its rows over the *same* mesh axis and each shard's
+* **Expert parallel**: the expert axis G of ``kernels`` (and ``bias``, ``group_sizes``) and the rows
+  of ``x`` sharded over the *same* mesh axis. Contract: each shard's
   block of rows holds exactly the rows of that shard's local experts, in expert order, followed by
   its own zero tail (what an all-to-all token dispatch produces); ``group_sizes`` are the local sizes
   (each shard's sizes sum to at most its row count). Every shard runs its local grouped GEMM: no
-  collective in the forward or the backward. Row sharding of ``x`` without expert sharding is
-  gathered (group boundaries are global then).
+  collective in the forward or the backward. G sharded while x's rows are not (FSDP-style weight
+  sharding) is not expert parallel: the kernels are gathered and the op keeps its unsharded
+  meaning; row sharding of ``x`` without expert sharding is gathered too (group boundaries are
+  global then).
 * **Tensor parallel**: the N axis of ``kernels``/``bias`` sharded: each shard computes its N slice of
   the output (forward: no collective); the backward all-reduces dx (the contraction over N) once.
 * K is always gathered (a contraction; sharding it would need a reduction in the forward).
@@ -36,9 +38,16 @@ from te_ops.grouped_dense import triton as tri
 from te_ops.grouped_dense.reference import Residuals
 
 FAMILY = registry.family("grouped_dense")
-FAMILY.register(registry.Implementation(
-    name="triton", forward=tri.forward, backward=tri.backward, unsupported_reason=tri.unsupported_reason,
-    platform="cuda", available=lambda: tb.unavailable_reason()))
+FAMILY.register(
+    registry.Implementation(
+        name="triton",
+        forward=tri.forward,
+        backward=tri.backward,
+        unsupported_reason=tri.unsupported_reason,
+        platform="cuda",
+        available=lambda: tb.unavailable_reason(),
+    )
+)
 FAMILY.register(registry.Implementation(name=registry.REFERENCE, forward=ref.forward, backward=ref.backward))
 
 _FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -57,40 +66,62 @@ def _arr(v: Any) -> jax.Array:
 def _validate(x, kernels, group_sizes, bias, implementation):
     x, kernels, group_sizes = _arr(x), _arr(kernels), _arr(group_sizes)
     if x.ndim != 2:
-        raise ValueError(f"te_ops.{OP}: x must have rank 2 [M, K], got shape {tuple(x.shape)}. "
-                         "Flatten the token axes first, e.g. x.reshape(-1, x.shape[-1]).")
+        raise ValueError(
+            f"te_ops.{OP}: x must have rank 2 [M, K], got shape {tuple(x.shape)}. "
+            "Flatten the token axes first, e.g. x.reshape(-1, x.shape[-1])."
+        )
     if kernels.ndim != 3:
-        raise ValueError(f"te_ops.{OP}: kernels must have rank 3 [G, K, N], got shape {tuple(kernels.shape)}.")
+        raise ValueError(
+            f"te_ops.{OP}: kernels must have rank 3 [G, K, N], got shape {tuple(kernels.shape)}."
+        )
     m, k = x.shape
     g, k2, n = kernels.shape
     if k2 != k:
-        raise ValueError(f"te_ops.{OP}: kernels must be [G, K, N] with K = x.shape[1] = {k}, got kernels shape "
-                         f"{tuple(kernels.shape)}.")
+        raise ValueError(
+            f"te_ops.{OP}: kernels must be [G, K, N] with K = x.shape[1] = {k}, got kernels shape "
+            f"{tuple(kernels.shape)}."
+        )
     for name, a in (("x", x), ("kernels", kernels)):
         if jnp.dtype(a.dtype) not in _FLOATS:
-            raise TypeError(f"te_ops.{OP}: {name} must be float32, bfloat16 or float16, got {jnp.dtype(a.dtype)}. "
-                            f"Cast it first, e.g. {name}.astype(jnp.bfloat16).")
+            raise TypeError(
+                f"te_ops.{OP}: {name} must be float32, bfloat16 or float16, got {jnp.dtype(a.dtype)}. "
+                f"Cast it first, e.g. {name}.astype(jnp.bfloat16)."
+            )
     if jnp.dtype(x.dtype) != jnp.dtype(kernels.dtype):
-        raise TypeError(f"te_ops.{OP}: x and kernels must have the same dtype, got {jnp.dtype(x.dtype)} and "
-                        f"{jnp.dtype(kernels.dtype)}. Cast one of them, e.g. kernels.astype(x.dtype).")
+        raise TypeError(
+            f"te_ops.{OP}: x and kernels must have the same dtype, got {jnp.dtype(x.dtype)} and "
+            f"{jnp.dtype(kernels.dtype)}. Cast one of them, e.g. kernels.astype(x.dtype)."
+        )
     if group_sizes.dtype != jnp.int32:
-        raise TypeError(f"te_ops.{OP}: group_sizes must be int32, got {group_sizes.dtype}. "
-                        "Convert it, e.g. group_sizes.astype(jnp.int32).")
+        raise TypeError(
+            f"te_ops.{OP}: group_sizes must be int32, got {group_sizes.dtype}. "
+            "Convert it, e.g. group_sizes.astype(jnp.int32)."
+        )
     if group_sizes.shape != (g,):
-        raise ValueError(f"te_ops.{OP}: group_sizes must have shape [G] = ({g},) (one size per kernel), got "
-                         f"shape {tuple(group_sizes.shape)}.")
+        raise ValueError(
+            f"te_ops.{OP}: group_sizes must have shape [G] = ({g},) (one size per kernel), got "
+            f"shape {tuple(group_sizes.shape)}."
+        )
     if g == 0:
-        raise ValueError(f"te_ops.{OP}: kernels must have at least one group, got shape {tuple(kernels.shape)}.")
+        raise ValueError(
+            f"te_ops.{OP}: kernels must have at least one group, got shape {tuple(kernels.shape)}."
+        )
     if bias is not None:
         bias = _arr(bias)
         if bias.shape != (g, n):
-            raise ValueError(f"te_ops.{OP}: bias must have shape [G, N] = ({g}, {n}), got {tuple(bias.shape)}.")
+            raise ValueError(
+                f"te_ops.{OP}: bias must have shape [G, N] = ({g}, {n}), got {tuple(bias.shape)}."
+            )
         if jnp.dtype(bias.dtype) not in _FLOATS:
-            raise TypeError(f"te_ops.{OP}: bias must be float32, bfloat16 or float16, got {jnp.dtype(bias.dtype)}.")
+            raise TypeError(
+                f"te_ops.{OP}: bias must be float32, bfloat16 or float16, got {jnp.dtype(bias.dtype)}."
+            )
     if (k % 8 or n % 8) and implementation != registry.REFERENCE:
-        raise ValueError(f"te_ops.{OP}: K and N must be multiples of 8 (16-byte rows for the GPU kernels), got "
-                         f"K={k}, N={n}. Pad them to a multiple of 8 (zero columns of x / rows of kernels for K, "
-                         "zero output columns for N), or pass implementation='reference' for the pure-JAX path.")
+        raise ValueError(
+            f"te_ops.{OP}: K and N must be multiples of 8 (16-byte rows for the GPU kernels), got "
+            f"K={k}, N={n}. Pad them to a multiple of 8 (zero columns of x / rows of kernels for K, "
+            "zero output columns for N), or pass implementation='reference' for the pure-JAX path."
+        )
     return x, kernels, group_sizes, bias
 
 
@@ -99,8 +130,11 @@ def _validate(x, kernels, group_sizes, bias, implementation):
 # ----------------------------------------------------------------------------------------------
 
 
-def _ep_axis(kernels_spec):
-    return kernels_spec[0]
+def _ep_axis(x_spec, kernels_spec):
+    """The expert-parallel mesh axis: G sharded *and* x's rows sharded on the same axis (the caller's
+    sign that each shard holds its local experts' rows). G sharded alone (e.g. FSDP-style weight
+    sharding) is gathered instead, so the result keeps the unsharded meaning."""
+    return kernels_spec[0] if kernels_spec[0] is not None and x_spec[0] == kernels_spec[0] else None
 
 
 def _fwd_rule(*shapes):
@@ -109,7 +143,7 @@ def _fwd_rule(*shapes):
 
 
 def _fwd_specs(arg_specs, shapes):
-    ep, tp = _ep_axis(arg_specs[1]), arg_specs[1][2]
+    ep, tp = _ep_axis(arg_specs[0], arg_specs[1]), arg_specs[1][2]
     if tp is not None and tp == ep:
         tp = None
     in_specs = [[ep, None], [ep, None, tp], [ep]] + ([[ep, tp]] if len(shapes) == 4 else [])
@@ -123,7 +157,7 @@ def _bwd_rule(*shapes):
 
 
 def _bwd_specs(arg_specs, shapes):
-    ep, tp = _ep_axis(arg_specs[1]), arg_specs[1][2]
+    ep, tp = _ep_axis(arg_specs[0], arg_specs[1]), arg_specs[1][2]
     if tp is not None and tp == ep:
         tp = None
     in_specs = [[ep, None], [ep, None, tp], [ep], [ep, tp]]
@@ -148,8 +182,12 @@ def _partitioned_bwd(impl):
                 dx = jax.lax.psum(dx.astype(jnp.float32), tp).astype(dx.dtype)
             return dx, dk, db
 
-        return (mesh, shard_fn, tuple(to_sharding(s) for s in out_specs),
-                tuple(to_sharding(s) for s in in_specs))
+        return (
+            mesh,
+            shard_fn,
+            tuple(to_sharding(s) for s in out_specs),
+            tuple(to_sharding(s) for s in in_specs),
+        )
 
     def sharding_rule(mesh, value_types, result_types):
         del mesh, result_types
@@ -196,14 +234,20 @@ def _build(implementation: str | None, has_bias: bool, tuning: tuple | None):
     def fwd_impl(x, kernels, group_sizes, *bias):
         b = bias[0] if bias else None
         with tuned():
-            y, _ = FAMILY.dispatch(implementation, "forward", (x, kernels, group_sizes, b), statics,
-                                   _call_desc(x, kernels))
+            y, _ = FAMILY.dispatch(
+                implementation, "forward", (x, kernels, group_sizes, b), statics, _call_desc(x, kernels)
+            )
         return y
 
     def bwd_impl(x, kernels, group_sizes, dy):
         with tuned():
-            dx, dk, db = FAMILY.dispatch(implementation, "backward", (Residuals(x, kernels, group_sizes), dy),
-                                         statics, _call_desc(x, kernels))
+            dx, dk, db = FAMILY.dispatch(
+                implementation,
+                "backward",
+                (Residuals(x, kernels, group_sizes), dy),
+                statics,
+                _call_desc(x, kernels),
+            )
         if db is None:
             db = jnp.zeros((kernels.shape[0], dy.shape[1]), jnp.float32)
         return dx, dk, db.astype(jnp.float32)
@@ -249,8 +293,14 @@ def _build(implementation: str | None, has_bias: bool, tuning: tuple | None):
 # ----------------------------------------------------------------------------------------------
 
 
-def grouped_dense(x: jax.Array, kernels: jax.Array, group_sizes: jax.Array, bias: jax.Array | None = None, *,
-                  implementation: str | None = None) -> jax.Array:
+def grouped_dense(
+    x: jax.Array,
+    kernels: jax.Array,
+    group_sizes: jax.Array,
+    bias: jax.Array | None = None,
+    *,
+    implementation: str | None = None,
+) -> jax.Array:
     """Grouped GEMM for MoE experts: consecutive row groups of ``x``, each times its own kernel.
 
     Rows ``[s_g, s_g + group_sizes[g])`` of ``x`` (``s_g`` = sum of the earlier sizes) are multiplied by

@@ -51,8 +51,13 @@ def segment_ids(group_sizes: jax.Array, m: int) -> jax.Array:
 
 
 def _ragged(lhs, rhs, sizes):
-    return jax.lax.ragged_dot(lhs.astype(F32), rhs.astype(F32), sizes, preferred_element_type=F32,
-                              precision=jax.lax.Precision.HIGHEST)
+    return jax.lax.ragged_dot(
+        lhs.astype(F32),
+        rhs.astype(F32),
+        sizes,
+        preferred_element_type=F32,
+        precision=jax.lax.Precision.HIGHEST,
+    )
 
 
 def forward(x, kernels, group_sizes, bias=None, *, has_bias: bool):
@@ -78,9 +83,16 @@ def backward(res: Residuals, dy, *, has_bias: bool):
     dy32 = jnp.where(valid, dy.astype(F32), 0.0)
     dx = jnp.where(valid, _ragged(dy32, jnp.swapaxes(kernels, 1, 2), sizes), 0.0)
     dims = jax.lax.RaggedDotDimensionNumbers(
-        dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
-    dk = jax.lax.ragged_dot_general(jnp.where(valid, x.astype(F32), 0.0), dy32, sizes, dims,
-                                    preferred_element_type=F32, precision=jax.lax.Precision.HIGHEST)
+        dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[]
+    )
+    dk = jax.lax.ragged_dot_general(
+        jnp.where(valid, x.astype(F32), 0.0),
+        dy32,
+        sizes,
+        dims,
+        preferred_element_type=F32,
+        precision=jax.lax.Precision.HIGHEST,
+    )
     db = None
     if has_bias:
         db = jax.ops.segment_sum(dy32, seg, num_segments=g + 1)[:g]

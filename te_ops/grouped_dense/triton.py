@@ -79,7 +79,9 @@ _override = threading.local()
 
 
 @contextlib.contextmanager
-def config_override(fwd: GemmConfig | None = None, dx: GemmConfig | None = None, wgrad: WgradConfig | None = None):
+def config_override(
+    fwd: GemmConfig | None = None, dx: GemmConfig | None = None, wgrad: WgradConfig | None = None
+):
     """Uses these tile configurations for grouped_dense calls traced inside the block (benchmarks)."""
     prev = getattr(_override, "value", None)
     _override.value = (fwd, dx, wgrad)
@@ -126,13 +128,15 @@ def unsupported_reason(*, dtype=None, kernels_dtype=None, m=None, k=None, n=None
     if dtype is not None and jnp.dtype(dtype) not in SUPPORTED_DTYPES:
         return f"the Triton grouped GEMM supports bfloat16 and float16 inputs, got {jnp.dtype(dtype)}"
     if kernels_dtype is not None and dtype is not None and jnp.dtype(kernels_dtype) != jnp.dtype(dtype):
-        return f"x and kernels must have the same dtype, got {jnp.dtype(dtype)} and {jnp.dtype(kernels_dtype)}"
+        return (
+            f"x and kernels must have the same dtype, got {jnp.dtype(dtype)} and {jnp.dtype(kernels_dtype)}"
+        )
     if k is not None and n is not None and (k % 8 or n % 8):
         return f"the Triton grouped GEMM needs K and N multiples of 8 (16-byte rows), got K={k}, N={n}"
     if g is not None and g > MAX_GROUPS:
         return f"the Triton grouped GEMM supports up to {MAX_GROUPS} groups, got {g}"
-    if m is not None and k is not None and n is not None and max(m, 1) * max(k, n) >= 2**31:
-        return f"M * max(K, N) must stay below 2**31 (int32 row offsets in the scheduler), got M={m}, K={k}, N={n}"
+    if m is not None and m >= 2**31:
+        return f"the Triton grouped GEMM takes M < 2**31 rows (int32 sizes), got M={m}"
     return None
 
 
@@ -148,13 +152,33 @@ def grouped_gemm(a, b, group_sizes, bias, *, trans_b: bool, cfg: GemmConfig):
     grid = max(1, min(num_sms(), max_tiles))
     bias_arg = bias if bias is not None else group_sizes
     return tb.triton_call(
-        _k().grouped_gemm_kernel, a, b, bias_arg, group_sizes.astype(jnp.int32),
-        np.int32(m), np.int32(kc // 8), np.int32(nout // 8), np.int32(g), np.int32(grid),
-        out_shape=[SDS((m, nout), a.dtype)], grid=(grid,),
-        constexprs=dict(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M, BLOCK_G=max(16, _pow2(g)),
-                        TRANS_B=bool(trans_b), HAS_BIAS=bias is not None, EVEN_K=(kc % cfg.BK == 0),
-                        FLATTEN=bool(cfg.FLATTEN)),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, name="te_grouped_gemm")[0]
+        _k().grouped_gemm_kernel,
+        a,
+        b,
+        bias_arg,
+        group_sizes.astype(jnp.int32),
+        np.int32(m),
+        np.int32(kc // 8),
+        np.int32(nout // 8),
+        np.int32(g),
+        np.int32(grid),
+        out_shape=[SDS((m, nout), a.dtype)],
+        grid=(grid,),
+        constexprs=dict(
+            BM=cfg.BM,
+            BN=cfg.BN,
+            BK=cfg.BK,
+            GROUP_M=cfg.GROUP_M,
+            BLOCK_G=max(16, _pow2(g)),
+            TRANS_B=bool(trans_b),
+            HAS_BIAS=bias is not None,
+            EVEN_K=(kc % cfg.BK == 0),
+            FLATTEN=bool(cfg.FLATTEN),
+        ),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        name="te_grouped_gemm",
+    )[0]
 
 
 def grouped_wgrad(x, dy, group_sizes, g: int, *, cfg: WgradConfig, out_dtype):
@@ -164,11 +188,21 @@ def grouped_wgrad(x, dy, group_sizes, g: int, *, cfg: WgradConfig, out_dtype):
         return jnp.zeros((g, k, n), out_dtype)
     grid = g * _cdiv(k, cfg.BKO) * _cdiv(n, cfg.BN)
     return tb.triton_call(
-        _k().grouped_wgrad_kernel, x, dy, group_sizes.astype(jnp.int32),
-        np.int32(m), np.int32(k // 8), np.int32(n // 8), np.int32(g),
-        out_shape=[SDS((g, k, n), out_dtype)], grid=(grid,),
+        _k().grouped_wgrad_kernel,
+        x,
+        dy,
+        group_sizes.astype(jnp.int32),
+        np.int32(m),
+        np.int32(k // 8),
+        np.int32(n // 8),
+        np.int32(g),
+        out_shape=[SDS((g, k, n), out_dtype)],
+        grid=(grid,),
         constexprs=dict(BKO=cfg.BKO, BN=cfg.BN, BR=cfg.BR, BLOCK_G=max(16, _pow2(g)), GROUP_K=cfg.GROUP_K),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, name="te_grouped_wgrad")[0]
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        name="te_grouped_wgrad",
+    )[0]
 
 
 def forward(x, kernels, group_sizes, bias=None, *, has_bias: bool):

@@ -41,9 +41,25 @@ def _group_table(gs_ptr, G, M, BLOCK_G: tl.constexpr):
 
 @triton.jit
 def grouped_gemm_kernel(
-    a_ptr, b_ptr, bias_ptr, gs_ptr, M, KC8, N8, G, num_programs, out_ptr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_G: tl.constexpr,
-    TRANS_B: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, FLATTEN: tl.constexpr,
+    a_ptr,
+    b_ptr,
+    bias_ptr,
+    gs_ptr,
+    M,
+    KC8,
+    N8,
+    G,
+    num_programs,
+    out_ptr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    TRANS_B: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    FLATTEN: tl.constexpr,
 ):
     """a: [M, KC]; b: [G, KC, NOUT] (or [G, NOUT, KC] with TRANS_B); bias: [G, NOUT]; out: [M, NOUT]."""
     KC = KC8 * 8
@@ -119,8 +135,19 @@ def grouped_gemm_kernel(
 
 @triton.jit
 def grouped_wgrad_kernel(
-    x_ptr, dy_ptr, gs_ptr, M, K8, N8, G, dw_ptr,
-    BKO: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, BLOCK_G: tl.constexpr, GROUP_K: tl.constexpr,
+    x_ptr,
+    dy_ptr,
+    gs_ptr,
+    M,
+    K8,
+    N8,
+    G,
+    dw_ptr,
+    BKO: tl.constexpr,
+    BN: tl.constexpr,
+    BR: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    GROUP_K: tl.constexpr,
 ):
     """dw[g] = x[rows of g]^T @ dy[rows of g]; x: [M, K], dy: [M, N], dw: [G, K, N] (fp32 accumulation)."""
     K = K8 * 8

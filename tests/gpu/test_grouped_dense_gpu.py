@@ -68,9 +68,16 @@ def check(got, want, dtype, names=("y", "dx", "dkernels", "dbias")):
 # (M, K, N, G): multiples of the tiles; K not a multiple of BK (masked K loop); N not a multiple of
 # BN (masked columns); many small groups; one group.
 BF16, F16 = jnp.bfloat16, jnp.float16
-CASES = [((2048, 256, 512, 8), BF16, True), ((2048, 256, 512, 8), F16, False), ((1000, 136, 200, 5), BF16, False),
-         ((1000, 136, 200, 5), F16, True), ((4096, 512, 256, 64), BF16, True), ((4096, 512, 256, 64), F16, False),
-         ((777, 64, 1024, 1), BF16, False), ((777, 64, 1024, 1), F16, True)]
+CASES = [
+    ((2048, 256, 512, 8), BF16, True),
+    ((2048, 256, 512, 8), F16, False),
+    ((1000, 136, 200, 5), BF16, False),
+    ((1000, 136, 200, 5), F16, True),
+    ((4096, 512, 256, 64), BF16, True),
+    ((4096, 512, 256, 64), F16, False),
+    ((777, 64, 1024, 1), BF16, False),
+    ((777, 64, 1024, 1), F16, True),
+]
 
 
 @needs_triton
@@ -107,7 +114,13 @@ def test_edge_sizes_one_compile():
     with native.poisoned_outputs():
         fn = jax.jit(step("triton"))
     ref = jax.jit(step("reference"))
-    for sizes in ([0, 0, 640, 0, 0, 0], [0] * 6, [300, 300, 300, 0, 0, 0], [1, 2, 3, 4, 5, 6], [129, 127, 128, 1, 0, 255]):
+    for sizes in (
+        [0, 0, 640, 0, 0, 0],
+        [0] * 6,
+        [300, 300, 300, 0, 0, 0],
+        [1, 2, 3, 4, 5, 6],
+        [129, 127, 128, 1, 0, 255],
+    ):
         s = jnp.asarray(sizes, jnp.int32)
         check(fn(x, w, s, b, dy), ref(x, w, s, b, dy), jnp.bfloat16)
     assert fn._cache_size() == 1
@@ -157,10 +170,19 @@ _CMD_BUFFER_SCRIPT = textwrap.dedent("""
 
 @needs_triton
 def test_under_command_buffers():
-    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
-               XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1")
+    env = dict(
+        os.environ,
+        XLA_PYTHON_CLIENT_PREALLOCATE="false",
+        XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1",
+    )
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-c", _CMD_BUFFER_SCRIPT], capture_output=True, text=True, env=env,
-                       timeout=300, cwd=root)
+    r = subprocess.run(
+        [sys.executable, "-c", _CMD_BUFFER_SCRIPT],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=root,
+    )
     assert r.returncode == 0 and "OK cmdbuf" in r.stdout, (r.stdout[-3000:], r.stderr[-5000:])

@@ -33,8 +33,11 @@ def direct(x, kernels, sizes, bias=None):
     out, s = [], 0
     for g, c in enumerate(np.asarray(sizes).tolist()):
         c = max(0, min(c, m - s))
-        y = jnp.dot(x[s : s + c].astype(jnp.float32), kernels[g].astype(jnp.float32),
-                    precision=jax.lax.Precision.HIGHEST)
+        y = jnp.dot(
+            x[s : s + c].astype(jnp.float32),
+            kernels[g].astype(jnp.float32),
+            precision=jax.lax.Precision.HIGHEST,
+        )
         if bias is not None:
             y = y + bias[g].astype(jnp.float32)
         out.append(y)
@@ -58,8 +61,10 @@ def make(rng, m, k, n, g, dtype=jnp.float32, fill=0.8, zeros=2):
     return x, w, jnp.asarray(uneven_sizes(rng, g, m, fill, zeros)), b
 
 
-@pytest.mark.parametrize("m,k,n,g,fill,zeros", [(64, 16, 24, 5, 0.8, 2), (97, 32, 8, 8, 1.0, 3), (40, 8, 16, 3, 0.0, 3),
-                                                (33, 8, 8, 1, 1.0, 0)])
+@pytest.mark.parametrize(
+    "m,k,n,g,fill,zeros",
+    [(64, 16, 24, 5, 0.8, 2), (97, 32, 8, 8, 1.0, 3), (40, 8, 16, 3, 0.0, 3), (33, 8, 8, 1, 1.0, 0)],
+)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_forward_matches_per_group_dot(m, k, n, g, fill, zeros, with_bias):
     rng = np.random.default_rng(m + k + g)
@@ -67,7 +72,7 @@ def test_forward_matches_per_group_dot(m, k, n, g, fill, zeros, with_bias):
     b = b if with_bias else None
     got = jax.jit(lambda x, w, s, *b: grouped_dense(x, w, s, *b))(x, w, sizes, *([b] if with_bias else []))
     assert_close(got, direct(x, w, sizes, b), jnp.float32, scale=4)
-    assert np.all(np.asarray(got)[int(sizes.sum()):] == 0)
+    assert np.all(np.asarray(got)[int(sizes.sum()) :] == 0)
 
 
 def test_bf16_and_sum_over_m_clips():
@@ -130,7 +135,7 @@ def test_vmap():
     ws = jnp.stack([w, 2 * w, -w])
     gw = jax.vmap(jax.grad(lambda x, w, s: jnp.sum(grouped_dense(x, w, s) ** 2), argnums=1))(xs, ws, sizes)
     for i in range(3):
-        want = jax.grad(lambda w: jnp.sum(direct(xs[i], w, sizes[i]) ** 2))(ws[i])
+        want = jax.grad(lambda w, i=i: jnp.sum(direct(xs[i], w, sizes[i]) ** 2))(ws[i])
         assert_close(gw[i], want, jnp.float32, scale=16)
 
 
@@ -168,7 +173,11 @@ def test_errors():
 def test_dispatch_reference_on_cpu_and_triton_refused_without_gpu():
     fam = registry.family("grouped_dense")
     assert set(fam.names) == {"triton", "reference"}
-    x, w, s = jnp.ones((16, 8), jnp.bfloat16), jnp.ones((2, 8, 16), jnp.bfloat16), jnp.array([8, 8], jnp.int32)
+    x, w, s = (
+        jnp.ones((16, 8), jnp.bfloat16),
+        jnp.ones((2, 8, 16), jnp.bfloat16),
+        jnp.array([8, 8], jnp.int32),
+    )
     hlo = jax.jit(lambda x: grouped_dense(x, w, s)).lower(x).as_text()
     assert "triton_kernel_call_ffi" not in hlo
     with pytest.raises(registry.ImplementationUnavailableError, match="triton"):
@@ -224,35 +233,62 @@ def test_sharded_expert_parallel():
     assert sum(counts.values()) == 0, counts
 
 
+def test_sharded_experts_without_sharded_rows_keep_the_unsharded_meaning():
+    """kernels sharded on G with x replicated (FSDP-style weights) is not expert parallel: the
+    kernels are gathered, the result equals the unsharded one."""
+    mesh = cpu_mesh((8,), ("fsdp",))
+    rng = np.random.default_rng(8)
+    x, w, s, b = make(rng, 96, 16, 8, 8)
+    dy = jnp.asarray(rng.standard_normal((96, 8)), jnp.float32)
+    sharded, unsharded, counts = run_sharded(
+        _fwd_bwd(dy), [x, w, s, b], [None, PS("fsdp"), None, PS("fsdp")], mesh=mesh
+    )
+    for a, e in zip(sharded, unsharded, strict=True):
+        assert_close(a, e, jnp.float32, scale=8)
+    assert counts["all-gather"] >= 1, counts
+
+
 def test_sharded_tensor_parallel():
     mesh = cpu_mesh((8,), ("tp",))
     rng = np.random.default_rng(6)
     x, w, s, b = make(rng, 64, 16, 64, 5)
     dy = jnp.asarray(rng.standard_normal((64, 64)), jnp.float32)
     fwd = lambda x, w, s, b: grouped_dense(x, w, s, b)  # noqa: E731
-    sharded, unsharded, counts = run_sharded(fwd, [x, w, s, b], [None, PS(None, None, "tp"), None, PS(None, "tp")],
-                                             PS(None, "tp"), mesh=mesh)
+    sharded, unsharded, counts = run_sharded(
+        fwd, [x, w, s, b], [None, PS(None, None, "tp"), None, PS(None, "tp")], PS(None, "tp"), mesh=mesh
+    )
     assert_close(sharded, unsharded, jnp.float32, scale=4)
     assert sum(counts.values()) == 0, counts  # forward: no collective
     sharded, unsharded, counts = run_sharded(
-        _fwd_bwd(dy), [x, w, s, b], [None, PS(None, None, "tp"), None, PS(None, "tp")],
-        (PS(None, "tp"), PS(), PS(None, None, "tp"), PS(None, "tp")), mesh=mesh)
+        _fwd_bwd(dy),
+        [x, w, s, b],
+        [None, PS(None, None, "tp"), None, PS(None, "tp")],
+        (PS(None, "tp"), PS(), PS(None, None, "tp"), PS(None, "tp")),
+        mesh=mesh,
+    )
     for a, e in zip(sharded, unsharded, strict=True):
         assert_close(a, e, jnp.float32, scale=8)
     assert counts["all-reduce"] == 1, counts  # dx: one all-reduce over N
     assert counts["all-gather"] == 0 and counts["all-to-all"] == 0, counts
 
 
-needs_triton = pytest.mark.skipif(tb.triton_unavailable_reason() is not None,
-                                  reason=f"needs Triton: {tb.triton_unavailable_reason()}")
+needs_triton = pytest.mark.skipif(
+    tb.triton_unavailable_reason() is not None, reason=f"needs Triton: {tb.triton_unavailable_reason()}"
+)
 
 
 @needs_triton
 def test_triton_kernels_under_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", JAX_PLATFORMS="cpu")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, os.path.abspath(__file__), "--interpret"], capture_output=True, text=True,
-                       env=env, timeout=600, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--interpret"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert r.returncode == 0 and "interpret failures: 0" in r.stdout, (r.stdout[-3000:], r.stderr[-3000:])
 
 
@@ -265,8 +301,11 @@ def test_triton_lowering_for_sm90_without_gpu(monkeypatch):
     launches = []
     monkeypatch.setattr(native, "cuda_device_unavailable_reason", lambda: None)
     monkeypatch.setattr(tb, "launcher_unavailable_reason", lambda: None)
-    monkeypatch.setattr(tb, "_launcher_call", lambda params, compiled, grid, platform, name:
-                        launches.append((name, compiled, grid)) or b"x")
+    monkeypatch.setattr(
+        tb,
+        "_launcher_call",
+        lambda params, compiled, grid, platform, name: launches.append((name, compiled, grid)) or b"x",
+    )
 
     def lower(m):
         k, n, g = 256, 128, 5
@@ -275,8 +314,12 @@ def test_triton_lowering_for_sm90_without_gpu(monkeypatch):
             return jnp.sum(grouped_dense(x, w, s, b, implementation="triton").astype(jnp.float32))
 
         fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
-        args = (jnp.ones((m, k), jnp.bfloat16), jnp.ones((g, k, n), jnp.bfloat16), jnp.ones((g, n), jnp.bfloat16),
-                jnp.ones((g,), jnp.int32))
+        args = (
+            jnp.ones((m, k), jnp.bfloat16),
+            jnp.ones((g, k, n), jnp.bfloat16),
+            jnp.ones((g, n), jnp.bfloat16),
+            jnp.ones((g,), jnp.int32),
+        )
         with tb.target_override(("cuda", 90, 32)):
             return fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
@@ -284,7 +327,7 @@ def test_triton_lowering_for_sm90_without_gpu(monkeypatch):
     assert txt.count("triton_kernel_call_ffi") == 3  # forward, dx, dkernels
     names = sorted(n for n, _, _ in launches)
     assert names == ["te_grouped_gemm", "te_grouped_gemm", "te_grouped_wgrad"], names
-    for _, compiled, grid in launches:
+    for _, compiled, _grid in launches:
         assert "wgmma.mma_async" in compiled.asm["ptx"]
         assert compiled.num_warps == 8 and 0 < compiled.shared <= 227 * 1024
         assert compiled.global_scratch_size == 0
@@ -299,7 +342,9 @@ def test_triton_lowering_for_sm90_without_gpu(monkeypatch):
     with tri.config_override(small, small, tri.WgradConfig(128, 128, 64, 4, 4, 4)):
         lower(1000)
     assert [c.num_warps for _, c, _ in launches] == [4, 4, 4]
-    assert all(c.shared == (128 * 64 + 64 * 128) * 2 * 4 for _, c, _ in launches), [c.shared for _, c, _ in launches]
+    assert all(c.shared == (128 * 64 + 64 * 128) * 2 * 4 for _, c, _ in launches), [
+        c.shared for _, c, _ in launches
+    ]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -322,8 +367,13 @@ def _interpret_main() -> int:
     wcfg = tri.WgradConfig(BKO=16, BN=16, BR=16, GROUP_K=2, num_warps=4, num_stages=2)
     rng = np.random.default_rng(0)
     failures = 0
-    cases = [(70, 32, 24, [7, 0, 20, 3, 10]), (64, 40, 16, [0, 33, 31]), (40, 16, 32, [0, 0, 0]),
-             (50, 16, 16, [50]), (45, 24, 40, [0, 17, 1, 0, 2])]
+    cases = [
+        (70, 32, 24, [7, 0, 20, 3, 10]),
+        (64, 40, 16, [0, 33, 31]),
+        (40, 16, 32, [0, 0, 0]),
+        (50, 16, 16, [50]),
+        (45, 24, 40, [0, 17, 1, 0, 2]),
+    ]
     for m, k, n, sizes in cases:
         g = len(sizes)
         x = jnp.asarray(rng.standard_normal((m, k)), jnp.float16)
@@ -337,16 +387,25 @@ def _interpret_main() -> int:
                 got = tri.backward(res, dy, has_bias=has_bias)
             yr, rres = ref.forward(x, w, gs, b if has_bias else None, has_bias=has_bias)
             want = ref.backward(rres, dy, has_bias=has_bias)
-            for name, a, e in [("y", y, yr), ("dx", got[0], want[0]), ("dk", got[1], want[1]), ("db", got[2], want[2])]:
+            for name, a, e in [
+                ("y", y, yr),
+                ("dx", got[0], want[0]),
+                ("dk", got[1], want[1]),
+                ("db", got[2], want[2]),
+            ]:
                 if e is None:
                     continue
                 a = np.asarray(jnp.asarray(a, jnp.float32))
                 e = np.asarray(jnp.asarray(e, jnp.float32))
-                ok = not np.isnan(a).any() and np.allclose(a, e, rtol=1e-2, atol=1e-2 * max(1.0, np.abs(e).max()))
+                ok = not np.isnan(a).any() and np.allclose(
+                    a, e, rtol=1e-2, atol=1e-2 * max(1.0, np.abs(e).max())
+                )
                 if not ok:
                     failures += 1
-                    print(f"FAIL {name} M={m} K={k} N={n} sizes={sizes} bias={has_bias} "
-                          f"nan={np.isnan(a).sum()} err={np.nanmax(np.abs(a - e))}")
+                    print(
+                        f"FAIL {name} M={m} K={k} N={n} sizes={sizes} bias={has_bias} "
+                        f"nan={np.isnan(a).sum()} err={np.nanmax(np.abs(a - e))}"
+                    )
     print(f"interpret failures: {failures}")
     return failures
 
