@@ -24,6 +24,12 @@ Design decisions (and why)
   The seed PR's race lived in the ROCm path (HSACO file read then deleted); the CUDA path takes the
   PTX by value. So gpu_triton is robust enough for CUDA and we do not add a native launcher; that
   could be done later without touching the ops (only :func:`_launcher_call` would change).
+  Open question that only the H200 can answer: jaxlib loads the CUDA module lazily on the first
+  launch in a context (``ModuleImage::GetFunctionForContext``); its ``initialize`` stage (jax PR
+  37094, "kernel loading ... not valid under graph capture") is meant to make that happen before
+  XLA traces the launch into a command buffer. If tests/gpu/test_permutation_gpu.py's
+  command-buffer test fails with a capture error, that is the place, and the native launcher
+  (load in our own ``initialize`` under our lock, warm once per key) is the fix.
   Because the constructor changed between releases, :func:`_make_kernel` feature-detects the
   keyword signature above and the older 9-argument one, and raises with the signature it found.
 * **Compile at lowering time, not trace time.** ``triton_call`` binds a primitive whose lowering
