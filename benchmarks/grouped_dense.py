@@ -240,27 +240,35 @@ def main():
             )
             print(f"{name:38s} {vname:30s} {stage:17s} {t:9.3f} ms {tf:7.1f} TFLOP/s", flush=True)
         del x, w, dy
-    cols = ["case", "impl", "stage", "ms", "TFLOPs", "vs_einsum", "target_TFLOPs", "meets_target"]
-    _timing.print_table("grouped_dense (bf16)", rows, cols)
-    if sweep_rows:
-        _timing.print_table(
-            "tile-configuration sweep (M131072 K4096 N1024 G64)",
-            sweep_rows,
-            ["config", "kernel", "ms", "TFLOPs", "rel_diff_vs_first", "error"],
-        )
+        report(rows, sweep_rows, best_cfg, final=False)  # partial results survive a timeout
+    report(rows, sweep_rows, best_cfg, final=True)
+
+
+def report(rows, sweep_rows, best_cfg, final):
     best_json = None
     if best_cfg is not None:
         best_json = {
             k_: dataclasses.asdict(c) for k_, c in zip(("fwd", "dx", "dkernels"), best_cfg, strict=True)
         }
-        print(
-            "best configuration per kernel (make it the default in te_ops/grouped_dense/triton.py):",
-            best_json,
-        )
+    if final:
+        cols = ["case", "impl", "stage", "ms", "TFLOPs", "vs_einsum", "target_TFLOPs", "meets_target"]
+        _timing.print_table("grouped_dense (bf16)", rows, cols)
+        if sweep_rows:
+            _timing.print_table(
+                "tile-configuration sweep (M131072 K4096 N1024 G64)",
+                sweep_rows,
+                ["config", "kernel", "ms", "TFLOPs", "rel_diff_vs_first", "error"],
+            )
+        if best_json:
+            print(
+                "best configuration per kernel (make it the default in te_ops/grouped_dense/triton.py):",
+                best_json,
+            )
     _timing.write_json(
         "grouped_dense",
         {
             "dtype": "bfloat16",
+            "complete": final,
             "rows": rows,
             "sweep": sweep_rows,
             "best": best_json,
