@@ -324,16 +324,23 @@ def _ragged_grouped_dense(x, kernels, group_sizes, bias=None):
 
 
 def grouped_dense(x, kernels, group_sizes, bias=None, *, backend: str = "auto"):
-    """``grouped_dense(x[M, K], kernels[G, K, N], group_sizes[G], bias[G, N])`` per SEMANTICS.md."""
+    """``grouped_dense(x[M, K], kernels[G, K, N], group_sizes[G], bias[G, N])`` per SEMANTICS.md.
+
+    backend: "te_ops" (``te_ops.grouped_dense``; its GPU kernels need K and N multiples of 8, other
+    sizes take its reference path), "ragged_dot" (``jax.lax.ragged_dot``), or "auto": te_ops when
+    it is installed and K, N are multiples of 8, else ragged_dot.
+    """
     group_sizes = group_sizes.astype(jnp.int32)
     if backend not in GROUPED_GEMM_BACKENDS:
         raise ValueError(f"te_layers: grouped_gemm must be one of {GROUPED_GEMM_BACKENDS}, got {backend!r}.")
     fn = _te_grouped_dense() if backend in ("auto", "te_ops") else None
     if backend == "te_ops" and fn is None:
         raise RuntimeError(f"te_layers: grouped_gemm='te_ops' requested but {grouped_gemm_available()}.")
-    if fn is None:
+    aligned = x.shape[-1] % 8 == 0 and kernels.shape[-1] % 8 == 0
+    if fn is None or (backend == "auto" and not aligned):
         return _ragged_grouped_dense(x, kernels, group_sizes, bias)
-    return fn(x, kernels, group_sizes, bias) if bias is not None else fn(x, kernels, group_sizes)
+    kw = {} if aligned else {"implementation": "reference"}
+    return fn(x, kernels, group_sizes, bias, **kw)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -460,6 +467,11 @@ def moe_apply(
     else:
         ax = cfg.expert_axis
         m = _current_mesh(mesh)
+        if cfg.router.num_experts % m.shape[ax]:
+            raise ValueError(
+                f"te_layers.MoEBlock: {cfg.router.num_experts} experts do not split over the {m.shape[ax]} "
+                f"shards of mesh axis {ax!r}; use a multiple of {m.shape[ax]} experts."
+            )
         if x2d.shape[0] % m.shape[ax]:
             raise ValueError(
                 f"te_layers.MoEBlock: {x2d.shape[0]} tokens do not split over the {m.shape[ax]} shards of "

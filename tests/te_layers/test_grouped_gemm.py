@@ -1,0 +1,89 @@
+"""The expert FFN's grouped GEMM: the ragged_dot fallback and te_ops.grouped_dense (when landed)
+both follow SEMANTICS.md's grouped_dense contract."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from te_layers import _common as C
+
+
+def _direct(x, w, sizes, bias=None):
+    out = np.zeros((x.shape[0], w.shape[2]), np.float32)
+    start = 0
+    for g, n in enumerate(np.asarray(sizes)):
+        out[start:start + n] = np.asarray(x[start:start + n], np.float32) @ np.asarray(w[g], np.float32)
+        if bias is not None:
+            out[start:start + n] += np.asarray(bias[g], np.float32)
+        start += n
+    return out
+
+
+def _inputs(dtype=jnp.float32, n=16):
+    k = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(k[0], (24, 8), dtype)
+    w = jax.random.normal(k[1], (3, 8, n), dtype)
+    b = jax.random.normal(k[2], (3, n), dtype)
+    return x, w, b, jnp.array([5, 0, 11], jnp.int32)  # sum 16 < 24: trailing rows must be zero
+
+
+def _backends():
+    return ["ragged_dot", pytest.param("te_ops", marks=pytest.mark.skipif(
+        C.grouped_gemm_available() is not None, reason=str(C.grouped_gemm_available())))]
+
+
+@pytest.mark.parametrize("n", [16, 5], ids=["aligned", "odd"])
+@pytest.mark.parametrize("backend", _backends())
+def test_grouped_dense_forward_and_grad(backend, n):
+    x, w, b, sizes = _inputs(n=n)
+    y = jax.jit(lambda x, w, b: C.grouped_dense(x, w, sizes, b, backend=backend))(x, w, b)
+    np.testing.assert_allclose(np.asarray(y), _direct(x, w, sizes, b), rtol=1e-5, atol=1e-5)
+    assert not np.any(np.asarray(y[16:]))
+
+    def loss(x, w, b):
+        return jnp.sum(jnp.sin(C.grouped_dense(x, w, sizes, b, backend=backend)))
+
+    def loss_ref(x, w, b):
+        ys, start = [], 0
+        for g, n in enumerate([5, 0, 11]):
+            ys.append(x[start:start + n] @ w[g] + b[g])
+            start += n
+        return jnp.sum(jnp.sin(jnp.concatenate(ys)))
+
+    for a, r in zip(jax.grad(loss, (0, 1, 2))(x, w, b), jax.grad(loss_ref, (0, 1, 2))(x, w, b), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-4, atol=1e-5)
+
+
+def test_auto_backend_and_errors():
+    x, w, b, sizes = _inputs()
+    y_auto = C.grouped_dense(x, w, sizes, b)
+    y_rag = C.grouped_dense(x, w, sizes, b, backend="ragged_dot")
+    np.testing.assert_allclose(np.asarray(y_auto), np.asarray(y_rag), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="grouped_gemm must be one of"):
+        C.grouped_dense(x, w, sizes, backend="cutlass")
+    if C.grouped_gemm_available() is not None:
+        with pytest.raises(RuntimeError, match="not available"):
+            C.grouped_dense(x, w, sizes, backend="te_ops")
+
+
+def test_bf16_fallback():
+    x, w, b, sizes = _inputs(jnp.bfloat16)
+    y = C.grouped_dense(x, w, sizes, b, backend="ragged_dot")
+    assert y.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(y, np.float32), _direct(x, w, sizes, b), rtol=3e-2, atol=6e-2)
+
+
+@pytest.mark.skipif(C.grouped_gemm_available() is not None, reason=str(C.grouped_gemm_available()))
+def test_moe_block_same_with_both_backends():
+    x = jax.random.normal(jax.random.key(4), (32, 16))
+    k = jax.random.split(jax.random.key(5), 3)
+    rk, wi, wo = (jax.random.normal(k[0], (16, 4)), 0.1 * jax.random.normal(k[1], (4, 16, 32)),
+                  0.1 * jax.random.normal(k[2], (4, 16, 16)))
+    outs = []
+    for backend in ("te_ops", "ragged_dot"):
+        cfg = C.MoEConfig(C.RouterConfig(num_experts=4, topk=2, aux_loss_coeff=0.1), 16, grouped_gemm=backend)
+        f = jax.jit(jax.value_and_grad(lambda wi, x: jnp.sum(C.moe_apply(x, rk, wi, wo, cfg).out ** 2), (0, 1)))
+        outs.append(f(wi, x))
+    for a, b in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1]), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
