@@ -1,0 +1,386 @@
+"""Train a small decoder-only mixture-of-experts language model with te_layers (Flax Linen) and optax.
+
+Byte-level tokens from a corpus shipped in the repository (examples/data/corpus.txt), so it runs
+with no downloads. Each block: RMSNorm -> te_layers MultiHeadAttention (causal, GQA, RoPE, fused
+attention) -> RMSNorm -> te_layers MoEBlock (top-k router with aux loss, token_dispatch, SwiGLU experts
+on a grouped GEMM, token_combine). Writes a loss-curve PNG and a checkpoint into --out.
+
+    python examples/train_moe.py                      # default: a few minutes on a 2-core CPU
+    python examples/train_moe.py --steps 2000 --batch 64 --seq 256 --d-model 512 --layers 8 \
+        --heads 8 --kv-heads 2 --experts 16 --topk 2 --ffn 1024 --dtype bfloat16   # GPU
+    python examples/train_moe.py --baseline           # also time the same model in plain flax + jnp
+
+``--baseline`` builds the same architecture with plain Flax and jnp (XLA attention through
+``jax.nn.dot_product_attention``, argsort token dispatch, ``jax.lax.ragged_dot`` experts) and times
+training steps of both models in this process, printing tokens/s side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # run from a checkout without installing
+
+import flax.linen as nn  # noqa: E402
+import optax  # noqa: E402
+
+from te_layers import linen as tel  # noqa: E402
+
+DEFAULT_CORPUS = os.path.join(HERE, "data", "corpus.txt")
+
+
+# ----------------------------------------------------------------------------------------------
+# Model (te_layers)
+# ----------------------------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    cfg: dict
+
+    @nn.compact
+    def __call__(self, x, deterministic=True):
+        c = self.cfg
+        h = nn.RMSNorm(dtype=c["dtype"], name="ln1")(x)
+        x = x + tel.MultiHeadAttention(
+            c["heads"], c["d_model"] // c["heads"], num_kv_heads=c["kv_heads"], mask_type="causal", use_rope=True,
+            dropout_rate=c["dropout"], dtype=c["dtype"], name="attn",
+        )(h, deterministic=deterministic)  # fmt: skip
+        h = nn.RMSNorm(dtype=c["dtype"], name="ln2")(x)
+        return x + tel.MoEBlock(
+            c["experts"], c["topk"], c["ffn"], aux_loss_coeff=c["aux_coeff"], dtype=c["dtype"],
+            expert_axis=c.get("expert_axis"), mesh=c.get("mesh"), name="moe",
+        )(h, deterministic=deterministic)  # fmt: skip
+
+
+class MoELM(nn.Module):
+    cfg: dict
+    block: type = Block
+
+    @nn.compact
+    def __call__(self, tokens, deterministic=True):
+        c = self.cfg
+        embed = nn.Embed(256, c["d_model"], embedding_init=nn.initializers.normal(0.02), name="embed")
+        x = embed(tokens).astype(c["dtype"])
+        for i in range(c["layers"]):
+            x = self.block(c, name=f"block{i}")(x, deterministic)
+        x = nn.RMSNorm(dtype=c["dtype"], name="ln_f")(x)
+        return embed.attend(x.astype(jnp.float32))  # tied output embedding, fp32 logits
+
+
+# ----------------------------------------------------------------------------------------------
+# Baseline: the same architecture in plain Flax + jnp
+# ----------------------------------------------------------------------------------------------
+
+
+def _rope(x, theta=10000.0):
+    b, s, n, d = x.shape
+    half = d // 2
+    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    ang = jnp.arange(s, dtype=jnp.float32)[:, None, None] * freq
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    return jnp.concatenate([x1 * jnp.cos(ang) - x2 * jnp.sin(ang), x2 * jnp.cos(ang) + x1 * jnp.sin(ang)],
+                           -1).astype(x.dtype)  # fmt: skip
+
+
+class BaselineBlock(nn.Module):
+    cfg: dict
+
+    @nn.compact
+    def __call__(self, x, deterministic=True):
+        c = self.cfg
+        dt, nh, nkv = c["dtype"], c["heads"], c["kv_heads"]
+        d = c["d_model"] // nh
+        b, s, hdim = x.shape
+        h = nn.RMSNorm(dtype=dt, name="ln1")(x)
+        qkv = nn.Dense((nh + 2 * nkv) * d, use_bias=False, dtype=dt, name="qkv")(h)
+        q, k, v = jnp.split(qkv, [nh * d, (nh + nkv) * d], -1)
+        q, k, v = q.reshape(b, s, nh, d), k.reshape(b, s, nkv, d), v.reshape(b, s, nkv, d)
+        o = jax.nn.dot_product_attention(_rope(q), _rope(k), v, is_causal=True, implementation="xla")
+        x = x + nn.Dense(hdim, use_bias=False, dtype=dt, name="out")(o.reshape(b, s, nh * d))
+        h = nn.RMSNorm(dtype=dt, name="ln2")(x).reshape(-1, hdim)
+        # router (fp32), top-k, switch aux loss
+        e, kk, f = c["experts"], c["topk"], c["ffn"]
+        logits = nn.Dense(e, use_bias=False, dtype=jnp.float32, name="router")(h.astype(jnp.float32))
+        vals, idx = jax.lax.top_k(logits, kk)
+        w = jax.nn.softmax(vals, -1)
+        scores = jax.nn.softmax(logits, -1)
+        _, aux_idx = jax.lax.top_k(scores, kk)
+        tpe_aux = jnp.zeros((e,), jnp.float32).at[aux_idx.reshape(-1)].add(1.0)
+        t = h.shape[0]
+        self.sow("intermediates", "aux_loss", e * c["aux_coeff"] / (kk * t * t) * jnp.sum(scores.sum(0) * tpe_aux))
+        # argsort dispatch, ragged_dot experts, scatter-add combine
+        flat_e = idx.reshape(-1)
+        order = jnp.argsort(flat_e, stable=True)
+        tok = order // kk
+        sizes = jnp.bincount(flat_e, length=e).astype(jnp.int32)
+        init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", -2, -1, (0,))
+        wi = self.param("wi", init, (e, hdim, 2 * f), jnp.float32).astype(dt)
+        wo = self.param("wo", init, (e, f, hdim), jnp.float32).astype(dt)
+        rows = h[tok].astype(dt)
+        z = jax.lax.ragged_dot(rows, wi, sizes, preferred_element_type=jnp.float32)
+        z = (jax.nn.silu(z[:, :f]) * z[:, f:]).astype(dt)
+        y = jax.lax.ragged_dot(z, wo, sizes, preferred_element_type=jnp.float32)
+        y = y * w.reshape(-1)[order][:, None]
+        out = jnp.zeros((t, hdim), jnp.float32).at[tok].add(y).astype(dt)
+        return x + out.reshape(b, s, hdim)
+
+
+# ----------------------------------------------------------------------------------------------
+# Data, training step, checkpoint
+# ----------------------------------------------------------------------------------------------
+
+
+def load_corpus(path: str) -> np.ndarray:
+    with open(path, "rb") as f:
+        data = np.frombuffer(f.read(), np.uint8)
+    if data.size < 1024:
+        raise SystemExit(f"corpus {path} is too small ({data.size} bytes)")
+    return data
+
+
+def batches(data: np.ndarray, batch: int, seq: int, seed: int):
+    rng = np.random.default_rng(seed)
+    n = data.size - seq - 1
+    while True:
+        starts = rng.integers(0, n, batch)
+        chunk = np.stack([data[s : s + seq + 1] for s in starts]).astype(np.int32)
+        yield chunk[:, :-1], chunk[:, 1:]
+
+
+def make_train_step(model, tx):
+    def loss_fn(params, x, y, rng):
+        logits, st = model.apply({"params": params}, x, deterministic=False, mutable=["intermediates"],
+                                 rngs={"dropout": rng})  # fmt: skip
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        aux = tel.collect_aux_loss(st.get("intermediates", {}))
+        return ce + aux, (ce, aux)
+
+    @jax.jit
+    def step(params, opt_state, x, y, rng):
+        (_, (ce, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, x, y, rng)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, ce, aux
+
+    return step
+
+
+def save_checkpoint(path: str, params) -> str:
+    params = jax.device_get(params)
+    try:
+        import orbax.checkpoint as ocp
+
+        target = os.path.abspath(path + "_orbax")
+        if os.path.exists(target):
+            import shutil
+
+            shutil.rmtree(target)
+        ckptr = ocp.StandardCheckpointer()
+        ckptr.save(target, params)
+        ckptr.wait_until_finished()
+        return target
+    except Exception as e:  # orbax missing or unusable here: fall back to msgpack
+        from flax import serialization
+
+        target = path + ".msgpack"
+        with open(target, "wb") as f:
+            f.write(serialization.to_bytes(params))
+        print(f"(orbax unavailable: {type(e).__name__}; wrote msgpack)")
+        return target
+
+
+class Progress:
+    """tqdm when installed, else a plain line every few steps."""
+
+    def __init__(self, total):
+        self.total, self.t0, self.last = total, time.perf_counter(), 0.0
+        try:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, dynamic_ncols=True)
+        except ImportError:
+            self.bar = None
+
+    def update(self, i, loss, tok_s):
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}")
+        elif i == self.total - 1 or time.perf_counter() - self.last > 5 or i < 1:
+            self.last = time.perf_counter()
+            print(f"step {i + 1:5d}/{self.total}  loss {loss:.4f}  {tok_s:,.0f} tokens/s", flush=True)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def plot_losses(path, steps, losses, title):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, losses, lw=1, alpha=0.4, label="train loss (per step)")
+    if len(losses) >= 10:
+        k = max(1, len(losses) // 25)
+        smooth = np.convolve(losses, np.ones(k) / k, mode="valid")
+        ax.plot(steps[k - 1 :], smooth, lw=2, label=f"moving average ({k})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats / byte)")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def time_steps(model, cfg, args, n_steps, label):
+    """tokens/s of n_steps training steps (after one compile step) for ``model``."""
+    x0 = jnp.zeros((args.batch, args.seq), jnp.int32)
+    params = jax.jit(model.init)(jax.random.key(args.seed), x0)["params"]
+    tx = optax.adamw(args.lr)
+    opt_state = tx.init(params)
+    step = make_train_step(model, tx)
+    it = batches(load_corpus(args.corpus), args.batch, args.seq, args.seed + 1)
+    x, y = next(it)
+    params, opt_state, ce, _ = step(params, opt_state, x, y, jax.random.key(0))
+    jax.block_until_ready(ce)
+    t0 = time.perf_counter()
+    for i in range(n_steps):
+        x, y = next(it)
+        params, opt_state, ce, _ = step(params, opt_state, x, y, jax.random.key(i))
+    jax.block_until_ready(ce)
+    dt = time.perf_counter() - t0
+    return args.batch * args.seq * n_steps / dt, float(ce)
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--corpus", default=DEFAULT_CORPUS)
+    ap.add_argument("--out", default=os.path.join(HERE, "out", "train_moe"))
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--d-model", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--experts", type=int, default=4)
+    ap.add_argument("--topk", type=int, default=2)
+    ap.add_argument("--ffn", type=int, default=128)
+    ap.add_argument("--aux-coeff", type=float, default=1e-2)
+    ap.add_argument("--dropout", type=float, default=0.0)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--warmup", type=int, default=30)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--expert-parallel", action="store_true",
+                    help="shard the experts over all devices (mesh axis 'ep'); experts and tokens must divide")
+    ap.add_argument("--baseline", action="store_true",
+                    help="also time the same model in plain flax + jnp and print tokens/s side by side")
+    ap.add_argument("--baseline-steps", type=int, default=20)
+    ap.add_argument("--no-checkpoint", action="store_true")
+    return ap.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    cfg = dict(d_model=args.d_model, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
+               experts=args.experts, topk=args.topk, ffn=args.ffn, aux_coeff=args.aux_coeff, dropout=args.dropout,
+               dtype=jnp.dtype(args.dtype))  # fmt: skip
+    if args.expert_parallel:
+        cfg["mesh"] = jax.sharding.Mesh(np.array(jax.devices()), ("ep",))
+        cfg["expert_axis"] = "ep"
+    model = MoELM(cfg)
+    data = load_corpus(args.corpus)
+    it = batches(data, args.batch, args.seq, args.seed + 1)
+    params = jax.jit(model.init)(jax.random.key(args.seed), jnp.zeros((args.batch, args.seq), jnp.int32))["params"]
+    n_params = sum(int(p.size) for p in jax.tree.leaves(params))
+    warm = min(args.warmup, max(args.steps // 4, 1))
+    sched = optax.warmup_cosine_decay_schedule(0.0, args.lr, warm, max(args.steps, warm + 1),
+                                               args.lr * 0.1)  # fmt: skip
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, weight_decay=0.01))
+    opt_state = tx.init(params)
+    step = make_train_step(model, tx)
+    print(f"te_layers MoE LM: {n_params:,} parameters, {cfg['layers']} layers, {cfg['experts']} experts top-"
+          f"{cfg['topk']}, batch {args.batch} x seq {args.seq}, {args.dtype}, backend {jax.default_backend()}")
+
+    losses, auxes = [], []
+    prog = Progress(args.steps)
+    t_start = time.perf_counter()
+    t_steady, steady_tokens = None, 0
+    for i in range(args.steps):
+        x, y = next(it)
+        params, opt_state, ce, aux = step(params, opt_state, x, y, jax.random.fold_in(jax.random.key(args.seed), i))
+        ce = float(ce)  # syncs: the bar shows real progress
+        losses.append(ce)
+        auxes.append(float(aux))
+        if i == 0:
+            t_steady = time.perf_counter()  # exclude the compile step from tokens/s
+        else:
+            steady_tokens += args.batch * args.seq
+        el = time.perf_counter() - t_steady
+        prog.update(i, ce, steady_tokens / el if el > 0 and steady_tokens else 0.0)
+    prog.close()
+    total = time.perf_counter() - t_start
+    tok_s = steady_tokens / max(time.perf_counter() - t_steady, 1e-9)
+
+    k = max(1, min(20, len(losses) // 5))
+    first, last = float(np.mean(losses[:k])), float(np.mean(losses[-k:]))
+    png = os.path.join(args.out, "loss.png")
+    plot_losses(png, np.arange(1, len(losses) + 1), np.asarray(losses), "te_layers MoE LM (byte level)")
+    ckpt = None if args.no_checkpoint else save_checkpoint(os.path.join(args.out, "params"), params)
+
+    # a short greedy sample from the trained model
+    prompt = np.frombuffer(b"In the morning, the ", np.uint8).astype(np.int32)
+    ctx = np.zeros((1, args.seq), np.int32)
+    n0 = min(len(prompt), args.seq - 1)
+    ctx[0, :n0] = prompt[:n0]
+    fwd = jax.jit(lambda p, t: model.apply({"params": p}, t))
+    gen = list(prompt[:n0])
+    for pos in range(n0, min(args.seq, n0 + 40)):
+        nxt = int(jnp.argmax(fwd(params, jnp.asarray(ctx))[0, pos - 1]))
+        ctx[0, pos] = nxt
+        gen.append(nxt)
+    sample = bytes(int(c) for c in gen).decode("ascii", errors="replace")
+
+    summary = dict(first_loss=first, last_loss=last, steps=args.steps, tokens_per_s=tok_s, seconds=total,
+                   params=n_params, loss_png=png, checkpoint=ckpt, sample=sample)  # fmt: skip
+    print(f"loss {first:.4f} -> {last:.4f} (mean of first/last {k} steps) in {total:.1f}s; "
+          f"aux loss {auxes[-1]:.4f}; {tok_s:,.0f} tokens/s")
+    print(f"sample: {sample!r}")
+    print(f"loss curve: {png}")
+    if ckpt:
+        print(f"checkpoint: {ckpt}")
+
+    if args.baseline:
+        n = args.baseline_steps
+        ours, _ = time_steps(MoELM(cfg), cfg, args, n, "te_layers")
+        base_cfg = {k_: v for k_, v in cfg.items() if k_ not in ("mesh", "expert_axis")}
+        theirs, _ = time_steps(MoELM(base_cfg, block=BaselineBlock), base_cfg, args, n, "baseline")
+        summary.update(te_layers_tokens_per_s=ours, baseline_tokens_per_s=theirs)
+        print(f"\ntokens/s over {n} training steps (batch {args.batch} x seq {args.seq}, {jax.default_backend()}):")
+        print(f"  {'te_layers (te_ops fused ops)':<46}{ours:>14,.0f}")
+        print(f"  {'baseline (flax + XLA attention + ragged_dot)':<46}{theirs:>14,.0f}")
+        print(f"  {'ratio te_layers / baseline':<46}{ours / theirs:>14.2f}")
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    return summary
+
+
+if __name__ == "__main__":
+    main()
