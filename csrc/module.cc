@@ -68,6 +68,8 @@ NB_MODULE(TE_MODULE_NAME, m) {
         "Per-handler counters: initialize_calls, warmups, executes, captured_executes.");
   m.def("reset_counters", &te::ResetCounters);
 #ifdef TE_WITH_SOFTMAX
+  m.def("softmax_set_tuning", &te::softmax::SetTuning, nb::arg("threads_per_row"), nb::arg("vectors_per_thread"),
+        "Benchmark hook: force the softmax register-kernel shape (0, 0 = heuristic).");
   m.def("softmax_config", &SoftmaxConfig, nb::arg("dtype"), nb::arg("rows"), nb::arg("cols"), nb::arg("mode"),
         "Launch configuration the softmax kernels choose (dtype 0=f32 1=bf16 2=f16; mode 0 none 1 mask 2 causal).");
 #endif

@@ -3,7 +3,7 @@
 # GPU-marked tests, run the benchmarks, and collect everything into $OUT (or ./gpu_out).
 #
 #   bash scripts/gpu_run.sh                      # everything
-#   OPS="softmax" TESTS="tests/gpu/test_softmax_gpu.py" BENCHES="softmax" bash scripts/gpu_run.sh
+#   OPS="softmax" STEPS="test:test_softmax_gpu bench:softmax" bash scripts/gpu_run.sh
 #
 # Outputs: $OUT/run.log (all output), $OUT/results.tar.gz (benchmark JSON + junit XML).
 # Wheels for packages missing on the GPU image (e.g. nvidia-cudnn-frontend) are taken from .whl/.
@@ -37,9 +37,9 @@ stamp "building (pip install --no-build-isolation --no-deps -e .)"
 # one broken op does not hide the results of the others; the exclusions are printed.
 EXCLUDE=""
 for attempt in 1 2 3 4; do
-  BUILD_ARGS=()
-  [ -n "${OPS:-}" ] && BUILD_ARGS+=("-Ccmake.define.TE_OPS_ONLY=${OPS}")
-  [ -n "$EXCLUDE" ] && BUILD_ARGS+=("-Ccmake.define.TE_OPS_EXCLUDE=${EXCLUDE}")
+  # Always pass both (possibly empty): CMake caches them in build/, and a stale value from an
+  # earlier build would silently drop ops.
+  BUILD_ARGS=("-Ccmake.define.TE_OPS_ONLY=${OPS:-}" "-Ccmake.define.TE_OPS_EXCLUDE=${EXCLUDE}")
   if $PY -m pip install --no-build-isolation --no-deps -e . "${BUILD_ARGS[@]}" > "$OUT/results/build.log" 2>&1; then
     break
   fi
@@ -59,22 +59,28 @@ print("missing:", native._errors)
 print("native_unavailable_reason:", te_ops.native_unavailable_reason())
 PY
 
-# One pytest process per test file: a crash in one file cannot hide the others' results.
+# STEPS: ordered "test:<file stem>" / "bench:<name>" items (default: every GPU test file, then every
+# benchmark). One pytest process per test file, so a crash in one file cannot hide the others.
+if [ -z "${STEPS:-}" ]; then
+  STEPS=""
+  for f in tests/gpu/test_*.py; do STEPS="$STEPS test:$(basename "$f" .py)"; done
+  for b in softmax router dense attention permutation grouped_dense; do STEPS="$STEPS bench:$b"; done
+fi
 test_rc=0
-for f in ${TESTS:-tests/gpu/test_*.py}; do
+for step in $STEPS; do
+  kind=${step%%:*}; name=${step#*:}
   left=$(time_left)
-  if [ "$left" -lt 45 ]; then SKIPPED_STEPS="$SKIPPED_STEPS $f"; continue; fi
-  stamp "GPU tests: $f"
-  timeout $(( left < ${TEST_TIMEOUT:-300} ? left - 20 : ${TEST_TIMEOUT:-300} )) $PY -m pytest -m gpu "$f" -q -rs -p no:cacheprovider -o junit_family=xunit2 \
-    --junitxml "$OUT/results/$(basename "$f" .py).xml" ${PYTEST_ARGS:-} || { rc=$?; test_rc=$rc; stamp "$f rc=$rc"; }
-done
-
-for b in ${BENCHES:-softmax router dense attention permutation grouped_dense}; do
-  if [ -f "benchmarks/$b.py" ]; then
-    left=$(time_left)
-    if [ "$left" -lt 45 ]; then SKIPPED_STEPS="$SKIPPED_STEPS bench:$b"; continue; fi
-    stamp "benchmark $b"
-    TE_BENCH_OUT="$OUT/results" timeout $(( left < ${BENCH_TIMEOUT:-240} ? left - 20 : ${BENCH_TIMEOUT:-240} )) $PY "benchmarks/$b.py" ${BENCH_ARGS:-} || stamp "benchmark $b FAILED rc=$?"
+  if [ "$left" -lt 40 ]; then SKIPPED_STEPS="$SKIPPED_STEPS $step"; continue; fi
+  if [ "$kind" = test ]; then
+    f="tests/gpu/$name.py"
+    stamp "GPU tests: $f"
+    timeout $(( left < ${TEST_TIMEOUT:-300} ? left - 15 : ${TEST_TIMEOUT:-300} )) $PY -m pytest -m gpu "$f" -q -rs \
+      -p no:cacheprovider -o junit_family=xunit2 --junitxml "$OUT/results/$name.xml" ${PYTEST_ARGS:-} \
+      || { rc=$?; test_rc=$rc; stamp "$f rc=$rc"; }
+  elif [ -f "benchmarks/$name.py" ]; then
+    stamp "benchmark $name"
+    TE_BENCH_OUT="$OUT/results" timeout $(( left < ${BENCH_TIMEOUT:-240} ? left - 15 : ${BENCH_TIMEOUT:-240} )) \
+      $PY "benchmarks/$name.py" ${BENCH_ARGS:-} || stamp "benchmark $name FAILED rc=$?"
   fi
 done
 [ -n "$SKIPPED_STEPS" ] && stamp "SKIPPED (deadline ${DEADLINE}s):$SKIPPED_STEPS"

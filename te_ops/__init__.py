@@ -9,18 +9,34 @@ from te_ops._core.native import native_unavailable_reason
 from te_ops._core.native import reset_counters as reset_native_counters
 from te_ops._core.registry import ImplementationUnavailableError, use_implementation
 from te_ops.dense import dense
+from te_ops.permutation import sort_chunks_by_index, token_combine, token_dispatch
+from te_ops.router import (
+    compute_routing_scores_for_aux_loss,
+    fused_moe_aux_loss,
+    fused_topk_with_score_function,
+    pack_routing_map,
+    unpack_routing_map,
+)
 from te_ops.softmax import scaled_masked_softmax, scaled_softmax, scaled_upper_triang_masked_softmax
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ImplementationUnavailableError",
+    "compute_routing_scores_for_aux_loss",
     "dense",
+    "fused_moe_aux_loss",
+    "fused_topk_with_score_function",
     "native_counters",
     "native_unavailable_reason",
+    "pack_routing_map",
     "reset_native_counters",
     "scaled_masked_softmax",
     "scaled_softmax",
     "scaled_upper_triang_masked_softmax",
+    "sort_chunks_by_index",
+    "token_combine",
+    "token_dispatch",
+    "unpack_routing_map",
     "use_implementation",
 ]

@@ -42,6 +42,12 @@ struct LaunchConfig {
 
 LaunchConfig ChooseConfig(const Params& p);
 
+// Benchmark/tuning hook: force (threads_per_row, vectors_per_thread) for the register kernels
+// whenever that pair covers the row (0, 0 restores the heuristic). Process-wide; not a way to
+// select implementations. Warm-up keys include the chosen configuration.
+void SetTuning(int threads_per_row, int vectors_per_thread);
+void GetTuning(int* threads_per_row, int* vectors_per_thread);
+
 // Enqueue on `stream`; returns the launch error (no synchronisation).
 cudaError_t LaunchForward(const Params& p, cudaStream_t stream);
 cudaError_t LaunchBackward(const Params& p, cudaStream_t stream);

@@ -1,6 +1,23 @@
+#include <atomic>
+
 #include "softmax/softmax_launch.cuh"
 
 namespace te::softmax {
+
+namespace {
+std::atomic<int> g_force_tpr{0};
+std::atomic<int> g_force_nv{0};
+}  // namespace
+
+void SetTuning(int threads_per_row, int vectors_per_thread) {
+  g_force_tpr = threads_per_row;
+  g_force_nv = vectors_per_thread;
+}
+
+void GetTuning(int* threads_per_row, int* vectors_per_thread) {
+  *threads_per_row = g_force_tpr.load();
+  *vectors_per_thread = g_force_nv.load();
+}
 
 LaunchConfig ChooseConfig(const Params& p) {
   return ChooseConfigFor(p, p.dtype == DType::kF32 ? 4 : 2);

@@ -7,7 +7,6 @@
 
 namespace te::softmax {
 
-constexpr int kMaxTpr = 1024;
 constexpr int kMaxNv = 8;
 
 inline int VecFor(const Params& p, int elem_bytes) {
@@ -29,13 +28,24 @@ inline LaunchConfig ChooseConfigFor(const Params& p, int elem_bytes) {
   c.vec = VecFor(p, elem_bytes);
   const int64_t nvec = (p.cols + c.vec - 1) / c.vec;
   int tpr = 4, nv = 1;
+  int force_tpr = 0, force_nv = 0;
+  GetTuning(&force_tpr, &force_nv);
+  if (force_tpr >= 4 && force_nv >= 1 && force_nv <= kMaxNv && force_tpr <= MaxThreadsForNv(force_nv) &&
+      static_cast<int64_t>(force_tpr) * force_nv >= nvec) {
+    c.threads_per_row = force_tpr;
+    c.vectors_per_thread = force_nv;
+    c.block = force_tpr < 128 ? 128 : force_tpr;
+    c.grid = (p.rows + c.block / force_tpr - 1) / (c.block / force_tpr);
+    return c;
+  }
   // Grow the row group to a warp first, then the per-thread vectors to 4 (64 bytes in flight per
-  // thread), then the group up to a block of 1024, then the vectors to 8.
+  // thread), then the group up to the largest block NV=4 allows without spilling (512 threads:
+  // rows of up to 16384 2-byte / 8192 4-byte elements stay in registers); longer rows go to the
+  // long-row kernel. NV=8 (tpr <= 256) is reachable through SetTuning only: same capacity.
   while (static_cast<int64_t>(tpr) * nv < nvec) {
     if (tpr < 32) tpr *= 2;
     else if (nv < 4) nv *= 2;
-    else if (tpr < kMaxTpr) tpr *= 2;
-    else if (nv < kMaxNv) nv *= 2;
+    else if (tpr < MaxThreadsForNv(nv)) tpr *= 2;
     else { tpr = 0; break; }
   }
   if (tpr == 0) {
