@@ -9,6 +9,8 @@ from te_ops._core.native import native_unavailable_reason
 from te_ops._core.native import reset_counters as reset_native_counters
 from te_ops._core.registry import ImplementationUnavailableError, use_implementation
 from te_ops.dense import dense
+from te_ops.fused_attention import fused_attention
+from te_ops.grouped_dense import grouped_dense
 from te_ops.permutation import sort_chunks_by_index, token_combine, token_dispatch
 from te_ops.router import (
     compute_routing_scores_for_aux_loss,
@@ -25,8 +27,10 @@ __all__ = [
     "ImplementationUnavailableError",
     "compute_routing_scores_for_aux_loss",
     "dense",
+    "fused_attention",
     "fused_moe_aux_loss",
     "fused_topk_with_score_function",
+    "grouped_dense",
     "native_counters",
     "native_unavailable_reason",
     "pack_routing_map",

@@ -6,7 +6,6 @@
 #include <cstdio>
 #include <cstring>
 #include <map>
-#include <sstream>
 #include <unordered_map>
 #include <vector>
 
@@ -15,31 +14,38 @@ namespace fe = cudnn_frontend;
 using Graph = fe::graph::Graph;
 using TensorPtr = std::shared_ptr<fe::graph::Tensor_attributes>;
 
+// No iostreams (see csrc/common/ffi_util.h): plain concatenation.
+namespace {
+template <typename T>
+std::string Str(T v) {
+  return std::to_string(v);
+}
+}  // namespace
+
 std::string Config::Key() const {
   char scale_hex[64], drop_hex[64];
   std::snprintf(scale_hex, sizeof(scale_hex), "%a", static_cast<double>(scale));
   std::snprintf(drop_hex, sizeof(drop_hex), "%a", static_cast<double>(dropout));
-  std::ostringstream os;
-  os << device << (backward ? "|bwd|" : "|fwd|") << static_cast<int>(io) << "|" << b << "," << sq << "," << sk
-     << "," << hq << "," << hk << "," << d << "," << dv << "|bias" << bias_b << "x" << bias_h << "|pad"
-     << padding << "|lb" << left_bound << "|rb" << right_bound << "|s" << scale_hex << "|p" << drop_hex
-     << "|st" << (backward || stats) << "|db" << (backward && dbias);
-  return os.str();
+  return Str(device) + (backward ? "|bwd|" : "|fwd|") + Str(static_cast<int>(io)) + "|" + Str(b) + "," + Str(sq) +
+         "," + Str(sk) + "," + Str(hq) + "," + Str(hk) + "," + Str(d) + "," + Str(dv) + "|bias" + Str(bias_b) + "x" +
+         Str(bias_h) + "|pad" + Str(static_cast<int>(padding)) + "|lb" + Str(left_bound) + "|rb" + Str(right_bound) +
+         "|s" + scale_hex + "|p" + drop_hex + "|st" + Str(static_cast<int>(backward || stats)) + "|db" +
+         Str(static_cast<int>(backward && dbias));
 }
 
 std::string Config::Describe() const {
-  std::ostringstream os;
-  os << (backward ? "backward" : "forward") << " q[" << b << ", " << sq << ", " << hq << ", " << d << "] k[" << b
-     << ", " << sk << ", " << hk << ", " << d << "] v[" << b << ", " << sk << ", " << hk << ", " << dv << "] "
-     << (io == IoType::kBF16 ? "bfloat16" : "float16");
-  if (has_bias()) os << " bias[" << bias_b << ", " << bias_h << ", " << sq << ", " << sk << "]";
-  if (padding) os << " padding";
-  if (right_bound >= 0) os << " right_bound=" << right_bound;
-  if (left_bound >= 0) os << " left_bound=" << left_bound;
-  if (dropout > 0.f) os << " dropout=" << dropout;
-  if (!backward && !stats) os << " inference";
-  if (backward && dbias) os << " dbias";
-  return os.str();
+  std::string s = std::string(backward ? "backward" : "forward") + " q[" + Str(b) + ", " + Str(sq) + ", " + Str(hq) +
+                  ", " + Str(d) + "] k[" + Str(b) + ", " + Str(sk) + ", " + Str(hk) + ", " + Str(d) + "] v[" + Str(b) +
+                  ", " + Str(sk) + ", " + Str(hk) + ", " + Str(dv) + "] " +
+                  (io == IoType::kBF16 ? "bfloat16" : "float16");
+  if (has_bias()) s += " bias[" + Str(bias_b) + ", " + Str(bias_h) + ", " + Str(sq) + ", " + Str(sk) + "]";
+  if (padding) s += " padding";
+  if (right_bound >= 0) s += " right_bound=" + Str(right_bound);
+  if (left_bound >= 0) s += " left_bound=" + Str(left_bound);
+  if (dropout > 0.f) s += " dropout=" + Str(dropout);
+  if (!backward && !stats) s += " inference";
+  if (backward && dbias) s += " dbias";
+  return s;
 }
 
 namespace {

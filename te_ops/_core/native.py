@@ -97,7 +97,9 @@ _poison = threading.local()
 
 class poisoned_outputs:  # noqa: N801 - used as a context manager
     """Inside this block, native calls traced get NaN-filled output buffers (aliased to their
-    results), so any element a kernel fails to write stays NaN. For tests; trace-time setting."""
+    results), so any element a kernel fails to write stays NaN (bool outputs: True, integers: the
+    dtype's max). For tests; a trace-time setting: JAX may reuse an inner trace of the same op,
+    configuration and shapes made outside the block, so poisoned tests use shapes of their own."""
 
     def __enter__(self):
         self._prev = getattr(_poison, "on", False)
@@ -131,7 +133,12 @@ def ffi_call(
 
         for i, r in enumerate(results):
             aliases[len(operands)] = i
-            fill = jnp.nan if jnp.issubdtype(r.dtype, jnp.floating) else jnp.iinfo(r.dtype).max
+            if jnp.issubdtype(r.dtype, jnp.floating):
+                fill = jnp.nan
+            elif r.dtype == jnp.bool_:
+                fill = True
+            else:
+                fill = jnp.iinfo(r.dtype).max
             operands.append(jnp.full(r.shape, fill, r.dtype))
     call = jax.ffi.ffi_call(
         target,
