@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import types
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -142,7 +143,9 @@ class OpFamily:
         return reference(*args)
 
 
-_CONTEXT: contextvars.ContextVar[Mapping[str, str]] = contextvars.ContextVar("te_ops_impl", default={})
+_CONTEXT: contextvars.ContextVar[Mapping[str, str]] = contextvars.ContextVar(
+    "te_ops_impl", default=types.MappingProxyType({})
+)
 
 
 @contextlib.contextmanager

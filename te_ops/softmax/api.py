@@ -76,7 +76,7 @@ def _check_mask(op: str, mask: Any, x: jax.Array) -> jax.Array:
     if mask.ndim > 4:
         raise ValueError(f"te_ops.{op}: mask must have rank <= 4, got shape {tuple(mask.shape)}.")
     mask = mask.reshape((1,) * (4 - mask.ndim) + tuple(mask.shape))
-    ok = mask.shape[3] == x.shape[3] and all(m in (1, d) for m, d in zip(mask.shape[:3], x.shape[:3]))
+    ok = mask.shape[3] == x.shape[3] and all(m in (1, d) for m, d in zip(mask.shape[:3], x.shape[:3], strict=True))
     if not ok:
         raise ValueError(
             f"te_ops.{op}: mask of shape {tuple(mask.shape)} is not broadcastable as [B or 1, N or 1, Sq or 1, Sk] "
