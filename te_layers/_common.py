@@ -26,6 +26,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from te_ops.dense import dense as _te_dense
+
 try:
     from te_ops.fused_attention import fused_attention
 except ImportError:  # an editable install made before the package existed sees it as a namespace package

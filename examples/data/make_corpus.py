@@ -40,7 +40,8 @@ def sentence(rng: random.Random) -> str:
         return f"{rng.choice(ANIMALS).capitalize()} followed {p} along {rng.choice(PLACES)}."
     if kind == 4:
         n = rng.randrange(2, 12)
-        return f"There were {n} {rng.choice(NOUNS)}s near {rng.choice(PLACES)}, each more {rng.choice(ADJS)} than the last."
+        near = f"{rng.choice(NOUNS)}s near {rng.choice(PLACES)}"
+        return f"There were {n} {near}, each more {rng.choice(ADJS)} than the last."
     if kind == 5:
         return f"Nobody knew why {p} {rng.choice(VERBS)} {rng.choice(PLACES)} every day."
     return f"{p.capitalize()} believed {rng.choice(THOUGHTS)}, but {q} only smiled."

@@ -29,6 +29,7 @@ Axes = Sequence[str | None] | None
 
 _lecun = jax.nn.initializers.lecun_normal()
 _zeros = jax.nn.initializers.zeros
+_expert_init = C.default_expert_init()
 
 
 class AuxLoss(nnx.Intermediate):
@@ -245,7 +246,7 @@ class MoEBlock(nnx.Module):
     def __init__(self, in_features: int, num_experts: int, topk: int, ffn_dim: int, *, activation: str = "silu",
                  gated: bool = True, aux_loss_coeff: float = 1e-2, expert_axis: str | None = None, mesh: Any = None,
                  grouped_gemm: str = "auto", dtype: Any = None, param_dtype: Any = jnp.float32,
-                 router_param_dtype: Any = jnp.float32, kernel_init: Initializer = C.default_expert_init(),
+                 router_param_dtype: Any = jnp.float32, kernel_init: Initializer = _expert_init,
                  router_kernel_init: Initializer = _lecun, router_kernel_axes: Axes = ("embed", None),
                  wi_axes: Axes = ("expert", "embed", "mlp"), wo_axes: Axes = ("expert", "mlp", "embed"),
                  deterministic: bool = False, rngs: nnx.Rngs, **router_options):  # fmt: skip

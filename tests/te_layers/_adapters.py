@@ -21,7 +21,8 @@ NH, NKV, D = 4, 2, 8
 E, K, F = 4, 2, 16
 
 
-def layer_input(layer: str, dtype, key=jax.random.key(0)):
+def layer_input(layer: str, dtype, key=None):
+    key = jax.random.key(0) if key is None else key
     if layer == "Softmax":
         return jax.random.normal(key, (B, NH, S, S), dtype)
     if layer == "DotProductAttention":

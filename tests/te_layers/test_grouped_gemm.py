@@ -83,7 +83,10 @@ def test_moe_block_same_with_both_backends():
     outs = []
     for backend in ("te_ops", "ragged_dot"):
         cfg = C.MoEConfig(C.RouterConfig(num_experts=4, topk=2, aux_loss_coeff=0.1), 16, grouped_gemm=backend)
-        f = jax.jit(jax.value_and_grad(lambda wi, x: jnp.sum(C.moe_apply(x, rk, wi, wo, cfg).out ** 2), (0, 1)))
+        def loss(wi, x, cfg=cfg):
+            return jnp.sum(C.moe_apply(x, rk, wi, wo, cfg).out ** 2)
+
+        f = jax.jit(jax.value_and_grad(loss, (0, 1)))
         outs.append(f(wi, x))
     for a, b in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1]), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
