@@ -22,7 +22,6 @@ import json
 import os
 import sys
 import time
-from functools import partial
 
 import jax
 import jax.numpy as jnp
