@@ -112,3 +112,21 @@ def test_router_options_and_errors():
         te_eqx.MultiHeadAttention(16, 4, 8, num_kv_heads=3, key=jax.random.key(0))
     with pytest.raises(ValueError, match="variant must be one of"):
         te_nnx.Softmax("upper")
+
+
+def test_partitioning_metadata_in_every_framework():
+    from jax.sharding import PartitionSpec as P
+
+    x = jnp.zeros((2, 8, 16))
+    rules = (("expert", "ep"), ("embed", None), ("mlp", "tp"), ("heads", "tp"))
+    boxed = jax.eval_shape(te_linen.MoEBlock(4, 2, 8).init, jax.random.key(0), x)["params"]
+    specs = nn.logical_to_mesh(nn.get_partition_spec(boxed), rules)
+    assert specs["wi"] == P("ep", None, "tp") and specs["wo"] == P("ep", "tp", None)
+
+    m = te_nnx.MultiHeadAttention(16, 2, 8, rngs=nnx.Rngs(0))
+    nspecs = nnx.get_partition_spec(nnx.state(m, nnx.Param))
+    assert nspecs["qkv"]["kernel"].get_value() == P("embed", "heads")
+    assert nspecs["out"]["kernel"].get_value() == P("heads", "embed")
+
+    e = te_eqx.logical_axes(te_eqx.MoEBlock(16, 4, 2, 8, key=jax.random.key(0)))
+    assert e.wi == P("expert", "embed", "mlp") and e.router.kernel == P("embed", None)
