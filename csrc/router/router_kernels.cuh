@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "common/convert.cuh"
 #include "router/router.h"
 
 namespace te::router {
@@ -26,23 +27,8 @@ namespace te::router {
 constexpr unsigned kFull = 0xffffffffu;
 constexpr float kSigmoidEps = 1e-20f;
 
-template <typename T>
-__device__ __forceinline__ float ToF(T v);
-template <>
-__device__ __forceinline__ float ToF<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ float ToF<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <>
-__device__ __forceinline__ float ToF<__half>(__half v) { return __half2float(v); }
-
-template <typename T>
-__device__ __forceinline__ T FromF(float v);
-template <>
-__device__ __forceinline__ float FromF<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 FromF<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
-template <>
-__device__ __forceinline__ __half FromF<__half>(float v) { return __float2half(v); }
+using te::FromF;
+using te::ToF;
 
 // Order-preserving float -> uint32 map (a < b  <=>  Key(a) < Key(b) for non-NaN floats).
 __device__ __forceinline__ uint32_t OrderedKey(float f) {

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cmath>
 
+#include "common/convert.cuh"
 #include "softmax/softmax.h"
 
 namespace te::softmax {
@@ -26,23 +27,8 @@ constexpr float kLog2e = 1.4426950408889634f;
 // NV gets a smaller block and more registers.
 __host__ __device__ constexpr int MaxThreadsForNv(int nv) { return nv <= 2 ? 1024 : (nv == 4 ? 512 : 256); }
 
-template <typename T>
-__device__ __forceinline__ float ToF(T v);
-template <>
-__device__ __forceinline__ float ToF<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ float ToF<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <>
-__device__ __forceinline__ float ToF<__half>(__half v) { return __half2float(v); }
-
-template <typename T>
-__device__ __forceinline__ T FromF(float v);
-template <>
-__device__ __forceinline__ float FromF<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 FromF<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
-template <>
-__device__ __forceinline__ __half FromF<__half>(float v) { return __float2half(v); }
+using te::FromF;
+using te::ToF;
 
 template <typename T, int N>
 struct alignas(sizeof(T) * N) Vec {
