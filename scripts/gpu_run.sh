@@ -3,7 +3,8 @@
 # GPU-marked tests, run the benchmarks, and collect everything into $OUT (or ./gpu_out).
 #
 #   bash scripts/gpu_run.sh                      # everything
-#   OPS="softmax" STEPS="test:test_softmax_gpu bench:softmax" bash scripts/gpu_run.sh
+#   OPS="softmax" STEPS="test:test_softmax_gpu bench:softmax" BENCH_ARGS_softmax=--target-only \
+#     bash scripts/gpu_run.sh
 #
 # Outputs: $OUT/run.log (all output), $OUT/results.tar.gz (benchmark JSON + junit XML).
 # Wheels for packages missing on the GPU image (e.g. nvidia-cudnn-frontend) are taken from .whl/.
@@ -80,7 +81,7 @@ for step in $STEPS; do
   elif [ -f "benchmarks/$name.py" ]; then
     stamp "benchmark $name"
     TE_BENCH_OUT="$OUT/results" timeout $(( left < ${BENCH_TIMEOUT:-240} ? left - 15 : ${BENCH_TIMEOUT:-240} )) \
-      $PY "benchmarks/$name.py" ${BENCH_ARGS:-} || stamp "benchmark $name FAILED rc=$?"
+      $PY "benchmarks/$name.py" $(eval echo "\${BENCH_ARGS_$name:-}") || stamp "benchmark $name FAILED rc=$?"
   fi
 done
 [ -n "$SKIPPED_STEPS" ] && stamp "SKIPPED (deadline ${DEADLINE}s):$SKIPPED_STEPS"
