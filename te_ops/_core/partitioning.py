@@ -80,3 +80,35 @@ def broadcast_batched(axis_size: int, in_batched: Sequence[bool], args: Sequence
     for a, b in zip(args, in_batched, strict=True):
         out.append(a if b else jax.numpy.broadcast_to(a, (axis_size, *a.shape)))
     return out
+
+
+def _varying_axes(a: Any) -> frozenset:
+    """The manual mesh axes ``a`` varies over (jax 0.11: ``typeof(a).manual_axis_type.varying``;
+    older releases: ``typeof(a).vma``)."""
+    t = jax.typeof(a)
+    mat = getattr(t, "manual_axis_type", None)
+    if mat is not None:
+        return frozenset(getattr(mat, "varying", ()) or ())
+    return frozenset(getattr(t, "vma", ()) or ())
+
+
+def match_vma(*args: Any) -> tuple[Any, ...]:
+    """Inside ``shard_map`` (with ``check_vma``), casts every array leaf of ``args`` to the union of
+    their varying manual axes.
+
+    A custom VJP's backward must return cotangents of the primal input types. For a replicated
+    (unvarying) weight used with a sharded (varying) activation, the per-device weight gradient is
+    varying, which JAX rejects. Casting the weight to varying *before* the custom_vjp makes the types
+    agree, and JAX's transpose of that cast inserts the psum over the manual axes, so the weight's
+    gradient comes out reduced and replicated. Outside ``shard_map`` this is a no-op.
+    """
+    leaves, tree = jax.tree.flatten(args)
+    vmas = [_varying_axes(a) for a in leaves]
+    union = frozenset().union(*vmas)
+    if not union:
+        return args
+    out = []
+    for a, vma in zip(leaves, vmas, strict=True):
+        missing = tuple(sorted(union - vma))
+        out.append(jax.lax.pcast(a, missing, to="varying") if missing else a)
+    return jax.tree.unflatten(tree, out)

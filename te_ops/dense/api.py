@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from te_ops._core.partitioning import match_vma
 from te_ops._core import partitioning as P
 from te_ops._core import registry
 from te_ops.dense import native, reference, sharding
@@ -282,7 +283,7 @@ def dense(
       ``[..., N]`` array of x's dtype.
     """
     x, kernel, bias = _check(x, kernel, bias, activation)
-    return _build(activation, bias is not None, implementation)(x, kernel, bias)
+    return _build(activation, bias is not None, implementation)(*match_vma(x, kernel, bias))
 
 
 __all__ = ["dense"]

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from te_ops._core.partitioning import match_vma
 from te_ops._core import partitioning as P
 from te_ops._core import registry
 from te_ops.fused_attention import native, reference
@@ -586,4 +587,4 @@ def fused_attention(
         opt["seed"] = dropout_seeds(rng, b, hq)
     present = tuple(opt[n] is not None for n in OPTIONAL)
     optional = tuple(opt[n] for n in OPTIONAL if opt[n] is not None)
-    return _build(mask_type, window, scale, dropout_rate, implementation, present)(q, k, v, optional)
+    return _build(mask_type, window, scale, dropout_rate, implementation, present)(*match_vma(q, k, v, optional))

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
+from te_ops._core.partitioning import match_vma
 from te_ops._core import partitioning as P
 from te_ops._core import registry
 from te_ops._core import triton_bridge as tb
@@ -336,5 +337,5 @@ def grouped_dense(
     x, kernels, group_sizes, bias = _validate(x, kernels, group_sizes, bias, implementation)
     op = _build(implementation, bias is not None, tri.current_override())
     if bias is not None:
-        return op(x, kernels, group_sizes, bias)
-    return op(x, kernels, group_sizes)
+        return op(*match_vma(x, kernels, group_sizes, bias))
+    return op(*match_vma(x, kernels, group_sizes))

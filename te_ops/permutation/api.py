@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from te_ops._core.partitioning import match_vma
 from te_ops._core import partitioning as P
 from te_ops._core import registry
 from te_ops._core import triton_bridge as tb
@@ -383,7 +384,7 @@ def token_dispatch(
     align_size = _check_static_int(op, "align_size", align_size, 1, allow_none=True)
     probs = _check_probs(op, "probs", probs, routing_map.shape)
     return _build_dispatch(num_out_tokens, align_size, implementation, probs is not None, x.shape[0])(
-        x, routing_map, probs
+        *match_vma(x, routing_map, probs)
     )
 
 
@@ -498,7 +499,7 @@ def token_combine(
     if pad_offsets is not None:
         _check_int_vector(op, "pad_offsets", pad_offsets, e_)
     return _build_combine(implementation, merging_probs is not None, y.shape[0], row_id_map.shape[0])(
-        y, row_id_map, merging_probs
+        *match_vma(y, row_id_map, merging_probs)
     )
 
 
@@ -575,4 +576,4 @@ def sort_chunks_by_index(
     x = _check_rows(op, "x", x)
     split_sizes = _check_int_vector(op, "split_sizes", split_sizes)
     sorted_indices = _check_int_vector(op, "sorted_indices", sorted_indices, split_sizes.shape[0])
-    return _build_sort(implementation)(x, split_sizes, sorted_indices)
+    return _build_sort(implementation)(*match_vma(x, split_sizes, sorted_indices))

@@ -23,6 +23,7 @@ import numpy as np
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
+from te_ops._core.partitioning import match_vma
 from te_ops._core import partitioning as P
 from te_ops._core import registry
 from te_ops.router import native, reference
@@ -354,7 +355,7 @@ def fused_topk_with_score_function(
         ("compact_routing_map", bool(compact_routing_map)),
     )
     fn = _build_topk(statics, implementation, bias is not None)
-    return fn(logits, bias) if bias is not None else fn(logits)
+    return fn(*match_vma(logits, bias)) if bias is not None else fn(*match_vma(logits))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -434,7 +435,7 @@ def compute_routing_scores_for_aux_loss(
         ("score_function", score_function),
         ("compact_routing_map", bool(compact_routing_map)),
     )
-    return _build_scores(statics, implementation)(logits)
+    return _build_scores(statics, implementation)(*match_vma(logits))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -579,4 +580,4 @@ def fused_moe_aux_loss(
     topk = _check_static_int(op, "topk", topk)
     coeff = _check_static_float(op, "coeff", coeff)
     tpe = jax.lax.stop_gradient(tpe).astype(jnp.float32)
-    return _build_loss(topk, coeff, implementation, tuple(probs.shape), jnp.dtype(probs.dtype))(probs, tpe)
+    return _build_loss(topk, coeff, implementation, tuple(probs.shape), jnp.dtype(probs.dtype))(*match_vma(probs, tpe))

@@ -241,7 +241,7 @@ def scaled_softmax(x: jax.Array, scale: float = 1.0, *, implementation: str | No
     op = "scaled_softmax"
     x = _check_x(op, x, 1)
     scale = _check_scale(op, scale)
-    return _build("none", scale, implementation, False)(x)
+    return _build("none", scale, implementation, False)(*P.match_vma(x))
 
 
 def scaled_masked_softmax(
@@ -270,7 +270,7 @@ def scaled_masked_softmax(
         raise ValueError(f"te_ops.{op}: x must have rank 4 [B, N, Sq, Sk], got shape {tuple(x.shape)}.")
     mask = _check_mask(op, mask, x)
     scale = _check_scale(op, scale)
-    return _build("mask", scale, implementation, True)(x, mask)
+    return _build("mask", scale, implementation, True)(*P.match_vma(x, mask))
 
 
 def scaled_upper_triang_masked_softmax(
@@ -295,4 +295,4 @@ def scaled_upper_triang_masked_softmax(
             f"te_ops.{op}: the last two axes must be equal (a square [S, S] score block), got shape {tuple(x.shape)}."
         )
     scale = _check_scale(op, scale)
-    return _build("causal", scale, implementation, False)(x)
+    return _build("causal", scale, implementation, False)(*P.match_vma(x))
