@@ -26,6 +26,9 @@ FAMILY.register(
         backward=native.backward,
         unsupported_reason=native.unsupported_reason,
         platform="cuda",
+        # Not yet verified on a GPU (no H200 run reached it on 2026-12-03): opt-in by name until
+        # its tests/gpu file passes there; then drop auto=False.
+        auto=False,
         available=registry.native_available(native.MODULE),
     )
 )

@@ -46,6 +46,9 @@ FAMILY.register(
         backward=tri.backward,
         unsupported_reason=tri.unsupported_reason,
         platform="cuda",
+        # Not yet verified on a GPU (no H200 run reached it on 2026-12-03): opt-in by name until
+        # its tests/gpu file passes there; then drop auto=False.
+        auto=False,
         available=lambda: tb.unavailable_reason(),
     )
 )

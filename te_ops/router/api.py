@@ -48,6 +48,9 @@ for _fam, _fwd, _bwd, _why, _rfwd, _rbwd in (
             backward=_bwd,
             unsupported_reason=_why,
             platform="cuda",
+            # Not yet verified on a GPU (no H200 run reached it on 2026-12-03): opt-in by name until
+            # its tests/gpu file passes there; then drop auto=False.
+            auto=False,
             available=registry.native_available(),
         )
     )

@@ -77,3 +77,18 @@ def test_run_sharded_detects_a_reduction():
     out, ref, counts = T.run_sharded(lambda x: jnp.sum(x, axis=0), (x,), (Ps("x"),), Ps(), mesh=mesh)
     T.assert_close(out, ref, jnp.float32)
     assert counts["all-reduce"] >= 1
+
+
+def test_auto_false_implementation_is_only_used_by_name():
+    fam = registry.OpFamily("fake6")
+    fam.register(registry.Implementation(
+        name="fast", forward=lambda x, *, k: x * k + 1000.0, backward=lambda r, g, *, k: g,
+        platform="cuda", auto=False))
+    fam.register(registry.Implementation(
+        name=registry.REFERENCE, forward=lambda x, *, k: x * k, backward=lambda r, g, *, k: g))
+    x = jnp.arange(3.0)
+    hlo = jax.jit(lambda x: fam.dispatch(None, "forward", (x,), {"k": 3.0}, {})).lower(x).as_text()
+    assert "1.000000e+03" not in hlo  # never staged by implementation=None
+    if te_ops.native_unavailable_reason() is not None:  # by name it is still checked for availability
+        with pytest.raises(registry.ImplementationUnavailableError):
+            fam.dispatch("fast", "forward", (x,), {"k": 3.0}, {})
