@@ -103,10 +103,13 @@ def test_native_partial_mode_float32_sums():
     T.assert_close(z, expect, jnp.float32, scale=_scale(expect))
 
 
-def test_default_implementation_is_native_on_gpu():
+def test_default_implementation_follows_the_auto_flag():
+    """implementation=None picks native only once it is registered auto=True (after a green run)."""
+    from te_ops._core import registry
+
     x, w, b, _ = _inputs((8, 16), 24, jnp.bfloat16, True, seed=5)
     text = jax.jit(lambda x, w, b: dense(x, w, b, activation="gelu_tanh")).lower(x, w, b).as_text()
-    assert "te_dense_fwd" in text
+    assert ("te_dense_fwd" in text) == registry.family("dense").get("native").auto
 
 
 def test_larger_bf16_gelu_tanh_training_shape():

@@ -201,10 +201,14 @@ def test_aux_loss(dtype, shape):
     T.assert_close(g, g_ref, dtype, scale=float(jnp.abs(g_ref.astype(F32)).max()) + 1e-12)
 
 
-def test_default_implementation_is_native_on_gpu():
+def test_default_implementation_follows_the_auto_flag():
+    """implementation=None picks native only once it is registered auto=True (after a green run)."""
+    from te_ops._core import registry
+
     x = quantised(11, (64, 256))
     f = lambda x: fused_topk_with_score_function(x, 8)[0]
-    assert "te_router_topk_fwd" in jax.jit(f).lower(x).as_text()
+    auto = registry.family("fused_topk_with_score_function").get("native").auto
+    assert ("te_router_topk_fwd" in jax.jit(f).lower(x).as_text()) == auto
 
 
 def test_vmap_native():
