@@ -98,16 +98,21 @@ _poison = threading.local()
 class poisoned_outputs:  # noqa: N801 - used as a context manager
     """Inside this block, native calls traced get NaN-filled output buffers (aliased to their
     results), so any element a kernel fails to write stays NaN (bool outputs: True, integers: the
-    dtype's max). For tests; a trace-time setting: JAX may reuse an inner trace of the same op,
-    configuration and shapes made outside the block, so poisoned tests use shapes of their own."""
+    dtype's max). For tests. It is a trace-time setting, and JAX caches traces of an op's inner
+    functions per configuration and shape, so entering and leaving the block clears JAX's caches:
+    traces made outside are not reused inside, and poisoned traces do not leak out."""
 
     def __enter__(self):
         self._prev = getattr(_poison, "on", False)
         _poison.on = True
+        if not self._prev:
+            jax.clear_caches()
         return self
 
     def __exit__(self, *exc):
         _poison.on = self._prev
+        if not self._prev:
+            jax.clear_caches()
         return False
 
 

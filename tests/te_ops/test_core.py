@@ -92,3 +92,23 @@ def test_auto_false_implementation_is_only_used_by_name():
     if te_ops.native_unavailable_reason() is not None:  # by name it is still checked for availability
         with pytest.raises(registry.ImplementationUnavailableError):
             fam.dispatch("fast", "forward", (x,), {"k": 3.0}, {})
+
+
+def test_poisoned_outputs_apply_even_after_an_unpoisoned_trace(monkeypatch):
+    """Poisoning is trace-time; an earlier trace of the same op and shape must not be reused."""
+    if native.extension_unavailable_reason() is not None:
+        pytest.skip(f"needs te_ops._native for CUDA lowering: {native.extension_unavailable_reason()}")
+    monkeypatch.setattr(native, "cuda_device_unavailable_reason", lambda: None)
+    x = jnp.ones((4, 32), jnp.float32)
+
+    def lowered():
+        f = jax.jit(lambda x: te_ops.scaled_softmax(x, 1.0, implementation="native"))
+        return f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+
+    plain = lowered()
+    with native.poisoned_outputs():
+        poisoned = lowered()
+    after = lowered()
+    assert "te_softmax_fwd" in plain and "output_operand_aliases" not in plain
+    assert "output_operand_aliases" in poisoned  # the NaN buffer aliased to the result
+    assert "output_operand_aliases" not in after
