@@ -46,9 +46,9 @@ def xla_fn(act, has_bias):
     return f
 
 
-def ours_fn(act, has_bias):
+def ours_fn(act, has_bias, impl):
     def f(x, w, b):
-        return dense(x, w, b if has_bias else None, activation=act)
+        return dense(x, w, b if has_bias else None, activation=act, implementation=impl)
 
     return f
 
@@ -99,8 +99,8 @@ def main():
             continue
         sets = make_args(m, k, n, dtype, n_sets=2)
         fwd_sets = [s[:3] for s in sets]
-        ours_f, xla_f = jax.jit(ours_fn(act, has_bias)), jax.jit(xla_fn(act, has_bias))
-        ours_g, xla_g = jax.jit(fwd_bwd(ours_fn(act, has_bias))), jax.jit(fwd_bwd(xla_fn(act, has_bias)))
+        ours_f, xla_f = jax.jit(ours_fn(act, has_bias, impl)), jax.jit(xla_fn(act, has_bias))
+        ours_g, xla_g = jax.jit(fwd_bwd(ours_fn(act, has_bias, impl))), jax.jit(fwd_bwd(xla_fn(act, has_bias)))
         hlo = ours_f.lower(*fwd_sets[0]).as_text()
         used = "native" if "te_dense_fwd" in hlo else "reference"
         # correctness sanity (bf16 vs bf16: both round once; the baseline rounds x@w before bias/gelu)

@@ -40,7 +40,8 @@ EXCLUDE=""
 for attempt in 1 2 3 4; do
   # Always pass both (possibly empty): CMake caches them in build/, and a stale value from an
   # earlier build would silently drop ops.
-  BUILD_ARGS=("-Ccmake.define.TE_OPS_ONLY=${OPS:-}" "-Ccmake.define.TE_OPS_EXCLUDE=${EXCLUDE}")
+  BUILD_ARGS=("-Ccmake.define.TE_OPS_ONLY=${OPS:-}" "-Ccmake.define.TE_OPS_EXCLUDE=${EXCLUDE}"
+              "-Ccmake.define.TE_STATIC_LIBSTDCXX_MODULES=${STATIC_LIBSTDCXX:-}")
   if $PY -m pip install --no-build-isolation --no-deps -e . "${BUILD_ARGS[@]}" > "$OUT/results/build.log" 2>&1; then
     break
   fi
@@ -60,7 +61,7 @@ print("missing:", native._errors)
 print("native_unavailable_reason:", te_ops.native_unavailable_reason())
 PY
 
-# STEPS: ordered "test:<file stem>" / "bench:<name>" items (default: every GPU test file, then every
+# STEPS: ordered "test:<file stem>" / "bench:<name>" / "diag:<scripts/diag name>" items (default: every GPU test file, then every
 # benchmark). One pytest process per test file, so a crash in one file cannot hide the others.
 if [ -z "${STEPS:-}" ]; then
   STEPS=""
@@ -78,6 +79,11 @@ for step in $STEPS; do
     timeout $(( left < ${TEST_TIMEOUT:-300} ? left - 15 : ${TEST_TIMEOUT:-300} )) $PY -m pytest -m gpu "$f" -q -rs \
       -p no:cacheprovider -o junit_family=xunit2 --junitxml "$OUT/results/$name.xml" ${PYTEST_ARGS:-} \
       || { rc=$?; test_rc=$rc; stamp "$f rc=$rc"; }
+  elif [ "$kind" = diag ]; then
+    # scripts/diag/<name>.sh: crash diagnosis helpers; they get the build settings in the environment.
+    stamp "diag $name"
+    OUT="$OUT/results" TE_OPS_ONLY="${OPS:-}" TE_OPS_EXCLUDE="$EXCLUDE" timeout $(( left - 15 )) \
+      bash "scripts/diag/$name.sh" || stamp "diag $name rc=$?"
   elif [ -f "benchmarks/$name.py" ]; then
     stamp "benchmark $name"
     TE_BENCH_OUT="$OUT/results" timeout $(( left < ${BENCH_TIMEOUT:-240} ? left - 15 : ${BENCH_TIMEOUT:-240} )) \

