@@ -17,21 +17,35 @@ Design decisions (and why)
   ptr_divisibility)``, ``create_scalar_parameter(value, "i32"|"u32"|"i64"|"u64"|"fp32"|"fp64"|"i1")``,
   and ``registrations() == {"triton_kernel_call_ffi": {instantiate, initialize, execute}}``. The FFI
   handler compiles the PTX in ``instantiate`` (at XLA compile time, cached by (name, smem, ptx, cc)),
-  loads the module in ``initialize`` (outside graph capture, cached per opaque string under a
-  mutex) and only launches in ``execute``, which is declared ``kCmdBufferCompatible``: XLA can
-  capture it in CUDA graphs. It appends the two hidden pointer parameters Triton >= 3.3 kernels
-  take (global scratch, profile scratch); ``global_scratch_size`` is forwarded from the metadata.
+  builds the ``KernelCall`` in ``initialize`` (cached per opaque string under a mutex) and
+  launches in ``execute``, which is declared ``kCmdBufferCompatible``: XLA can capture it in CUDA
+  graphs (see "Command buffers" below). It appends the two hidden pointer parameters Triton >= 3.3
+  kernels take (global scratch, profile scratch); ``global_scratch_size`` is forwarded from the
+  metadata.
   The seed PR's race lived in the ROCm path (HSACO file read then deleted); the CUDA path takes the
   PTX by value. So gpu_triton is robust enough for CUDA and we do not add a native launcher; that
   could be done later without touching the ops (only :func:`_launcher_call` would change).
-  Open question that only the H200 can answer: jaxlib loads the CUDA module lazily on the first
-  launch in a context (``ModuleImage::GetFunctionForContext``); its ``initialize`` stage (jax PR
-  37094, "kernel loading ... not valid under graph capture") is meant to make that happen before
-  XLA traces the launch into a command buffer. If tests/gpu/test_permutation_gpu.py's
-  command-buffer test fails with a capture error, that is the place, and the native launcher
-  (load in our own ``initialize`` under our lock, warm once per key) is the fix.
   Because the constructor changed between releases, :func:`_make_kernel` feature-detects the
   keyword signature above and the older 9-argument one, and raises with the signature it found.
+  Module loading: jaxlib loads the CUDA module lazily on the first launch in a context
+  (``ModuleImage::GetFunctionForContext``); its ``initialize`` stage only builds the cached
+  ``KernelCall``. If a command-buffer run ever fails with a capture error from that load, the
+  fallback is a native launcher of our own (load the cubin in our ``initialize`` under our
+  lock, warm once per key); only :func:`_launcher_call` and :data:`FFI_TARGET` would change.
+* **Command buffers (CUDA graphs).** See docs/triton_bridge.md for the evidence. Each launch is
+  a *typed FFI* custom call (``custom_call_target="triton_kernel_call_ffi"``,
+  ``api_version=API_VERSION_TYPED_FFI``, attributes ``{opaque = ...}``), never the legacy
+  ``triton_kernel_call`` target (API version 2, opaque string). XLA in jax 0.11.2 forms command
+  buffers on the *thunk sequence* after compilation (``CommandBufferConversionPass``); the old
+  HLO pass (``CommandBufferScheduling``, the one that created ``command_buffer`` computations) is
+  gone, and so is its ``legacy_command_buffer_custom_call_targets`` option (the only way legacy
+  custom calls got in). The thunk pass converts a custom call only if ``CUSTOM_CALL`` is in
+  ``--xla_gpu_enable_command_buffer`` and the target has an FFI handler whose ``execute``
+  metadata carries ``kCmdBufferCompatible``; legacy calls are never converted. jaxlib 0.11.2's
+  ``triton_kernel_call_ffi`` execute handler reports FFI API 0.4 with that trait (read with XLA's
+  metadata query; tests/te_ops/test_triton_bridge.py). Consequence: ``compiled.as_text()`` never
+  shows a command buffer, for our Triton launches and native handlers alike; check the thunk
+  dump instead (:func:`command_buffer_report`).
 * **Compile at lowering time, not trace time.** ``triton_call`` binds a primitive whose lowering
   rule is registered for "cuda" and "rocm" only, so CPU lowering of a ``platform_dependent`` branch
   never compiles a kernel, and the target is that of the device being lowered for.
@@ -63,6 +77,8 @@ import functools
 import hashlib
 import inspect
 import os
+import pathlib
+import re
 import threading
 import time
 import zlib
@@ -79,6 +95,10 @@ from te_ops._core import triton_backend
 
 REQUIRED_TRITON = (3, 6)
 FFI_TARGET = "triton_kernel_call_ffi"
+# Typed XLA FFI (HLO api_version=API_VERSION_TYPED_FFI, attributes as a dictionary). The legacy
+# API versions (1-3, an opaque string, jaxlib's "triton_kernel_call") are never put in command
+# buffers by XLA >= the jax 0.11 line: its thunk pass looks the target up in the FFI registry.
+FFI_API_VERSION = 4
 
 # ----------------------------------------------------------------------------------------------
 # Availability
@@ -515,7 +535,9 @@ def _lowering(ctx, *operands, spec, kernel_params, grid, out_avals, aliases, nam
     order = [i for i in range(len(out_avals)) if i not in aliased_outs] + sorted(aliased_outs)
     pos = {o: k for k, o in enumerate(order)}
     sub_ctx = ctx.replace(avals_out=[ctx.avals_out[i] for i in order])
-    rule = jax.ffi.ffi_lowering(FFI_TARGET, operand_output_aliases={i: pos[o] for i, o in aliases})
+    rule = jax.ffi.ffi_lowering(
+        FFI_TARGET, api_version=FFI_API_VERSION, operand_output_aliases={i: pos[o] for i, o in aliases}
+    )
     results = rule(sub_ctx, *operands, opaque=opaque)
     return [results[pos[i]] for i in range(len(out_avals))]
 
@@ -641,3 +663,118 @@ def triton_call(
         aliases=tuple(alias_pairs),
         name=name or kernel.__name__,
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# Command-buffer diagnostics
+# ----------------------------------------------------------------------------------------------
+
+_HLO_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=")
+_THUNK_LINE = re.compile(r"^(?P<indent>[ \t]*)(?:\d+:\s+)?(?P<kind>k[A-Z]\w*)(?P<rest>.*)$")
+
+
+def triton_launch_names(hlo_text: str) -> list[str]:
+    """Names of the instructions of an HLO module (text) that launch a kernel through the bridge."""
+    names = []
+    for line in hlo_text.splitlines():
+        if f'custom_call_target="{FFI_TARGET}"' in line and (m := _HLO_INSTR.match(line)):
+            names.append(m["name"])
+    return names
+
+
+def find_thunk_dump(dump_dir: str | os.PathLike, module_name: str) -> str | None:
+    """Text of ``module_*.<module_name>.thunk_sequence_after_thunk_passes.txt`` in an
+    ``--xla_dump_to`` folder (the newest one), or None. XLA writes it only when a thunk pass changed
+    the thunk sequence, so None also means "no command buffer was formed"."""
+    paths = sorted(
+        pathlib.Path(dump_dir).glob(f"*.{module_name}.thunk_sequence_after_thunk_passes*"),
+        key=lambda p: p.stat().st_mtime,
+    )
+    return paths[-1].read_text() if paths else None
+
+
+def _mentions(text: str, name: str) -> bool:
+    return re.search(rf"(?<![\w.\-]){re.escape(name)}(?![\w.\-])", text) is not None
+
+
+def command_buffer_report(hlo_text: str, thunk_text: str | None = None) -> dict[str, Any]:
+    """Which of a compiled module's Triton launches XLA put into command buffers (CUDA graphs).
+
+    Args:
+      hlo_text: the optimized HLO, ``jitted.lower(...).compile().as_text()``.
+      thunk_text: the module's thunk dump after the thunk passes (:func:`find_thunk_dump`; run
+        with ``--xla_dump_to=DIR``), or None when XLA wrote none.
+
+    Returns:
+      ``mode``: ``"hlo"`` (an XLA with the old HLO pass: ``command_buffer`` computations),
+      ``"thunk_names"`` (thunk lines name their HLO instruction), ``"thunk_kinds"`` (they do not:
+      only counts of ``kCustomCall`` thunks inside / outside ``kCommandBuffer`` thunks) or
+      ``"none"`` (no command buffer at all); ``launches``, ``captured``, ``not_captured`` (launch
+      instruction names; the last two empty in ``thunk_kinds`` mode), ``command_buffers``,
+      ``custom_calls_inside``, ``custom_calls_outside`` and ``other_custom_calls`` (custom calls of
+      the module to other targets).
+    """
+    launches = triton_launch_names(hlo_text)
+    other = sum(1 for ln in hlo_text.splitlines() if "custom_call_target=" in ln) - len(launches)
+    report: dict[str, Any] = dict(
+        mode="none",
+        launches=launches,
+        captured=[],
+        not_captured=list(launches),
+        command_buffers=0,
+        custom_calls_inside=0,
+        custom_calls_outside=0,
+        other_custom_calls=other,
+    )
+    comp, comps = None, {}  # old XLA: HLO computation -> launches in it
+    for line in hlo_text.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            comp = (line.split()[1] if line.startswith("ENTRY") else line.split()[0]).lstrip("%")
+            comps[comp] = []
+        elif (
+            comp is not None
+            and f'custom_call_target="{FFI_TARGET}"' in line
+            and (m := _HLO_INSTR.match(line))
+        ):
+            comps[comp].append(m["name"])
+    cb_comps = [c for c in comps if "command_buffer" in c]
+    if cb_comps:
+        inside = [n for c in cb_comps for n in comps[c]]
+        report.update(
+            mode="hlo",
+            command_buffers=len(cb_comps),
+            captured=inside,
+            not_captured=[n for n in launches if n not in inside],
+        )
+        report.update(custom_calls_inside=len(inside), custom_calls_outside=len(launches) - len(inside))
+        return report
+    if not thunk_text:
+        return report
+    stack: list[int] = []  # indentation of the enclosing kCommandBuffer thunks
+    entries = []
+    for line in thunk_text.splitlines():
+        m = _THUNK_LINE.match(line)
+        if not m:
+            continue
+        indent = len(m["indent"].expandtabs(8))
+        while stack and indent <= stack[-1]:
+            stack.pop()
+        entries.append((m["kind"], bool(stack), m["rest"]))
+        if m["kind"] == "kCommandBuffer":
+            stack.append(indent)
+    calls = [(inside, rest) for kind, inside, rest in entries if kind == "kCustomCall"]
+    report.update(
+        command_buffers=sum(1 for kind, _, _ in entries if kind == "kCommandBuffer"),
+        custom_calls_inside=sum(1 for inside, _ in calls if inside),
+        custom_calls_outside=sum(1 for inside, _ in calls if not inside),
+    )
+    named = {n: [inside for inside, rest in calls if _mentions(rest, n)] for n in launches}
+    if any(named.values()):
+        report.update(
+            mode="thunk_names",
+            captured=[n for n, where in named.items() if where and all(where)],
+            not_captured=[n for n, where in named.items() if not where or not all(where)],
+        )
+    elif report["command_buffers"]:
+        report.update(mode="thunk_kinds", not_captured=[])
+    return report

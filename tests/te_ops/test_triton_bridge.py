@@ -223,3 +223,191 @@ def test_zero_grid_returns_zeros():
         constexprs=dict(BLOCK=128, FACTOR=2),
     )
     assert out[0].shape == (0,)
+
+
+# ----------------------------------------------------------------------------------------------
+# Command buffers: what we emit, what jaxlib registers, and how a thunk dump is read
+# ----------------------------------------------------------------------------------------------
+
+
+def _ffi_metadata(capsule):
+    """(FFI API version, traits) of an XLA FFI handler, asked the way XLA's registry asks at
+    registration (xla/ffi/ffi_api.cc RegisterHandler -> GetMetadata(bundle.execute)): a call frame
+    whose extension_start is an XLA_FFI_Metadata_Extension. Layouts from jaxlib 0.11.2's
+    include/xla/ffi/api/c_api.h; the struct sizes are the ones its handlers check."""
+    import ctypes
+
+    class Ext(ctypes.Structure):  # XLA_FFI_InternalExtension
+        _fields_ = [("struct_size", ctypes.c_size_t), ("type", ctypes.c_int), ("next", ctypes.c_void_p)]
+
+    class ApiVersion(ctypes.Structure):
+        _fields_ = [
+            ("struct_size", ctypes.c_size_t),
+            ("extension_start", ctypes.c_void_p),
+            ("major", ctypes.c_int),
+            ("minor", ctypes.c_int),
+        ]
+
+    class Metadata(ctypes.Structure):
+        _fields_ = [
+            ("struct_size", ctypes.c_size_t),
+            ("api_version", ApiVersion),
+            ("traits", ctypes.c_uint32),
+            ("state_type_id", ctypes.c_int64),
+        ]
+
+    class MetadataExt(ctypes.Structure):
+        _fields_ = [("base", Ext), ("metadata", ctypes.POINTER(Metadata))]
+
+    span = [
+        ("struct_size", ctypes.c_size_t),
+        ("extension_start", ctypes.c_void_p),
+        ("size", ctypes.c_int64),
+        ("types", ctypes.c_void_p),
+        ("values", ctypes.c_void_p),
+    ]
+    Args = type("Args", (ctypes.Structure,), {"_fields_": span})  # XLA_FFI_Args / XLA_FFI_Rets
+    Attrs = type("Attrs", (ctypes.Structure,), {"_fields_": [*span, ("names", ctypes.c_void_p)]})
+
+    class CallFrame(ctypes.Structure):
+        _fields_ = [
+            ("struct_size", ctypes.c_size_t),
+            ("extension_start", ctypes.c_void_p),
+            ("api", ctypes.c_void_p),
+            ("ctx", ctypes.c_void_p),
+            ("stage", ctypes.c_int),
+            ("args", Args),
+            ("rets", Args),
+            ("attrs", Attrs),
+            ("future", ctypes.c_void_p),
+        ]
+
+    # XLA_FFI_STRUCT_SIZE(type, last_field): CallFrame ends at attrs, Metadata at traits.
+    assert CallFrame.future.offset == 168 and Metadata.traits.offset + 4 == 36
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    name = ctypes.pythonapi.PyCapsule_GetName
+    name.restype, name.argtypes = ctypes.c_char_p, [ctypes.py_object]
+    handler = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.POINTER(CallFrame))(get(capsule, name(capsule)))
+    md = Metadata(struct_size=Metadata.traits.offset + 4)
+    ext = MetadataExt(base=Ext(struct_size=ctypes.sizeof(MetadataExt), type=1), metadata=ctypes.pointer(md))
+    frame = CallFrame(struct_size=CallFrame.future.offset, extension_start=ctypes.addressof(ext))
+    assert not handler(ctypes.byref(frame)), "the handler returned an error for the metadata query"
+    return (md.api_version.major, md.api_version.minor), md.traits
+
+
+@pytest.mark.skipif(PLUGIN is None, reason="needs the jax CUDA plugin's _triton module")
+def test_jaxlib_triton_handler_is_command_buffer_compatible():
+    """XLA's thunk pass puts a custom call into a command buffer only if its FFI handler's execute
+    metadata has kCmdBufferCompatible (bit 0); jaxlib 0.11.2's triton_kernel_call_ffi has it."""
+    from jaxlib.cpu import _lapack
+
+    regs = PLUGIN.registrations()
+    assert set(regs[tb.FFI_TARGET]) >= {"instantiate", "initialize", "execute"}, regs
+    version, traits = _ffi_metadata(regs[tb.FFI_TARGET]["execute"])
+    assert version[0] == 0 and version[1] >= 1 and traits & 1, (version, traits)
+    # negative control: a jaxlib handler without the trait reads as 0 (the probe discriminates)
+    lapack = next(iter(_lapack.registrations().values()))
+    assert _ffi_metadata(lapack if not isinstance(lapack, dict) else lapack["execute"])[1] == 0
+
+
+@needs_plugin
+def test_launch_is_a_typed_ffi_custom_call(monkeypatch):
+    """The lowering emits the FFI target with API_VERSION_TYPED_FFI and dictionary attributes, not
+    jaxlib's legacy "triton_kernel_call" (API version 2, opaque string), which XLA never captures."""
+    monkeypatch.setattr(tb, "_launcher_module", lambda: PLUGIN)
+    tb.launcher_unavailable_reason.cache_clear()
+    kernel = _kernels()
+    fn = jax.jit(
+        lambda x: tb.triton_call(
+            kernel,
+            x,
+            np.int32(x.size),
+            out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype)],
+            grid=(4,),
+            constexprs=dict(BLOCK=128, FACTOR=2),
+        )[0]
+    )
+    with tb.target_override(TARGET):
+        hlo = (
+            fn.trace(jnp.ones((512,), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text(dialect="hlo")
+        )
+    calls = [ln for ln in hlo.splitlines() if "custom-call(" in ln]
+    assert len(calls) == 1 and len(tb.triton_launch_names(hlo)) == 1, calls
+    assert f'custom_call_target="{tb.FFI_TARGET}"' in calls[0]
+    assert "api_version=API_VERSION_TYPED_FFI" in calls[0]
+    assert "backend_config={opaque = " in calls[0]
+    assert 'custom_call_target="triton_kernel_call"' not in hlo
+
+
+_HLO = """\
+HloModule jit_step, entry_computation_layout={(f32[64]{0})->f32[64]{0}}
+
+ENTRY %main.9 (x.1: f32[64]) -> f32[64] {
+  %x.1 = f32[64]{0} parameter(0)
+  %te_triton_call.3 = f32[64]{0} custom-call(%x.1), custom_call_target="triton_kernel_call_ffi"
+  %loop_fusion = f32[64]{0} fusion(%te_triton_call.3), kind=kLoop, calls=%fused
+  %te_triton_call.12 = f32[64]{0} custom-call(%loop_fusion), custom_call_target="triton_kernel_call_ffi"
+  %sort.1 = f32[64]{0} sort(%te_triton_call.12), dimensions={0}, to_apply=%compare
+  ROOT %te_triton_call.1 = f32[64]{0} custom-call(%sort.1), custom_call_target="triton_kernel_call_ffi"
+}
+"""
+
+# The layout of jax 0.11.2's ThunkSequence::ToString ("%s%03d: %-*s [%-*s | %-*s] %s"; a
+# kCommandBuffer thunk prints its thunks one level deeper).
+_THUNKS_NAMED = """\
+000: kCommandBuffer [0 | command_buffer_000]
+    001: kCustomCall [0 | te_triton_call.3  ]
+    002: kKernel     [0 | loop_fusion       ]
+    003: kCustomCall [0 | te_triton_call.12 ]
+004: kCustomCall    [0 | sort.1            ]
+005: kCustomCall    [0 | te_triton_call.1  ]
+"""
+
+# Older layout (kind, tab, no id or names).
+_THUNKS_UNNAMED = "kCommandBuffer\t\n  kCustomCall\t\n  kKernel\t\n  kCustomCall\t\nkCustomCall\t\n"
+
+
+def test_command_buffer_report_reads_thunk_dumps():
+    rep = tb.command_buffer_report(_HLO, _THUNKS_NAMED)
+    assert rep["mode"] == "thunk_names" and rep["command_buffers"] == 1, rep
+    assert rep["launches"] == ["te_triton_call.3", "te_triton_call.12", "te_triton_call.1"]
+    assert rep["captured"] == ["te_triton_call.3", "te_triton_call.12"]
+    assert rep["not_captured"] == ["te_triton_call.1"]  # .1 is not mistaken for .12 or .3
+    assert (rep["custom_calls_inside"], rep["custom_calls_outside"]) == (2, 2)
+
+    rep = tb.command_buffer_report(_HLO, _THUNKS_UNNAMED)
+    assert rep["mode"] == "thunk_kinds" and rep["custom_calls_inside"] == 2, rep
+    assert rep["custom_calls_outside"] == 1
+
+    rep = tb.command_buffer_report(_HLO, None)  # XLA wrote no dump: nothing was converted
+    assert rep["mode"] == "none" and rep["not_captured"] == rep["launches"] and len(rep["launches"]) == 3
+
+
+def test_command_buffer_report_reads_old_hlo_command_buffers():
+    """XLA versions with the HLO pass (CommandBufferScheduling) outline command_buffer computations."""
+    hlo = """\
+HloModule jit_step
+
+%command_buffer (p: f32[64]) -> f32[64] {
+  %p = f32[64]{0} parameter(0)
+  ROOT %te_triton_call.3 = f32[64]{0} custom-call(%p), custom_call_target="triton_kernel_call_ffi"
+}
+
+ENTRY %main.9 (x.1: f32[64]) -> f32[64] {
+  %x.1 = f32[64]{0} parameter(0)
+  %call = f32[64]{0} call(%x.1), to_apply=%command_buffer
+  ROOT %te_triton_call.1 = f32[64]{0} custom-call(%call), custom_call_target="triton_kernel_call_ffi"
+}
+"""
+    rep = tb.command_buffer_report(hlo)
+    assert rep["mode"] == "hlo" and rep["captured"] == ["te_triton_call.3"], rep
+    assert rep["not_captured"] == ["te_triton_call.1"]
+
+
+def test_find_thunk_dump_picks_the_module(tmp_path):
+    (tmp_path / "module_0003.jit_a.thunk_sequence_after_thunk_passes.txt").write_text("A")
+    (tmp_path / "module_0004.jit_ab.thunk_sequence_after_thunk_passes.txt").write_text("AB")
+    (tmp_path / "module_0003.jit_a.thunk_sequence.txt").write_text("before")
+    assert tb.find_thunk_dump(tmp_path, "jit_a") == "A"
+    assert tb.find_thunk_dump(tmp_path, "jit_b") is None
