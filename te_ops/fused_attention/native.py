@@ -180,8 +180,11 @@ def _valid(b, s_q, s_k, *, mask_type, window, q_seqlens, kv_seqlens, q_segment_i
         i_np, j_np = np.arange(s_q), np.arange(s_k)
         row_np = np.maximum(0, i_np - left) <= np.minimum(s_k - 1, i_np + right)
         col_np = np.maximum(0, j_np - right) <= np.minimum(s_q - 1, j_np + left)
-        row = None if row_np.all() else jnp.asarray(row_np)[None]
-        col = None if col_np.all() else jnp.asarray(col_np)[None]
+        # Built from iota, not from the numpy arrays: a numpy constant would become a closed-over
+        # constant of the traced function, which custom_partitioning (our sharding rule) rejects.
+        i, j = jnp.arange(s_q), jnp.arange(s_k)
+        row = None if row_np.all() else (jnp.maximum(0, i - left) <= jnp.minimum(s_k - 1, i + right))[None]
+        col = None if col_np.all() else (jnp.maximum(0, j - right) <= jnp.minimum(s_q - 1, j + left))[None]
         return row, col
     i = jnp.arange(s_q)[None, :]
     j = jnp.arange(s_k)[None, :]
