@@ -1,7 +1,10 @@
 """Softmax benchmark: te_ops native kernels vs XLA (jax.nn.softmax with the same mask and scale),
 side by side in one process. Prints a table and writes benchmarks/results/softmax.json.
 
-    python benchmarks/softmax.py [--quick]
+    python benchmarks/softmax.py [--quick] [--target-only]
+
+The launch-shape sweep at the end also times the warp-per-row forward variants (SWEEP below) next
+to the default v2 launch, with XLA's forward time for the same case.
 """
 
 from __future__ import annotations
@@ -83,11 +86,24 @@ def bench_case(name, shape, dtype, variant, scale=0.125):
     return rows
 
 
-SWEEP = [(0, 0), (64, 8), (128, 4), (256, 2), (512, 1)]  # (threads_per_row, vectors_per_thread); (0,0)=heuristic
+# (threads_per_row, vectors_per_thread) for te_ops._native.softmax_set_tuning: (0, 0) = heuristic (v2);
+# (32, 16) and (32, -16) select the warp-per-row forwards (csrc/softmax/softmax_warp_row.cuh; the
+# backward keeps v2). A pair that does not apply to the problem falls back to the heuristic.
+SWEEP = [(0, 0), (64, 8), (128, 4), (256, 2), (512, 1), (32, 16), (32, -16)]
+KERNEL_NAMES = {(32, 16): "warp-row", (32, -16): "warp-row-packed"}
 
 
-def sweep(shape, dtype, variant, scale=0.125):
-    """Times our kernel under each launch shape (te_ops._native.softmax_set_tuning) for one case."""
+def warp_row_applies(dtype, cols, packed):
+    """Where the warp-per-row forwards run (csrc/softmax/softmax_launch.cuh WarpRowNv); elsewhere the
+    tuning pair falls back to the v2 heuristic. (Pointer alignment holds for XLA buffers.)"""
+    item = jnp.dtype(dtype).itemsize
+    ok = cols % (16 // item) == 0 and cols * item <= 32 * 16 * 16
+    return ok and (not packed or jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16))
+
+
+def sweep(shape, dtype, variant, scale=0.125, xla_fwd_ms=None):
+    """Times our kernel under each launch shape (te_ops._native.softmax_set_tuning) for one case, and
+    checks each forward against the default launch (max |y - y_default|; 0 or one bf16 ulp expected)."""
     from te_ops._core import native
 
     mod = native.module()
@@ -102,12 +118,25 @@ def sweep(shape, dtype, variant, scale=0.125):
     else:
         ours = lambda x: te_ops.scaled_softmax(x, scale, implementation="native")
     f, fb = jax.jit(ours), fwd_bwd(ours)
+    max_diff = jax.jit(lambda a, b: jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
     rows = []
     try:
+        mod.softmax_set_tuning(0, 0)
+        y_default = jax.block_until_ready(f(x))
         for tpr, nv in SWEEP:
             mod.softmax_set_tuning(tpr, nv)
+            if (tpr, nv) in KERNEL_NAMES:
+                applied = warp_row_applies(dtype, s_k, packed=nv < 0)
+            else:
+                cfg = mod.softmax_config({"float32": 0, "bfloat16": 1, "float16": 2}[jnp.dtype(dtype).name],
+                                         x.size // s_k, s_k, {"masked-causal": 1, "upper-triang": 2}.get(variant, 0))
+                applied = (tpr, nv) == (0, 0) or (cfg["threads_per_row"], cfg["vectors_per_thread"]) == (tpr, nv)
+            fwd_ms = _timing.time_fn(f, [(x,)])
             rows.append({"variant": variant, "threads_per_row": tpr, "vectors_per_thread": nv,
-                         "fwd_ms": _timing.time_fn(f, [(x,)]), "fwd+bwd_ms": _timing.time_fn(fb, [(x, dy)])})
+                         "kernel": KERNEL_NAMES.get((tpr, nv), "v2") if applied else "v2 (fallback)",
+                         "fwd_ms": fwd_ms, "fwd+bwd_ms": _timing.time_fn(fb, [(x, dy)]),
+                         "fwd_vs_xla": (xla_fwd_ms / fwd_ms) if xla_fwd_ms else None,
+                         "max_diff_vs_default": float(max_diff(f(x), y_default))})
     finally:
         mod.softmax_set_tuning(0, 0)
     return rows
@@ -132,15 +161,17 @@ def main():
         rows += bench_case("fp32 causal", (4, 16, 2048, 2048) if not args.quick else (1, 2, 256, 256), jnp.float32,
                            "upper-triang")
     sweep_rows = []
-    for variant in ("masked-causal",) if args.target_only else ("masked-causal", "upper-triang", "none"):
-        sweep_rows += sweep(big, jnp.bfloat16, variant)
-    _timing.print_table("launch-shape sweep (0,0 = heuristic default)", sweep_rows,
-                        ["variant", "threads_per_row", "vectors_per_thread", "fwd_ms", "fwd+bwd_ms"])
+    xla_fwd = {r["variant"]: r["xla_ms"] for r in rows if r["mode"] == "fwd" and r["shape"] == "x".join(map(str, big))}
+    for variant in ("masked-causal", "upper-triang") if args.target_only else ("masked-causal", "upper-triang", "none"):
+        sweep_rows += sweep(big, jnp.bfloat16, variant, xla_fwd_ms=xla_fwd.get(variant))
+    _timing.print_table("launch-shape sweep (0,0 = heuristic default = v2; fwd_vs_xla = XLA fwd ms / ours)", sweep_rows,
+                        ["variant", "threads_per_row", "vectors_per_thread", "kernel", "fwd_ms", "fwd+bwd_ms",
+                         "fwd_vs_xla", "max_diff_vs_default"])
     cols = ["case", "mode", "shape", "dtype", "ours_ms", "xla_ms", "xla_variant", "ours_TBps", "xla_TBps", "speedup"]
     _timing.print_table("softmax (te_ops native vs XLA, same process)", rows, cols)
     target_rows = [r for r in rows if r["case"] == "causal (issue target)"]
-    verdict = {r["mode"]: {"speedup": r["speedup"], "target": TARGETS[r["mode"]], "met": r["speedup"] >= TARGETS[r["mode"]]}
-               for r in target_rows}
+    verdict = {r["mode"]: {"speedup": r["speedup"], "target": TARGETS[r["mode"]],
+                           "met": r["speedup"] >= TARGETS[r["mode"]]} for r in target_rows}
     for r in target_rows:
         if r["mode"] == "fwd":
             verdict["fwd"]["ours_TBps"] = r["ours_TBps"]

@@ -31,6 +31,10 @@ struct Params {
   DType dtype = DType::kF32;
 };
 
+// Forward kernel families. kV2 (softmax_kernels.cuh) is the default and the only backward; the
+// warp-per-row forwards (softmax_warp_row.cuh) are launch choices reachable through SetTuning only.
+enum class FwdKernel : int { kV2 = 0, kWarpRow = 1, kWarpRowPacked = 2 };
+
 // Launch configuration chosen for a problem (exposed for tests and the benchmark table).
 struct LaunchConfig {
   int vec = 1;               // elements per vector access
@@ -38,13 +42,23 @@ struct LaunchConfig {
   int threads_per_row = 32;  // 0: the long-row (multi-pass, block per row) kernel
   int block = 128;
   int64_t grid = 1;
+  FwdKernel kernel = FwdKernel::kV2;  // forward only; the backward is always kV2
 };
+
+// SetTuning pairs that select the warp-per-row forwards (forward only; the backward keeps the
+// heuristic). They apply where the variant supports the problem: 16-byte vectors (cols a multiple
+// of 16 / sizeof(T), aligned pointers and mask strides), cols <= 512 vectors (4096 bf16/f16, 2048
+// f32), scale != 0; kWarpRowPacked also needs bf16. Elsewhere the heuristic v2 launch is used.
+constexpr int kTuneWarpRowTpr = 32;
+constexpr int kTuneWarpRowNv = 16;         // (32, 16): FwdKernel::kWarpRow
+constexpr int kTuneWarpRowPackedNv = -16;  // (32, -16): FwdKernel::kWarpRowPacked
 
 LaunchConfig ChooseConfig(const Params& p);
 
 // Benchmark/tuning hook: force (threads_per_row, vectors_per_thread) for the register kernels
-// whenever that pair covers the row (0, 0 restores the heuristic). Process-wide; not a way to
-// select implementations. Warm-up keys include the chosen configuration.
+// whenever that pair covers the row (0, 0 restores the heuristic), or select a warp-per-row
+// forward with the pairs above. Process-wide; not a way to select implementations. Warm-up keys
+// include the chosen configuration.
 void SetTuning(int threads_per_row, int vectors_per_thread);
 void GetTuning(int* threads_per_row, int* vectors_per_thread);
 

@@ -32,7 +32,7 @@ std::string Key(const Params& p, const AnyBuffer& x) {
   const LaunchConfig c = ChooseConfig(p);
   return std::to_string(static_cast<int>(p.dtype)) + "|" + std::to_string(static_cast<int>(p.mode)) + "|" +
          ShapeStr(x.dimensions()) + "|" + std::to_string(c.vec) + "/" + std::to_string(c.vectors_per_thread) +
-         "/" + std::to_string(c.threads_per_row);
+         "/" + std::to_string(c.threads_per_row) + "/k" + std::to_string(static_cast<int>(c.kernel));
 }
 
 // Common tail: initialize warms once per key, execute launches on XLA's stream.

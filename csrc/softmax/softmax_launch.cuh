@@ -3,7 +3,11 @@
 // parallel.
 #pragma once
 
+#include <cmath>
+#include <type_traits>
+
 #include "softmax/softmax_kernels.cuh"
+#include "softmax/softmax_warp_row.cuh"
 
 namespace te::softmax {
 
@@ -23,13 +27,36 @@ inline int VecFor(const Params& p, int elem_bytes) {
   return ok ? full : 1;
 }
 
-inline LaunchConfig ChooseConfigFor(const Params& p, int elem_bytes) {
+// Vectors per lane of the warp-per-row forward for this problem, or 0 where it does not apply.
+inline int WarpRowNv(const Params& p, int elem_bytes, FwdKernel k) {
+  const int full = 16 / elem_bytes;
+  const float s2 = p.scale * kLog2e;
+  if (VecFor(p, elem_bytes) != full || !std::isfinite(s2) || s2 == 0.f) return 0;
+  if (k == FwdKernel::kWarpRowPacked && p.dtype != DType::kBF16) return 0;
+  const int64_t nvec = p.cols / full;
+  if (nvec > 32 * 16) return 0;
+  return nvec <= 32 * 4 ? 4 : (nvec <= 32 * 8 ? 8 : 16);
+}
+
+inline LaunchConfig ChooseConfigFor(const Params& p, int elem_bytes, bool forward = true) {
   LaunchConfig c;
   c.vec = VecFor(p, elem_bytes);
   const int64_t nvec = (p.cols + c.vec - 1) / c.vec;
   int tpr = 4, nv = 1;
   int force_tpr = 0, force_nv = 0;
   GetTuning(&force_tpr, &force_nv);
+  if (forward && force_tpr == kTuneWarpRowTpr && (force_nv == kTuneWarpRowNv || force_nv == kTuneWarpRowPackedNv)) {
+    const FwdKernel k = force_nv == kTuneWarpRowNv ? FwdKernel::kWarpRow : FwdKernel::kWarpRowPacked;
+    const int wnv = WarpRowNv(p, elem_bytes, k);
+    if (wnv > 0) {
+      c.kernel = k;
+      c.threads_per_row = 32;
+      c.vectors_per_thread = wnv;
+      c.block = kWarpRowThreads;
+      c.grid = (p.rows + kWarpRowThreads / 32 - 1) / (kWarpRowThreads / 32);
+      return c;
+    }
+  }
   if (force_tpr >= 4 && force_nv >= 1 && force_nv <= kMaxNv && force_tpr <= MaxThreadsForNv(force_nv) &&
       static_cast<int64_t>(force_tpr) * force_nv >= nvec) {
     c.threads_per_row = force_tpr;
@@ -85,11 +112,32 @@ cudaError_t LaunchNv(const Params& p, const LaunchConfig& c, cudaStream_t s) {
   return cudaGetLastError();
 }
 
+template <typename T, MaskMode MODE, bool kPacked>
+cudaError_t LaunchWarpRow(const Params& p, const LaunchConfig& c, cudaStream_t s) {
+  dim3 grid(static_cast<unsigned>(c.grid)), block(c.block);
+  switch (c.vectors_per_thread) {
+    case 4: SoftmaxForwardWarpRowKernel<T, 4, MODE, kPacked><<<grid, block, 0, s>>>(p); break;
+    case 8: SoftmaxForwardWarpRowKernel<T, 8, MODE, kPacked><<<grid, block, 0, s>>>(p); break;
+    case 16: SoftmaxForwardWarpRowKernel<T, 16, MODE, kPacked><<<grid, block, 0, s>>>(p); break;
+    default: return cudaErrorInvalidConfiguration;
+  }
+  return cudaGetLastError();
+}
+
 template <typename T, MaskMode MODE, bool kBackward>
 cudaError_t LaunchMode(const Params& p, cudaStream_t s) {
   if (p.rows == 0 || p.cols == 0) return cudaSuccess;
-  const LaunchConfig c = ChooseConfigFor(p, sizeof(T));
+  const LaunchConfig c = ChooseConfigFor(p, sizeof(T), /*forward=*/!kBackward);
   if (c.grid > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
+  if constexpr (!kBackward) {
+    if (c.kernel == FwdKernel::kWarpRow) return LaunchWarpRow<T, MODE, false>(p, c, s);
+    if constexpr (sizeof(T) == 2) {
+      if (c.kernel == FwdKernel::kWarpRowPacked) {
+        if constexpr (std::is_same_v<T, __nv_bfloat16>) return LaunchWarpRow<T, MODE, true>(p, c, s);
+        return cudaErrorInvalidConfiguration;  // WarpRowNv admits bf16 only
+      }
+    }
+  }
   if (c.threads_per_row == 0) {
     if (kBackward)
       SoftmaxBackwardLongKernel<T, MODE><<<static_cast<unsigned>(c.grid), c.block, 0, s>>>(p);

@@ -1,5 +1,7 @@
 """Native CUDA softmax vs the reference on the GPU (outputs poisoned), and under command buffers."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -93,6 +95,122 @@ def test_vmap_native():
     mask = jax.random.bernoulli(jax.random.key(8), 0.3, (2, 1, 16, 16))
     f = lambda impl: jax.jit(jax.vmap(lambda x: te_ops.scaled_masked_softmax(x, mask, 0.5, implementation=impl)))
     T.assert_close(f("native")(x), f("reference")(x), jnp.bfloat16)
+
+
+# ---- warp-per-row forward variants (launch choices selected through softmax_set_tuning) --------
+
+# (threads_per_row, vectors_per_thread) pairs of csrc/softmax/softmax.h; the backward keeps v2.
+WARP_ROW = {"warp-row": (32, 16), "warp-row-packed": (32, -16)}
+
+
+def _variant_cases(items, cols_of):
+    """(kernel, dtype, item) for every kernel, the dtypes it claims, and the items whose row length
+    it accepts: a multiple of the 16-byte vector (8 for 16-bit, 4 for f32) of at most 512 vectors."""
+    out = []
+    for kernel in WARP_ROW:
+        for dtype in [jnp.bfloat16] if kernel == "warp-row-packed" else DTYPES:
+            item = jnp.dtype(dtype).itemsize
+            out += [(kernel, dtype, it) for it in items
+                    if cols_of(it) % (16 // item) == 0 and cols_of(it) * item <= 8192]
+    return out
+
+
+@contextlib.contextmanager
+def _tuning(pair):
+    mod = native.module()
+    mod.softmax_set_tuning(*pair)
+    try:
+        yield
+    finally:
+        mod.softmax_set_tuning(0, 0)
+
+
+_WARMED = set()  # (handler, tag, shape, dtype, kernel) keys already warmed in this process
+
+
+def _warmups(handler):
+    return native.counters().get(handler, {}).get("warmups", 0)
+
+
+def _compare_variant(kernel, fn, shape, dtype, handler, tag, seed=0):
+    """Compares the variant's forward (and v2's backward on its output) with the reference, and checks
+    that the variant really ran: its warm-up key (csrc/softmax/softmax_ffi.cc Key) differs from v2's,
+    so the first call under the variant, after one under v2, performs one more warm-up."""
+    x = _x(seed, shape, dtype)
+    f = jax.jit(lambda x: fn(x, "native"))
+    jax.block_until_ready(f(x))  # v2 launch: its key is warmed now
+    key = (handler, tag, shape, jnp.dtype(dtype).name, kernel)
+    with _tuning(WARP_ROW[kernel]):
+        before = _warmups(handler)
+        y = _compare(fn, shape, dtype, seed)
+        jax.block_until_ready(f(x))
+        if key not in _WARMED:
+            assert _warmups(handler) == before + 1, f"{kernel} did not run for {shape} {dtype}"
+            _WARMED.add(key)
+    return y
+
+
+# Row lengths: non-powers of two and rows that leave lanes without a vector, up to 512 vectors.
+VARIANT_ROWS = [(3, 5, 8), (2, 3, 24), (2, 3, 1000), (4, 1032), (3, 2056), (2, 2048), (2, 3, 4088), (2, 4096)]
+VARIANT_CAUSAL = [8, 40, 264, 1000, 2048, 4096]
+VARIANT_MASKED = [((2, 3, 16, 64), (2, 1, 16, 64)), ((2, 3, 16, 64), (1, 1, 16, 64)), ((2, 3, 16, 64), (2, 1, 1, 64)),
+                  ((2, 3, 16, 64), (2, 3, 16, 64)), ((2, 2, 9, 1000), (2, 1, 9, 1000)),
+                  ((1, 2, 8, 2048), (1, 1, 8, 2048)), ((1, 2, 6, 4096), (1, 1, 6, 4096)),
+                  ((2, 4, 256, 256), (1, 1, 256, 256))]
+
+
+@pytest.mark.parametrize("kernel, dtype, shape", _variant_cases(VARIANT_ROWS, lambda s: s[-1]))
+def test_warp_row_scaled_softmax(kernel, dtype, shape):
+    fn = lambda x, impl: te_ops.scaled_softmax(x, 0.7, implementation=impl)
+    _compare_variant(kernel, fn, shape, dtype, "scaled_softmax_fwd", "none")
+
+
+@pytest.mark.parametrize("kernel, dtype, s", _variant_cases(VARIANT_CAUSAL, lambda s: s))
+@pytest.mark.parametrize("scale", [0.5, -0.3])
+def test_warp_row_upper_triang(kernel, dtype, s, scale):
+    fn = lambda x, impl: te_ops.scaled_upper_triang_masked_softmax(x, scale, implementation=impl)
+    y = _compare_variant(kernel, fn, (1, 2, s, s) if s > 1000 else (2, 3, s, s), dtype, "scaled_softmax_fwd", "causal")
+    assert bool(jnp.all(jnp.triu(y.astype(jnp.float32), k=1) == 0))
+
+
+@pytest.mark.parametrize("kernel, dtype, shapes", _variant_cases(VARIANT_MASKED, lambda s: s[0][-1]))
+@pytest.mark.parametrize("scale", [0.9, -0.6])
+def test_warp_row_masked(kernel, dtype, shapes, scale):
+    x_shape, mask_shape = shapes
+    mask = jax.random.bernoulli(jax.random.key(3), 0.35, mask_shape)
+    if mask_shape[2] > 1:
+        mask = mask.at[0, 0, 1].set(True)  # one fully masked row
+        # one row masked everywhere but its last element, and one with a masked run across vectors
+        mask = mask.at[0, 0, 0].set(True).at[0, 0, 0, -1].set(False)
+        mask = mask.at[0, 0, 2, : x_shape[-1] // 2 + 3].set(True)
+    fn = lambda x, impl: te_ops.scaled_masked_softmax(x, mask, scale, implementation=impl)
+    y = _compare_variant(kernel, fn, x_shape, dtype, "scaled_masked_softmax_fwd", ("mask", mask_shape))
+    assert bool(jnp.all(jnp.where(jnp.broadcast_to(mask, x_shape), y.astype(jnp.float32), 0) == 0))
+
+
+@pytest.mark.parametrize("kernel", list(WARP_ROW))
+def test_warp_row_causal_mask_matches_upper_triang(kernel):
+    x = _x(5, (2, 4, 512, 512), jnp.bfloat16)
+    causal = ~jnp.tril(jnp.ones((512, 512), bool))[None, None]
+    with _tuning(WARP_ROW[kernel]):
+        a = jax.jit(lambda x: te_ops.scaled_masked_softmax(x, causal, 0.125, implementation="native"))(x)
+        b = jax.jit(lambda x: te_ops.scaled_upper_triang_masked_softmax(x, 0.125, implementation="native"))(x)
+    c = jax.jit(lambda x: te_ops.scaled_upper_triang_masked_softmax(x, 0.125, implementation="native"))(x)  # v2
+    T.assert_close(a, b, jnp.bfloat16)
+    T.assert_close(a, c, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("kernel", list(WARP_ROW))
+def test_warp_row_falls_back_where_it_does_not_apply(kernel):
+    # odd row length (no 16-byte vectors), a row longer than 512 vectors, scale 0: v2 runs instead.
+    for shape, scale in [((3, 1001), 0.7), ((2, 4104), 0.7), ((2, 256), 0.0)]:
+        fn = lambda x, impl, s=scale: te_ops.scaled_softmax(x, s, implementation=impl)
+        x = _x(0, shape, jnp.bfloat16)
+        jax.block_until_ready(jax.jit(lambda x, fn=fn: fn(x, "native"))(x))  # v2: key warmed
+        with _tuning(WARP_ROW[kernel]):
+            before = _warmups("scaled_softmax_fwd")
+            _compare(fn, shape, jnp.bfloat16)
+            assert _warmups("scaled_softmax_fwd") == before, f"{kernel} should fall back to v2 for {shape}"
 
 
 # ---- command buffers --------------------------------------------------------------------------

@@ -251,3 +251,45 @@ def test_large_row_and_extreme_values():
     np.testing.assert_allclose(np.asarray(y.sum(-1)), 1.0, rtol=1e-5)
     T.assert_close(y, _expected(x, 1.0), jnp.float32)
     assert math.isclose(float(y[0, 0]), 1.0, rel_tol=1e-6)
+
+
+# ---- launch choices of the native forward (host logic only; the kernels run in tests/gpu) ------
+
+
+def _native_module_or_skip():
+    from te_ops._core import native
+
+    if native.extension_unavailable_reason() is not None:
+        pytest.skip(f"te_ops._native not built: {native.extension_unavailable_reason()}")
+    return native.module()
+
+
+@pytest.mark.parametrize("nv", [16, -16])
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_warp_row_tuning_pairs_select_one_warp_per_row(nv, mode):
+    mod = _native_module_or_skip()
+    default = mod.softmax_config(1, 1000, 4096, mode)
+    try:
+        mod.softmax_set_tuning(32, nv)
+        for cols, want_nv in [(4096, 16), (4088, 16), (2048, 8), (1032, 8), (1000, 4), (8, 4)]:
+            c = mod.softmax_config(1, 1001, cols, mode)  # bf16
+            assert (c["threads_per_row"], c["vectors_per_thread"], c["vec"]) == (32, want_nv, 8), (cols, c)
+            assert c["block"] == 128 and c["grid"] == 251, c  # 4 rows (warps) per block
+        # not covered: odd length (no 16-byte vectors) and > 512 vectors fall back to the heuristic
+        for cols in (4097, 4104, 8192):
+            mod.softmax_set_tuning(0, 0)
+            want = mod.softmax_config(1, 1000, cols, mode)
+            mod.softmax_set_tuning(32, nv)
+            assert mod.softmax_config(1, 1000, cols, mode) == want, cols
+        # float32: rows up to 2048 for the exact variant; the packed one is bf16 only
+        mod.softmax_set_tuning(0, 0)
+        want = mod.softmax_config(0, 1000, 2048, mode)
+        mod.softmax_set_tuning(32, nv)
+        c = mod.softmax_config(0, 1000, 2048, mode)
+        if nv > 0:
+            assert (c["threads_per_row"], c["vectors_per_thread"], c["vec"], c["block"]) == (32, 16, 4, 128), c
+        else:
+            assert c == want, c
+    finally:
+        mod.softmax_set_tuning(0, 0)
+    assert mod.softmax_config(1, 1000, 4096, mode) == default
