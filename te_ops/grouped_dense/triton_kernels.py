@@ -29,13 +29,17 @@ import triton.language as tl
 
 @triton.jit
 def _group_table(gs_ptr, G, M, BLOCK_G: tl.constexpr):
-    """Per-group (start, end) rows: sizes clamped >= 0, ends clipped at M (matches reference.py)."""
+    """Per-group (start, end) rows: sizes clamped >= 0, both bounds clipped at M (matches
+    reference.group_bounds: start[g] = end[g-1]). The start is the clipped *exclusive* prefix sum,
+    not ``end - size``: once the sum passes M the end is clipped, and ``end - size`` would reach back
+    into the previous group (sizes [300, 300, 300] at M=640 would give group 2 rows [340, 640),
+    overlapping group 1, whose output rows and dkernels then depend on which tile is written last)."""
     gi = tl.arange(0, BLOCK_G)
     sizes = tl.load(gs_ptr + gi, mask=gi < G, other=0)
     sizes = tl.maximum(sizes, 0)
-    end = tl.minimum(tl.cumsum(sizes, axis=0), M)
-    start = tl.minimum(end - sizes, M)
-    start = tl.maximum(start, 0)
+    cum = tl.cumsum(sizes, axis=0)
+    end = tl.minimum(cum, M)
+    start = tl.minimum(cum - sizes, M)
     return gi, start, end
 
 

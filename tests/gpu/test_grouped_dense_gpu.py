@@ -121,10 +121,16 @@ def test_edge_sizes_one_executable():
         [300, 300, 300, 0, 0, 0],
         [1, 2, 3, 4, 5, 6],
         [129, 127, 128, 1, 0, 255],
+        [100, 500, 60, 90, 0, 10],  # group 2 clipped to [600, 640); groups 3 and 5 start past M
     )
+    failures = []  # every size vector is checked; the message names each one that fails
     for sizes in all_sizes:
         s = jnp.asarray(sizes, jnp.int32)
-        check(fn(x, w, s, b, dy), ref(x, w, s, b, dy), jnp.bfloat16)
+        try:
+            check(fn(x, w, s, b, dy), ref(x, w, s, b, dy), jnp.bfloat16)
+        except AssertionError as e:
+            failures.append(f"sizes={sizes}: {str(e).strip()[:600]}")
+    assert not failures, "\n\n".join(failures)
 
 
 _CMD_BUFFER_SCRIPT = textwrap.dedent("""

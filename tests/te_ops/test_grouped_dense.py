@@ -277,12 +277,11 @@ needs_triton = pytest.mark.skipif(
 )
 
 
-@needs_triton
-def test_triton_kernels_under_interpreter():
+def _run_interpreter(mode: str):
     env = dict(os.environ, TRITON_INTERPRET="1", JAX_PLATFORMS="cpu")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     r = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--interpret"],
+        [sys.executable, os.path.abspath(__file__), mode],
         capture_output=True,
         text=True,
         env=env,
@@ -290,6 +289,21 @@ def test_triton_kernels_under_interpreter():
         cwd=ROOT,
     )
     assert r.returncode == 0 and "interpret failures: 0" in r.stdout, (r.stdout[-3000:], r.stderr[-3000:])
+
+
+@needs_triton
+def test_triton_kernels_under_interpreter():
+    _run_interpreter("--interpret")
+
+
+@needs_triton
+def test_triton_kernels_edge_sizes_under_interpreter():
+    """The size vectors of the GPU test_edge_sizes_one_executable, scaled down: one group owning every
+    row, all groups empty, sizes summing past M (a group clipped at M, groups starting at or past M),
+    tiny groups, groups ending mid-tile; plus a negative size (clamped to 0). Regression: the kernels'
+    group table once put a clipped group's start at ``end - size`` (not the previous group's end), so
+    it overlapped the group before it (y, dx and dkernels wrong for [300, 300, 300, ...] at M=640)."""
+    _run_interpreter("--interpret-edge")
 
 
 @needs_triton
@@ -352,7 +366,29 @@ def test_triton_lowering_for_sm90_without_gpu(monkeypatch):
 # ----------------------------------------------------------------------------------------------
 
 
-def _interpret_main() -> int:
+_INTERPRET_CASES = [  # (M, K, N, sizes)
+    (70, 32, 24, [7, 0, 20, 3, 10]),
+    (64, 40, 16, [0, 33, 31]),
+    (40, 16, 32, [0, 0, 0]),
+    (50, 16, 16, [50]),
+    (45, 24, 40, [0, 17, 1, 0, 2]),
+    (90, 16, 16, [3, 0, 5, 1, 0, 7, 2, 9, 0, 4, 6, 1, 0, 8, 3, 2, 5, 0, 1, 10]),
+]
+
+# tests/gpu/test_grouped_dense_gpu.py::test_edge_sizes_one_executable at 1/16 scale (M=640 -> 40,
+# BM=128 -> 16; 300 -> 19 is a group that ends 3 rows into a tile), plus sums past M
+_EDGE_CASES = [
+    (40, 16, 16, [0, 0, 40, 0, 0, 0]),
+    (40, 16, 16, [0] * 6),
+    (40, 16, 16, [19, 19, 19, 0, 0, 0]),  # clipped: group 2 is rows [38, 40)
+    (40, 16, 16, [1, 2, 3, 4, 5, 6]),
+    (40, 16, 16, [9, 7, 8, 1, 0, 15]),
+    (40, 16, 16, [10, 25, 7, 5, 0, 3]),  # groups 3 and 5 start past M (empty after clipping)
+    (40, 16, 16, [5, -3, 20, 30, 0, 1]),  # negative size -> 0; group 3 clipped
+]
+
+
+def _interpret_main(cases=_INTERPRET_CASES, bias_modes=(True, False)) -> int:
     sys.path.insert(0, ROOT)
     from tests.te_ops import _triton_interpret as ti  # sets TRITON_INTERPRET=1 before triton loads
 
@@ -367,14 +403,6 @@ def _interpret_main() -> int:
     wcfg = tri.WgradConfig(BKO=16, BN=16, BR=16, GROUP_K=2, num_warps=4, num_stages=2)
     rng = np.random.default_rng(0)
     failures = 0
-    cases = [
-        (70, 32, 24, [7, 0, 20, 3, 10]),
-        (64, 40, 16, [0, 33, 31]),
-        (40, 16, 32, [0, 0, 0]),
-        (50, 16, 16, [50]),
-        (45, 24, 40, [0, 17, 1, 0, 2]),
-        (90, 16, 16, [3, 0, 5, 1, 0, 7, 2, 9, 0, 4, 6, 1, 0, 8, 3, 2, 5, 0, 1, 10]),
-    ]
     for m, k, n, sizes in cases:
         g = len(sizes)
         x = jnp.asarray(rng.standard_normal((m, k)), jnp.float16)
@@ -382,7 +410,7 @@ def _interpret_main() -> int:
         b = jnp.asarray(rng.standard_normal((g, n)), jnp.float16)
         gs = jnp.array(sizes, jnp.int32)
         dy = jnp.asarray(rng.standard_normal((m, n)), jnp.float16)
-        for has_bias in (True, False):
+        for has_bias in bias_modes:
             with tri.config_override(cfg, cfg, wcfg):
                 y, res = tri.forward(x, w, gs, b if has_bias else None, has_bias=has_bias)
                 got = tri.backward(res, dy, has_bias=has_bias)
@@ -413,3 +441,5 @@ def _interpret_main() -> int:
 
 if __name__ == "__main__" and "--interpret" in sys.argv:
     sys.exit(1 if _interpret_main() else 0)
+if __name__ == "__main__" and "--interpret-edge" in sys.argv:
+    sys.exit(1 if _interpret_main(_EDGE_CASES, bias_modes=(True,)) else 0)
