@@ -8,9 +8,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from te_ops._core.partitioning import match_vma
 from te_ops._core import partitioning as P
 from te_ops._core import registry
+from te_ops._core.partitioning import match_vma
 from te_ops.dense import native, reference, sharding
 from te_ops.dense.reference import ACTIVATIONS, SAVES_PRE_ACTIVATION, Residuals
 

@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from te_ops._core.partitioning import match_vma
 from te_ops._core import partitioning as P
 from te_ops._core import registry
+from te_ops._core.partitioning import match_vma
 from te_ops.fused_attention import native, reference
 from te_ops.fused_attention.reference import Residuals
 

@@ -30,10 +30,10 @@ import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-from te_ops._core.partitioning import match_vma
 from te_ops._core import partitioning as P
 from te_ops._core import registry
 from te_ops._core import triton_bridge as tb
+from te_ops._core.partitioning import match_vma
 from te_ops.grouped_dense import reference as ref
 from te_ops.grouped_dense import triton as tri
 from te_ops.grouped_dense.reference import Residuals

@@ -26,10 +26,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from te_ops._core.partitioning import match_vma
 from te_ops._core import partitioning as P
 from te_ops._core import registry
 from te_ops._core import triton_bridge as tb
+from te_ops._core.partitioning import match_vma
 from te_ops.permutation import reference as ref
 from te_ops.permutation import triton as tri
 
