@@ -51,9 +51,11 @@ class Implementation:
       platform: ``"cuda"`` for GPU implementations, None for the portable reference.
       available: ``() -> str | None``: why the implementation cannot run in this process at all
         (extension not built, no GPU, Triton missing), None if it can.
-      auto: whether ``implementation=None`` may pick it. GPU implementations that have not yet
-        passed their GPU tests on real hardware are registered with ``auto=False``: they run only
-        when asked for by name, so the default stays correct.
+      auto: whether ``implementation=None`` may pick it: a bool, or ``(**call) -> bool`` to pick it
+        only for the calls where it was measured to be the better choice (e.g. large enough GEMMs).
+        GPU implementations that have not yet passed their GPU tests on real hardware are
+        registered with ``auto=False``: they run only when asked for by name, so the default stays
+        correct.
     """
 
     name: str
@@ -62,7 +64,10 @@ class Implementation:
     unsupported_reason: Callable[..., str | None] = lambda **_: None
     platform: str | None = None
     available: Callable[[], str | None] = lambda: None
-    auto: bool = True
+    auto: bool | Callable[..., bool] = True
+
+    def auto_for(self, call: Mapping[str, Any]) -> bool:
+        return bool(self.auto(**call)) if callable(self.auto) else bool(self.auto)
 
 
 def native_available(module: str = "_native") -> Callable[[], str | None]:
@@ -140,7 +145,7 @@ class OpFamily:
 
         reference = bound(self.get(REFERENCE))
         for impl in self._impls.values():
-            if impl.name == REFERENCE or impl.platform != "cuda" or not impl.auto:
+            if impl.name == REFERENCE or impl.platform != "cuda" or not impl.auto_for(call):
                 continue
             if impl.available() is None and impl.unsupported_reason(**call) is None:
                 return jax.lax.platform_dependent(*args, cuda=bound(impl), default=reference)

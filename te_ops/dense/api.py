@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import jax
@@ -15,6 +16,18 @@ from te_ops.dense import native, reference, sharding
 from te_ops.dense.reference import ACTIVATIONS, SAVES_PRE_ACTIVATION, Residuals
 
 FAMILY = registry.family("dense")
+# implementation=None picks the cuBLASLt handler only for GEMMs where the H200 measured it at or
+# above XLA (2026-12-03: 16384x4096x14336 fwd 1.11x, 8192^3 1.05x) and keeps XLA for small ones:
+# M=256 ran at 0.73x XLA, and for a router-sized N=16 the weight-gradient GEMM (m=16, k=16384) got
+# no cuBLASLt algorithm at all. implementation="native" still takes any shape.
+_AUTO_MIN_M, _AUTO_MIN_NK = 1024, 128
+
+
+def _auto_native(*, x_shape, kernel_shape, **_) -> bool:
+    m = math.prod(x_shape[:-1])
+    return m >= _AUTO_MIN_M and min(kernel_shape) >= _AUTO_MIN_NK
+
+
 FAMILY.register(
     registry.Implementation(
         name="native",
@@ -22,7 +35,9 @@ FAMILY.register(
         backward=native.backward,
         unsupported_reason=native.unsupported_reason,
         platform="cuda",
-        # Default on CUDA since tests/gpu/test_dense_gpu.py passed 67/67 on the H200 (2026-12-03).
+        # Default on CUDA since tests/gpu/test_dense_gpu.py passed 67/67 on the H200 (2026-12-03),
+        # for GEMMs large enough to be measured faster than XLA (see _auto_native).
+        auto=_auto_native,
         available=registry.native_available("_native_cublaslt"),
     )
 )

@@ -103,13 +103,19 @@ def test_native_partial_mode_float32_sums():
     T.assert_close(z, expect, jnp.float32, scale=_scale(expect))
 
 
-def test_default_implementation_follows_the_auto_flag():
-    """implementation=None picks native only once it is registered auto=True (after a green run)."""
+@pytest.mark.parametrize("x_shape, n", [((8, 16), 24), ((2, 1024, 256), 384), ((4096, 512), 16)])
+def test_default_implementation_follows_the_auto_rule(x_shape, n):
+    """implementation=None picks native exactly when the registry's auto rule says so (large GEMMs),
+    and the default result matches the reference either way."""
     from te_ops._core import registry
 
-    x, w, b, _ = _inputs((8, 16), 24, jnp.bfloat16, True, seed=5)
-    text = jax.jit(lambda x, w, b: dense(x, w, b, activation="gelu_tanh")).lower(x, w, b).as_text()
-    assert ("te_dense_fwd" in text) == registry.family("dense").get("native").auto
+    x, w, b, _ = _inputs(x_shape, n, jnp.bfloat16, True, seed=5)
+    f = jax.jit(lambda x, w, b: dense(x, w, b, activation="gelu_tanh"))
+    text = f.lower(x, w, b).as_text()
+    call = dict(x_shape=x.shape, kernel_shape=w.shape)
+    assert ("te_dense_fwd" in text) == registry.family("dense").get("native").auto_for(call)
+    want = dense(x, w, b, activation="gelu_tanh", implementation="reference")
+    T.assert_close(f(x, w, b), want, jnp.bfloat16, scale=_scale(want))
 
 
 def test_larger_bf16_gelu_tanh_training_shape():

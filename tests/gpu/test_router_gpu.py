@@ -207,7 +207,7 @@ def test_default_implementation_follows_the_auto_flag():
 
     x = quantised(11, (64, 256))
     f = lambda x: fused_topk_with_score_function(x, 8)[0]
-    auto = registry.family("fused_topk_with_score_function").get("native").auto
+    auto = registry.family("fused_topk_with_score_function").get("native").auto_for({})
     assert ("te_router_topk_fwd" in jax.jit(f).lower(x).as_text()) == auto
 
 

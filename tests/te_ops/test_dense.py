@@ -459,3 +459,28 @@ def test_row_parallel_through_native_glue(emulated_native):
     for a, e in zip(out, want, strict=True):
         np.testing.assert_allclose(_np(a), _np(e), rtol=1e-5, atol=1e-4)
     assert counts["all-reduce"] == 1
+
+
+@pytest.mark.parametrize(
+    "x_shape, kernel_shape, picked",
+    [
+        ((16384, 4096), (4096, 14336), True),  # the MLP: native measured 1.11x XLA
+        ((8, 1024, 1024), (1024, 4096), True),
+        ((256, 4096), (4096, 14336), False),  # small batch: XLA measured faster
+        ((16384, 1024), (1024, 16), False),  # router-sized N: cuBLASLt had no wgrad algorithm
+        ((4096, 64), (64, 4096), False),
+    ],
+)
+def test_default_picks_native_only_for_large_gemms(x_shape, kernel_shape, picked):
+    from te_ops._core import registry
+
+    impl = registry.family("dense").get("native")
+    assert impl.auto_for(dict(x_shape=x_shape, kernel_shape=kernel_shape)) is picked
+
+
+def test_auto_may_be_a_rule():
+    from te_ops._core import registry
+
+    impl = registry.Implementation(name="x", forward=None, backward=None, auto=lambda *, n, **_: n > 3)
+    assert impl.auto_for({"n": 4}) and not impl.auto_for({"n": 3})
+    assert registry.Implementation(name="y", forward=None, backward=None, auto=False).auto_for({}) is False
