@@ -7,23 +7,14 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "common/convert.cuh"
 #include "dense/dense.h"
 
 namespace te::dense {
 namespace {
 
-__device__ __forceinline__ float ToF(float v) { return v; }
-__device__ __forceinline__ float ToF(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float ToF(__half v) { return __half2float(v); }
-
-template <typename T>
-__device__ __forceinline__ T FromF(float v);
-template <>
-__device__ __forceinline__ float FromF<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 FromF<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-template <>
-__device__ __forceinline__ __half FromF<__half>(float v) { return __float2half_rn(v); }
+using te::FromF;  // common/convert.cuh: the element conversions shared by all kernels
+using te::ToF;
 
 constexpr float kSqrt2OverPi = 0.7978845608028654f;
 constexpr float kInvSqrt2 = 0.7071067811865476f;
