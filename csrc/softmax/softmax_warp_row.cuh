@@ -28,6 +28,15 @@ constexpr int kWarpRowThreads = 128;  // 4 rows (warps) per block
 // At most 65536 / (128 * 5) = 102 registers per thread: 5 blocks = 20 warps (20 rows) per SM.
 constexpr int kWarpRowMinBlocks = 6;
 
+// Reinterprets the bits of a 16- or 32-bit value (memcpy: no aliasing UB; compiles to a move).
+template <typename To, typename From>
+__device__ __forceinline__ To BitCast(const From& v) {
+  static_assert(sizeof(To) == sizeof(From), "BitCast needs equal sizes");
+  To r;
+  memcpy(&r, &v, sizeof(To));
+  return r;
+}
+
 // 32-bit words of the raw row: 2 x 16-bit or 1 x f32 element.
 template <typename T>
 struct Words;
@@ -41,20 +50,12 @@ struct Words<__nv_bfloat16> {
     return __uint_as_float(e == 0 ? (w << 16) : (w & 0xFFFF0000u));
   }
   __device__ static __forceinline__ uint32_t Pack(float lo, float hi) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    uint32_t r;
-    memcpy(&r, &h, 4);
-    return r;
+    return BitCast<uint32_t>(__floats2bfloat162_rn(lo, hi));
   }
   template <bool kMin>
   __device__ static __forceinline__ uint32_t Max(uint32_t a, uint32_t b) {
-    __nv_bfloat162 x, y;
-    memcpy(&x, &a, 4);
-    memcpy(&y, &b, 4);
-    const __nv_bfloat162 z = kMin ? __hmin2(x, y) : __hmax2(x, y);
-    uint32_t r;
-    memcpy(&r, &z, 4);
-    return r;
+    const __nv_bfloat162 x = BitCast<__nv_bfloat162>(a), y = BitCast<__nv_bfloat162>(b);
+    return BitCast<uint32_t>(kMin ? __hmin2(x, y) : __hmax2(x, y));
   }
 };
 
@@ -64,26 +65,16 @@ struct Words<__half> {
   static constexpr uint32_t kNegInf = 0xFC00FC00u;
   static constexpr uint32_t kPosInf = 0x7C007C00u;
   __device__ static __forceinline__ float Elem(uint32_t w, int e) {
-    __half h;
     const unsigned short s = static_cast<unsigned short>(e == 0 ? (w & 0xFFFFu) : (w >> 16));
-    memcpy(&h, &s, 2);
-    return __half2float(h);
+    return __half2float(BitCast<__half>(s));
   }
   __device__ static __forceinline__ uint32_t Pack(float lo, float hi) {
-    __half2 h = __floats2half2_rn(lo, hi);
-    uint32_t r;
-    memcpy(&r, &h, 4);
-    return r;
+    return BitCast<uint32_t>(__floats2half2_rn(lo, hi));
   }
   template <bool kMin>
   __device__ static __forceinline__ uint32_t Max(uint32_t a, uint32_t b) {
-    __half2 x, y;
-    memcpy(&x, &a, 4);
-    memcpy(&y, &b, 4);
-    const __half2 z = kMin ? __hmin2(x, y) : __hmax2(x, y);
-    uint32_t r;
-    memcpy(&r, &z, 4);
-    return r;
+    const __half2 x = BitCast<__half2>(a), y = BitCast<__half2>(b);
+    return BitCast<uint32_t>(kMin ? __hmin2(x, y) : __hmax2(x, y));
   }
 };
 
@@ -317,8 +308,7 @@ __global__ void __launch_bounds__(kWarpRowThreads, kWarpRowMinBlocks) SoftmaxFor
         const float e0 = Exp2Ftz(fminf(fmaf(W::Elem(w[i][j], 0), s2, c), 15.9f));
         const float e1 = Exp2Ftz(fminf(fmaf(W::Elem(w[i][j], 1), s2, c), 15.9f));
         sum += e0 + e1;
-        const __half2 h = __floats2half2_rn(e0, e1);
-        memcpy(&w[i][j], &h, 4);
+        w[i][j] = BitCast<uint32_t>(__floats2half2_rn(e0, e1));
       } else {
 #pragma unroll
         for (int e = 0; e < kEpw; ++e) sum += Exp2Ftz(fmaf(W::Elem(w[i][j], e), s2, c));
@@ -341,9 +331,7 @@ __global__ void __launch_bounds__(kWarpRowThreads, kWarpRowMinBlocks) SoftmaxFor
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         if constexpr (kPacked) {
-          __half2 h;
-          memcpy(&h, &w[i][j], 4);
-          const float2 e = __half22float2(h);
+          const float2 e = __half22float2(BitCast<__half2>(w[i][j]));
           ow[j] = W::Pack(e.x * inv, e.y * inv);
         } else {
           const float y0 = Exp2Ftz(fmaf(W::Elem(w[i][j], 0), s2, c)) * inv;
