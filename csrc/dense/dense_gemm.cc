@@ -112,10 +112,10 @@ ffi::Error SetPointers(const char* op, GemmPlan& plan, const GemmPtrs& p) {
 }
 
 cublasStatus_t Matmul(DeviceState& dev, GemmPlan& plan, const GemmPtrs& p, const cublasLtMatmulAlgo_t& algo,
-                      cudaStream_t stream) {
+                      cudaStream_t stream, void* workspace, size_t workspace_bytes) {
   const float alpha = 1.0f, beta = 0.0f;
   return cublasLtMatmul(dev.handle, plan.desc, &alpha, p.a, plan.la, p.b, plan.lb, &beta, p.d, plan.ld, p.d,
-                        plan.ld, &algo, dev.workspace, plan.workspace_bytes, stream);
+                        plan.ld, &algo, workspace, workspace_bytes, stream);
 }
 
 // Times the candidates on scratch buffers; returns the index of the fastest, 0 when timing is not
@@ -138,7 +138,10 @@ int TimeCandidates(DeviceState& dev, GemmPlan& plan, const std::vector<cublasLtM
   const size_t bytes_aux = HasAux(s.epilogue) ? static_cast<size_t>(s.aux_ld) * s.n * ed : 0;
   if (bytes_a + bytes_b + bytes_d + bytes_bias + bytes_aux > kMaxTimingScratchBytes) return 0;
 
-  void *a = nullptr, *b = nullptr, *d = nullptr, *bias = nullptr, *aux = nullptr;
+  // Timing gets its own workspace of the same size as the execute path's: the device workspace may
+  // still be in use by GEMMs queued on XLA's stream, and candidates that need a workspace (split-K,
+  // stream-K) must be timed with one, or they fail here and are never chosen.
+  void *a = nullptr, *b = nullptr, *d = nullptr, *bias = nullptr, *aux = nullptr, *ws = nullptr;
   cudaStream_t stream = nullptr;
   cudaEvent_t start = nullptr, stop = nullptr;
   int best = 0;
@@ -148,6 +151,7 @@ int TimeCandidates(DeviceState& dev, GemmPlan& plan, const std::vector<cublasLtM
     if (d) cudaFree(d);
     if (bias) cudaFree(bias);
     if (aux) cudaFree(aux);
+    if (ws) cudaFree(ws);
     if (start) cudaEventDestroy(start);
     if (stop) cudaEventDestroy(stop);
     if (stream) cudaStreamDestroy(stream);
@@ -157,6 +161,7 @@ int TimeCandidates(DeviceState& dev, GemmPlan& plan, const std::vector<cublasLtM
             cudaMalloc(&d, bytes_d) == cudaSuccess &&
             (bytes_bias == 0 || cudaMalloc(&bias, bytes_bias) == cudaSuccess) &&
             (bytes_aux == 0 || cudaMalloc(&aux, bytes_aux) == cudaSuccess) &&
+            cudaMalloc(&ws, dev.workspace_bytes) == cudaSuccess &&
             cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess &&
             cudaEventCreate(&start) == cudaSuccess && cudaEventCreate(&stop) == cudaSuccess;
   // Small non-zero values (byte 0x3c: ~0.01 in bf16/fp16/fp32), like real data for the tensor cores.
@@ -174,12 +179,12 @@ int TimeCandidates(DeviceState& dev, GemmPlan& plan, const std::vector<cublasLtM
   }
   float best_t = -1.0f;
   for (size_t i = 0; i < cands.size(); ++i) {
-    if (Matmul(dev, plan, p, cands[i].algo, stream) != CUBLAS_STATUS_SUCCESS) continue;  // warm-up
+    if (Matmul(dev, plan, p, cands[i].algo, stream, ws, dev.workspace_bytes) != CUBLAS_STATUS_SUCCESS) continue;  // warm-up
     if (cudaEventRecord(start, stream) != cudaSuccess) break;
     int reps = 3;
     bool failed = false;
     for (int r = 0; r < reps && !failed; ++r) {
-      failed = Matmul(dev, plan, p, cands[i].algo, stream) != CUBLAS_STATUS_SUCCESS;
+      failed = Matmul(dev, plan, p, cands[i].algo, stream, ws, dev.workspace_bytes) != CUBLAS_STATUS_SUCCESS;
     }
     if (cudaEventRecord(stop, stream) != cudaSuccess || cudaEventSynchronize(stop) != cudaSuccess) break;
     if (failed) continue;
@@ -363,7 +368,7 @@ ffi::Error GetPlan(const char* op, int device, DeviceState& dev, const GemmSpec&
 ffi::Error RunGemm(const char* op, DeviceState& dev, GemmPlan& plan, const GemmPtrs& ptrs, cudaStream_t stream) {
   std::lock_guard<std::mutex> lock(plan.mu);
   TE_RETURN_IF_ERROR(SetPointers(op, plan, ptrs));
-  cublasStatus_t st = Matmul(dev, plan, ptrs, plan.algo, stream);
+  cublasStatus_t st = Matmul(dev, plan, ptrs, plan.algo, stream, dev.workspace, plan.workspace_bytes);
   if (st != CUBLAS_STATUS_SUCCESS) return LtError(op, st, "cublasLtMatmul for " + plan.spec.Describe());
   return ffi::Error::Success();
 }

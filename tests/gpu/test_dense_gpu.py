@@ -118,6 +118,21 @@ def test_default_implementation_follows_the_auto_rule(x_shape, n):
     T.assert_close(f(x, w, b), want, jnp.bfloat16, scale=_scale(want))
 
 
+@pytest.mark.parametrize("has_bias", [False, True], ids=["nobias", "bias"])
+def test_native_tall_skinny_router_gate_shape(has_bias):
+    """The MoE router gate (x [16384, 1024] @ w [1024, 16]): cuBLASLt only offers algorithms that need
+    a workspace (split-K) for its wgrad (m=16 n=1024 k=16384). Run 6 (2026-12-03) failed here with
+    'no algorithm' because the candidates were timed without a workspace; forced to native so the
+    auto rule cannot hide it."""
+    x, w, b, ct = _inputs((16384, 1024), 16, jnp.bfloat16, has_bias, seed=7)
+    with native.poisoned_outputs():
+        y, grads = jax.jit(_fwd_bwd("native", None, has_bias))(x, w, b, ct)
+    y_ref, grads_ref = jax.jit(_fwd_bwd("reference", None, has_bias))(x, w, b, ct)
+    T.assert_close(y, y_ref, jnp.bfloat16, scale=_scale(y_ref))
+    for a, e in zip(grads, grads_ref, strict=True):
+        T.assert_close(a, e, jnp.bfloat16, scale=_scale(e))
+
+
 def test_larger_bf16_gelu_tanh_training_shape():
     """A transformer-sized MLP slice (fused GELU_AUX_BIAS forward, dgelu+dbias kernel, two GEMMs)."""
     x, w, b, ct = _inputs((2, 256, 1024), 4096, jnp.bfloat16, True, seed=6)
