@@ -1,8 +1,9 @@
 // Host interface of the MoE router kernels (csrc/router).
 //
 // Row-wise ops (fused top-k with score function, aux-loss scores): one warp owns one token row of
-// E <= kMaxExperts logits; lane l holds experts e = 32 * i + l (i < EPT = ceil(E / 32) rounded up
-// to a power of two), so every load and store of the row is coalesced across the warp.
+// E <= kMaxExperts logits at a time (persistent warps walk over the rows); lane l holds the EPT
+// contiguous experts [l * EPT, l * EPT + EPT), EPT = ceil(E / 32) rounded up to a power of two,
+// moved with 16-byte vectors when E % EPT == 0 (router_rows.cuh, router_kernels.cuh).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -18,7 +19,7 @@ constexpr int kMaxExperts = 1024;      // 32 lanes x 32 register slots
 constexpr int kMaxTopk = 32;
 constexpr int kMaxGroups = 32;         // one group per lane
 constexpr int kMaxPerGroupTopk = 16;   // topk / group_topk
-constexpr int kWarpsPerBlock = 4;      // rows per block of the row-wise kernels
+constexpr int kWarpsPerBlock = 4;      // warps (rows in flight) per block of the row-wise kernels
 constexpr int kLossPartials = 512;     // blocks (and partial sums) of the aux-loss reduction
 
 struct RowParams {

@@ -1,5 +1,5 @@
 // Router row kernels instantiated for __half (one file per dtype so they compile in parallel).
-#include "router/router_kernels.cuh"
+#include "router/router_launch.cuh"
 
 namespace te::router {
 

@@ -1,466 +1,390 @@
-// MoE router kernels: one warp per token row, the row in registers, a single pass.
+// MoE router row kernels: one warp per token row, the row in registers, one pass over HBM.
 //
-// Top-k: the selection score of every expert becomes an order-preserving uint32 key (larger key ==
-// larger float). Each round, the warp finds the largest key with one redux.sync (sm_80+), then the
-// smallest expert index holding it with a second one: ties go to the larger value, then to the
-// smaller expert index, exactly like jax.lax.top_k. The winning lane clears its slot and rescans
-// its EPT slots. Chosen experts are kept as a per-lane bit mask, so k is a runtime value.
+// Lane layout, keys, slices and the warp top-k: router_rows.cuh.
 //
-// Grouped selection (DeepSeek-V3): the row's selection scores go to shared memory, lane g sums the
-// top (topk / group_topk) scores of contiguous group g (G <= 32), the best group_topk groups are
-// picked with the same two-redux argmax, and the experts of the other groups get key 0 (never
-// chosen: valid experts have keys >= 1).
+// Persistent warps. The grid holds as many blocks as fit on the device at once (router_launch.cuh);
+// warp w handles rows w, w + W, w + 2W, ... and issues the loads of its NEXT row before working on
+// the current one. The old kernels (one row per warp, then exit) had each warp's single row load
+// followed by a long dependent top-k/softmax chain, so only a fraction of the resident warps had
+// loads in flight at any time (T65536 E256 fp32 forward: 0.132 ms for 151 MB, ~1.1 TB/s). With
+// the prefetch every resident warp keeps a row's worth of bytes in flight while it computes.
+//
+// Kernels are specialised by what they compute (FwdKind / BwdKind) so that the common softmax
+// top-k carries no registers or branches of the other variants.
+//
+// Forward, per row:
+//  1. scores s (softmax with pre-softmax: exp / sum over the row; softmax without: the logits;
+//     sigmoid: 1 / (1 + exp(-x))), selection scores s + expert bias;
+//  2. grouped selection (router_groups.cuh): only the best group_topk groups stay selectable;
+//  3. WarpTopK over the selection keys -> per-lane chosen mask;
+//  4. weights (softmax over the chosen logits: the max is round 0's winner, no extra reduction;
+//     sigmoid: normalised by one warp sum), dense probs / scores (streaming stores), routing map.
+// Backward, per row, reads only what the gradient needs: for softmax without pre-softmax and for
+// sigmoid the gradient is zero outside the k chosen experts, so only the lanes holding a chosen
+// expert read their slice of the logits and of d probs (a 32-byte sector each at E256 fp32); the
+// full row is read only for pre-softmax (the logits) and the aux scores (logits and d scores).
 #pragma once
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
-
-#include <cmath>
-#include <cstdint>
-
-#include "common/convert.cuh"
-#include "router/router.h"
+#include "router/router_groups.cuh"
+#include "router/router_rows.cuh"
 
 namespace te::router {
 
-constexpr unsigned kFull = 0xffffffffu;
-constexpr float kSigmoidEps = 1e-20f;
+enum class FwdKind : int {
+  kSoftmaxTopk = 0,  // top-k, softmax without pre-softmax, no groups (no bias: sigmoid only)
+  kTopk = 1,         // other top-k configurations (pre-softmax, sigmoid, bias, FastGroups groups)
+  kTopkGrouped = 2,  // top-k with grouped selection outside FastGroups (shared-memory group scan)
+  kAux = 3,          // compute_routing_scores_for_aux_loss
+};
 
-using te::FromF;
-using te::ToF;
+enum class BwdKind : int {
+  kSparse = 0,      // top-k, softmax without pre-softmax or sigmoid: gradient only at chosen experts
+  kPreSoftmax = 1,  // top-k with pre-softmax: dense logits, d probs only at chosen experts
+  kAux = 2,         // aux scores: dense logits and d scores
+};
 
-// Order-preserving float -> uint32 map (a < b  <=>  Key(a) < Key(b) for non-NaN floats).
-__device__ __forceinline__ uint32_t OrderedKey(float f) {
-  const uint32_t b = __float_as_uint(f);
-  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+// Prefetch the next row only while the raw slice is small (<= 32 bytes per lane: E <= 256 fp32,
+// E <= 512 bf16): larger slices would cost more registers than the occupancy they buy back.
+template <typename T, int EPT, bool kVec>
+constexpr bool kPrefetch = Slice<T, EPT, kVec>::kWords <= 8;
+
+// The lane's slots that hold experts: [0, n), n = clamp(E - e0, 0, EPT). With kVec (E % EPT == 0)
+// a slice is all in or all out. Slot tests compare j with n (cheap to recompute, unlike a set of
+// mask bits that the compiler would keep live, or spill, across the division slow paths).
+struct Slots {
+  int n;
+  __device__ __forceinline__ bool Has(int j) const { return j < n; }
+  __device__ __forceinline__ uint32_t Mask() const { return n >= 32 ? kFull : (1u << n) - 1u; }
+};
+
+template <int EPT, bool kVec>
+__device__ __forceinline__ Slots LaneSlots(int e0, int E) {
+  if constexpr (kVec) return Slots{e0 < E ? EPT : 0};
+  return Slots{min(max(E - e0, 0), EPT)};
 }
 
-// Valid experts get keys >= 1; 0 marks "not selectable" (taken, outside the row, masked group).
-__device__ __forceinline__ uint32_t SelectKey(float f) {
-  const uint32_t k = OrderedKey(f);
-  return k == 0u ? 1u : k;
-}
-
-__device__ __forceinline__ uint32_t WarpMaxU(uint32_t v) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  return __reduce_max_sync(kFull, v);
-#else
-  for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(kFull, v, o));
-  return v;
-#endif
-}
-
-__device__ __forceinline__ uint32_t WarpMinU(uint32_t v) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  return __reduce_min_sync(kFull, v);
-#else
-  for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(kFull, v, o));
-  return v;
-#endif
-}
-
-__device__ __forceinline__ float WarpSum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
-  return v;
-}
-
-__device__ __forceinline__ float WarpMax(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFull, v, o));
-  return v;
-}
-
-__device__ __forceinline__ float Sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
-
-// softmax over the valid slots (invalid slots hold -inf and end up 0).
-template <int EPT>
-__device__ __forceinline__ void SoftmaxInPlace(float (&v)[EPT]) {
+// softmax over the valid slots, in place (invalid slots end up 0). kDivide: exp / sum per element,
+// as the forward always computed the scores it selects on; otherwise exp * (1 / sum) (backward:
+// no per-element division slow paths, whose calls cost registers and spills; within 2 ulp).
+template <int EPT, bool kDivide>
+__device__ __forceinline__ void SoftmaxSlots(float (&v)[EPT], Slots valid) {
   float mx = -INFINITY;
 #pragma unroll
-  for (int i = 0; i < EPT; ++i) mx = fmaxf(mx, v[i]);
-  mx = WarpMax(mx);
+  for (int j = 0; j < EPT; ++j) {
+    if (valid.Has(j)) mx = fmaxf(mx, v[j]);
+  }
+  mx = WarpMaxF(mx);
   float sum = 0.f;
 #pragma unroll
-  for (int i = 0; i < EPT; ++i) {
-    v[i] = expf(v[i] - mx);
-    sum += v[i];
+  for (int j = 0; j < EPT; ++j) {
+    v[j] = valid.Has(j) ? expf(v[j] - mx) : 0.f;
+    sum += v[j];
   }
   sum = WarpSum(sum);
+  if constexpr (kDivide) {
 #pragma unroll
-  for (int i = 0; i < EPT; ++i) v[i] = v[i] / sum;
+    for (int j = 0; j < EPT; ++j) v[j] = v[j] / sum;
+  } else {
+    const float inv = 1.f / sum;
+#pragma unroll
+    for (int j = 0; j < EPT; ++j) v[j] *= inv;
+  }
 }
 
-template <typename T, int EPT>
+// scale / sum for the softmax over the chosen logits, where sum (of exps <= 1, the largest exactly
+// 1) lies in [1, 32]: the approximate division (2 ulp) is safe there, and it has no slow-path call
+// (whose calling convention costs registers and caused spills).
+__device__ __forceinline__ float SoftmaxScale(float scale, float sum) { return __fdividef(scale, sum); }
+
+// The expert bias of a lane's slots: in registers for small vector slices (E <= 256), re-read per
+// row (L1 hits) otherwise, where EPT more live registers would cost occupancy or spill.
+template <int EPT, bool kVec>
+struct LaneBias {
+  static constexpr bool kHoist = kVec && EPT <= 8;
+  float v[kHoist ? EPT : 1];
+  const float* ptr;
+
+  __device__ __forceinline__ void Init(const float* bias, int e0, Slots valid) {
+    ptr = bias + e0;
+    if constexpr (kHoist) {
+#pragma unroll
+      for (int j = 0; j < EPT; ++j) v[j] = valid.Has(j) ? __ldg(ptr + j) : 0.f;
+    }
+  }
+  __device__ __forceinline__ float Get(int j) const {  // only for valid slots
+    if constexpr (kHoist) {
+      return v[j];
+    } else {
+      return __ldg(ptr + j);
+    }
+  }
+};
+
+template <typename T, int EPT, bool kVec, FwdKind kKind>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32) RowForwardKernel(RowParams p) {
-  extern __shared__ float smem[];  // grouped selection only: kWarpsPerBlock * experts floats
+  extern __shared__ float smem[];  // kTopkGrouped only: kWarpsPerBlock * E floats
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp;
+  const int stride = gridDim.x * kWarpsPerBlock;  // the grid is at most the resident blocks
+  int64_t row = blockIdx.x * kWarpsPerBlock + warp;
   if (row >= p.rows) return;  // warp-uniform: the whole warp leaves together
   const int E = p.experts;
-  const T* x = static_cast<const T*>(p.logits) + row * E;
+  const int e0 = lane * EPT;
+  const Slots valid = LaneSlots<EPT, kVec>(e0, E);
+  const T* x = static_cast<const T*>(p.logits);
+  T* out = static_cast<T*>(p.out);
 
-  // 1. Scores (softmax without pre-softmax: the logits themselves).
-  float s[EPT];
-#pragma unroll
-  for (int i = 0; i < EPT; ++i) {
-    const int e = i * 32 + lane;
-    s[i] = e < E ? ToF<T>(x[e]) : -INFINITY;
+  // Per-lane constants: a lane owns the same experts in every row.
+  constexpr bool kTopkKind = kKind == FwdKind::kTopk || kKind == FwdKind::kTopkGrouped;
+  LaneBias<EPT, kVec> bias;
+  GroupLayout groups{};
+  if constexpr (kTopkKind) {
+    if (p.bias != nullptr) bias.Init(p.bias, e0, valid);
   }
-  if (p.score == Score::kSoftmax) {
-    if (p.pre_softmax || p.aux) SoftmaxInPlace<EPT>(s);
-  } else {
+  if constexpr (kKind == FwdKind::kTopkGrouped) groups = MakeGroupLayout<EPT>(p, e0);
+
+  Slice<T, EPT, kVec> cur;
+  cur.Load(x + row * E, e0, E);
+  for (;;) {
+    const int64_t next = row + stride;
+    const bool more = next < p.rows;
+    Slice<T, EPT, kVec> nxt;
+    if constexpr (kPrefetch<T, EPT, kVec>) {
+      if (more) nxt.Load(x + next * E, e0, E);  // in flight while this row is processed
+    }
+
+    uint32_t key[EPT];
+    uint32_t chosen, first = 0u;
+    float o[EPT];  // the dense output row slice: probs (top-k) or scores (aux)
+    if constexpr (kKind == FwdKind::kSoftmaxTopk) {
+      // Selection on the logits themselves; weights = softmax over the chosen logits.
 #pragma unroll
-    for (int i = 0; i < EPT; ++i) s[i] = Sigmoid(s[i]);  // invalid slots: sigmoid(-inf) = 0
-    if (p.aux) {
+      for (int j = 0; j < EPT; ++j) key[j] = valid.Has(j) ? SelectKey(cur.Get(j)) : 0u;
+      chosen = WarpTopK<EPT>(key, LaneBest2<EPT>(key, 0u), p.topk, lane, first);
+      const float mx = KeyFloat(first);  // the largest chosen logit (= the row's max)
       float sum = 0.f;
 #pragma unroll
-      for (int i = 0; i < EPT; ++i) sum += s[i];
-      sum = WarpSum(sum) + kSigmoidEps;
-#pragma unroll
-      for (int i = 0; i < EPT; ++i) s[i] = s[i] / sum;
-    }
-  }
-
-  // 2. Selection keys (scores + expert bias).
-  const bool grouped = p.num_groups > 0;
-  float* buf = smem + static_cast<int64_t>(warp) * E;
-  uint32_t key[EPT];
-#pragma unroll
-  for (int i = 0; i < EPT; ++i) {
-    const int e = i * 32 + lane;
-    key[i] = 0u;
-    if (e < E) {
-      const float sel = p.bias != nullptr ? s[i] + p.bias[e] : s[i];
-      key[i] = SelectKey(sel);
-      if (grouped) buf[e] = sel;
-    }
-  }
-
-  // 3. Grouped selection: only the best group_topk groups stay selectable.
-  if (grouped) {
-    __syncwarp();
-    const int G = p.num_groups;
-    const int gsize = E / G;
-    const int m = p.topk / p.group_topk;
-    uint32_t gkey = 0u;
-    if (lane < G) {
-      float top[kMaxPerGroupTopk];
-#pragma unroll
-      for (int q = 0; q < kMaxPerGroupTopk; ++q) top[q] = -INFINITY;
-      const float* grp = buf + lane * gsize;
-      // Lane g starts its scan at element g of its group: with 32-float groups the lanes then hit
-      // 32 different banks instead of one. The top-m multiset (and its sum) is order-independent.
-      int jj = lane % gsize;
-      for (int j = 0; j < gsize; ++j) {
-        float v = grp[jj];
-        if (++jj == gsize) jj = 0;
-#pragma unroll
-        for (int q = 0; q < kMaxPerGroupTopk; ++q) {
-          if (q >= m) break;
-          if (v > top[q]) {
-            const float t = top[q];
-            top[q] = v;
-            v = t;
-          }
-        }
+      for (int j = 0; j < EPT; ++j) {
+        const float ex = ExpNonPos(cur.Get(j) - mx);  // every slot, then select: no branches
+        o[j] = ((chosen >> j) & 1u) ? ex : 0.f;
+        sum += o[j];
       }
-      float gsum = 0.f;  // summed largest first, as the reference sums lax.top_k's output
+      const float scale = SoftmaxScale(p.scaling, WarpSum(sum));
 #pragma unroll
-      for (int q = 0; q < kMaxPerGroupTopk; ++q) {
-        if (q < m) gsum += top[q];
-      }
-      gkey = SelectKey(gsum);
-    }
-    uint32_t gmask = 0u;
-    for (int r = 0; r < p.group_topk; ++r) {
-      const uint32_t best = WarpMaxU(gkey);
-      const uint32_t cand = (gkey != 0u && gkey == best) ? static_cast<uint32_t>(lane) : 0xffffffffu;
-      const uint32_t win = WarpMinU(cand) & 31u;
-      gmask |= 1u << win;
-      if (lane == static_cast<int>(win)) gkey = 0u;
-    }
-#pragma unroll
-    for (int i = 0; i < EPT; ++i) {
-      const int e = i * 32 + lane;
-      if (e < E && !((gmask >> (e / gsize)) & 1u)) key[i] = 0u;
-    }
-  }
-
-  // 4. Top-k by repeated warp argmax.
-  uint32_t ck = 0u;
-  int ci = 0;
-#pragma unroll
-  for (int i = 0; i < EPT; ++i) {
-    if (key[i] > ck) {
-      ck = key[i];
-      ci = i;
-    }
-  }
-  uint32_t chosen = 0u;
-  for (int r = 0; r < p.topk; ++r) {
-    const uint32_t best = WarpMaxU(ck);
-    const uint32_t cand = ck == best ? static_cast<uint32_t>(ci * 32 + lane) : 0xffffffffu;
-    const uint32_t win = WarpMinU(cand);
-    if (static_cast<int>(win & 31u) == lane) {
-      const int wi = static_cast<int>(win >> 5);
-#pragma unroll
-      for (int i = 0; i < EPT; ++i) {
-        if (i == wi) {
-          key[i] = 0u;
-          chosen |= 1u << i;
-        }
-      }
-      ck = 0u;
-      ci = 0;
-#pragma unroll
-      for (int i = 0; i < EPT; ++i) {
-        if (key[i] > ck) {
-          ck = key[i];
-          ci = i;
-        }
-      }
-    }
-  }
-#pragma unroll
-  for (int i = 0; i < EPT; ++i) {
-    if (i * 32 + lane >= E) chosen &= ~(1u << i);
-  }
-
-  // 5-6. Outputs: dense probs (top-k) or scores (aux), then the routing map.
-  T* out = static_cast<T*>(p.out) + row * E;
-  if (p.aux) {
-#pragma unroll
-    for (int i = 0; i < EPT; ++i) {
-      const int e = i * 32 + lane;
-      if (e < E) out[e] = FromF<T>(s[i]);
-    }
-  } else {
-    float w[EPT];
-    if (p.score == Score::kSoftmax && !p.pre_softmax) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int i = 0; i < EPT; ++i) {
-        if ((chosen >> i) & 1u) mx = fmaxf(mx, s[i]);
-      }
-      mx = WarpMax(mx);
-      float sum = 0.f;
-#pragma unroll
-      for (int i = 0; i < EPT; ++i) {
-        w[i] = ((chosen >> i) & 1u) ? expf(s[i] - mx) : 0.f;
-        sum += w[i];
-      }
-      sum = WarpSum(sum);
-#pragma unroll
-      for (int i = 0; i < EPT; ++i) w[i] = w[i] / sum;
+      for (int j = 0; j < EPT; ++j) o[j] *= scale;
     } else {
-      float sum = 0.f;
+      float s[EPT];
 #pragma unroll
-      for (int i = 0; i < EPT; ++i) {
-        w[i] = ((chosen >> i) & 1u) ? s[i] : 0.f;
-        sum += w[i];
+      for (int j = 0; j < EPT; ++j) s[j] = cur.Get(j);
+      if (p.score == Score::kSoftmax) {
+        if (kKind == FwdKind::kAux || p.pre_softmax) SoftmaxSlots<EPT, true>(s, valid);
+      } else {
+#pragma unroll
+        for (int j = 0; j < EPT; ++j) s[j] = valid.Has(j) ? Sigmoid(s[j]) : 0.f;
+        if constexpr (kKind == FwdKind::kAux) {
+          float sum = 0.f;
+#pragma unroll
+          for (int j = 0; j < EPT; ++j) sum += s[j];
+          sum = WarpSum(sum) + kSigmoidEps;
+#pragma unroll
+          for (int j = 0; j < EPT; ++j) s[j] = s[j] / sum;
+        }
       }
-      if (p.score == Score::kSigmoid && p.topk > 1) {
-        sum = WarpSum(sum) + kSigmoidEps;
+      if constexpr (kKind == FwdKind::kAux) {
 #pragma unroll
-        for (int i = 0; i < EPT; ++i) w[i] = w[i] / sum;
+        for (int j = 0; j < EPT; ++j) key[j] = valid.Has(j) ? SelectKey(s[j]) : 0u;
+        chosen = WarpTopK<EPT>(key, LaneBest2<EPT>(key, 0u), p.topk, lane, first);
+#pragma unroll
+        for (int j = 0; j < EPT; ++j) o[j] = s[j];
+      } else {
+#pragma unroll
+        for (int j = 0; j < EPT; ++j) {
+          float sel = s[j];  // selection score
+          if (p.bias != nullptr && valid.Has(j)) sel += bias.Get(j);
+          key[j] = valid.Has(j) ? SelectKey(sel) : 0u;
+        }
+        Best2 b = LaneBest2<EPT>(key, 0u);
+        if constexpr (kKind == FwdKind::kTopkGrouped) {
+          MaskGroupsShared<EPT>(p, groups, lane, e0, valid.n, smem + static_cast<int64_t>(warp) * E, key, b);
+        } else if (p.num_groups > 0) {
+          MaskGroupsFast<EPT>(p, lane, key, b);
+        }
+        chosen = WarpTopK<EPT>(key, b, p.topk, lane, first);
+        if (p.score == Score::kSoftmax && !p.pre_softmax) {  // softmax over the chosen logits
+          const float mx = KeyFloat(first);
+          float sum = 0.f;
+#pragma unroll
+          for (int j = 0; j < EPT; ++j) {
+            const float ex = ExpNonPos(s[j] - mx);
+            o[j] = ((chosen >> j) & 1u) ? ex : 0.f;
+            sum += o[j];
+          }
+          const float scale = SoftmaxScale(p.scaling, WarpSum(sum));
+#pragma unroll
+          for (int j = 0; j < EPT; ++j) o[j] *= scale;
+        } else {  // the chosen scores, sigmoid ones normalised to sum 1 (topk > 1)
+          float sum = 0.f;
+#pragma unroll
+          for (int j = 0; j < EPT; ++j) {
+            o[j] = ((chosen >> j) & 1u) ? s[j] : 0.f;
+            sum += o[j];
+          }
+          float scale = p.scaling;
+          if (p.score == Score::kSigmoid && p.topk > 1) scale = p.scaling / (WarpSum(sum) + kSigmoidEps);
+#pragma unroll
+          for (int j = 0; j < EPT; ++j) o[j] *= scale;
+        }
       }
     }
-#pragma unroll
-    for (int i = 0; i < EPT; ++i) {
-      const int e = i * 32 + lane;
-      if (e < E) out[e] = FromF<T>(p.scaling * w[i]);
-    }
-  }
+    StoreSlice<T, EPT, kVec, /*kStream=*/true>(out + row * E, e0, E, o);
+    StoreMap<EPT, kVec>(p.map_out, row, e0, E, chosen, p.compact);
 
-  if (p.compact) {
-    const int nb = (E + 7) >> 3;
-    uint8_t* mrow = p.map_out + row * nb;
-#pragma unroll
-    for (int i = 0; i < EPT; ++i) {
-      const uint32_t bits = __ballot_sync(kFull, (chosen >> i) & 1u);
-      const int byte = i * 4 + lane;
-      if (lane < 4 && byte < nb) mrow[byte] = static_cast<uint8_t>((bits >> (8 * lane)) & 0xffu);
-    }
-  } else {
-    uint8_t* mrow = p.map_out + row * E;
-#pragma unroll
-    for (int i = 0; i < EPT; ++i) {
-      const int e = i * 32 + lane;
-      if (e < E) mrow[e] = static_cast<uint8_t>((chosen >> i) & 1u);
+    if (!more) break;
+    row = next;
+    if constexpr (kPrefetch<T, EPT, kVec>) {
+      cur = nxt;
+    } else {
+      cur.Load(x + row * E, e0, E);
     }
   }
 }
 
-template <typename T, int EPT>
+// What a backward row needs from memory before any of it can be used: the routing map (top-k),
+// the full logits (pre-softmax, aux) and the full d scores (aux).
+template <typename T, int EPT, bool kVec, BwdKind kKind>
+struct BwdRow {
+  MapSlice<EPT, kVec> map;
+  Slice<T, EPT, kVec> x, g;
+
+  __device__ __forceinline__ void Load(const RowParams& p, int64_t row, int e0) {
+    const int E = p.experts;
+    if constexpr (kKind != BwdKind::kAux) map.Load(p.map_in, row, e0, E, p.compact);
+    if constexpr (kKind != BwdKind::kSparse) x.Load(static_cast<const T*>(p.logits) + row * E, e0, E);
+    if constexpr (kKind == BwdKind::kAux) g.Load(static_cast<const T*>(p.g) + row * E, e0, E);
+  }
+};
+
+template <typename T, int EPT, bool kVec, BwdKind kKind>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32) RowBackwardKernel(RowParams p) {
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp;
+  const int stride = gridDim.x * kWarpsPerBlock;  // the grid is at most the resident blocks
+  int64_t row = blockIdx.x * kWarpsPerBlock + warp;
   if (row >= p.rows) return;  // warp-uniform
   const int E = p.experts;
-  const T* x = static_cast<const T*>(p.logits) + row * E;
-  const T* gp = static_cast<const T*>(p.g) + row * E;
+  const int e0 = lane * EPT;
+  const Slots valid = LaneSlots<EPT, kVec>(e0, E);
+  const float sf = p.scaling;
+  using Row = BwdRow<T, EPT, kVec, kKind>;
+  constexpr bool kPre = kPrefetch<T, EPT, kVec> || kKind == BwdKind::kSparse;  // sparse: just the map
 
-  float v[EPT], g[EPT];
-  uint32_t chosen = 0u;
-#pragma unroll
-  for (int i = 0; i < EPT; ++i) {
-    const int e = i * 32 + lane;
-    v[i] = -INFINITY;
-    g[i] = 0.f;
-    if (e < E) {
-      v[i] = ToF<T>(x[e]);
-      g[i] = ToF<T>(gp[e]);
+  Row cur;
+  cur.Load(p, row, e0);
+  for (;;) {
+    const int64_t next = row + stride;
+    const bool more = next < p.rows;
+    Row nxt;
+    if constexpr (kPre) {
+      if (more) nxt.Load(p, next, e0);
     }
-  }
-  if (!p.aux) {
-    if (p.compact) {
-      const int nb = (E + 7) >> 3;
-      const uint8_t* mrow = p.map_in + row * nb;
-#pragma unroll
-      for (int i = 0; i < EPT; ++i) {
-        const int e = i * 32 + lane;
-        if (e < E && ((mrow[e >> 3] >> (e & 7)) & 1u)) chosen |= 1u << i;
-      }
-    } else {
-      const uint8_t* mrow = p.map_in + row * E;
-#pragma unroll
-      for (int i = 0; i < EPT; ++i) {
-        const int e = i * 32 + lane;
-        if (e < E && mrow[e] != 0) chosen |= 1u << i;
-      }
-    }
-  }
 
-  float dx[EPT];
-  if (p.aux) {
-    if (p.score == Score::kSoftmax) {
-      SoftmaxInPlace<EPT>(v);  // v := s
-      float dot = 0.f;
+    uint32_t chosen = 0u;
+    if constexpr (kKind != BwdKind::kAux) chosen = cur.map.Bits(e0, valid.Mask(), p.compact);
+    // Sparse reads: only lanes holding a chosen expert fetch their slice (d probs is zero elsewhere
+    // in the gradient formula; the logits are needed only where the weights are).
+    if constexpr (kKind == BwdKind::kSparse) cur.x.LoadIf(chosen != 0u, static_cast<const T*>(p.logits) + row * E, e0, E);
+    if constexpr (kKind != BwdKind::kAux) cur.g.LoadIf(chosen != 0u, static_cast<const T*>(p.g) + row * E, e0, E);
+    float v[EPT], g[EPT], dx[EPT];
 #pragma unroll
-      for (int i = 0; i < EPT; ++i) dot += v[i] * g[i];
-      dot = WarpSum(dot);
-#pragma unroll
-      for (int i = 0; i < EPT; ++i) dx[i] = v[i] * (g[i] - dot);
-    } else {
-      float sum = 0.f, dot = 0.f;
-#pragma unroll
-      for (int i = 0; i < EPT; ++i) {
-        v[i] = Sigmoid(v[i]);  // invalid slots: 0
-        sum += v[i];
-        dot += g[i] * v[i];
-      }
-      const float d = WarpSum(sum) + kSigmoidEps;
-      dot = WarpSum(dot);
-#pragma unroll
-      for (int i = 0; i < EPT; ++i) {
-        const float dsig = g[i] / d - dot / (d * d);
-        dx[i] = dsig * v[i] * (1.f - v[i]);
-      }
+    for (int j = 0; j < EPT; ++j) {
+      const bool use = kKind == BwdKind::kAux ? valid.Has(j) : ((chosen >> j) & 1u);
+      g[j] = use ? cur.g.Get(j) : 0.f;
+      v[j] = cur.x.Get(j);
     }
-  } else {
-    const float sf = p.scaling;
-    if (p.score == Score::kSoftmax && !p.pre_softmax) {
-      float mx = -INFINITY;
+
+    if constexpr (kKind == BwdKind::kSparse) {
+      if (p.score == Score::kSoftmax) {
+        // w = softmax over the chosen logits; dx = w * (sf g - sum_j w_j sf g_j) at chosen experts.
+        float mx = -INFINITY;
 #pragma unroll
-      for (int i = 0; i < EPT; ++i) {
-        if ((chosen >> i) & 1u) mx = fmaxf(mx, v[i]);
-      }
-      mx = WarpMax(mx);
-      float sum = 0.f;
+        for (int j = 0; j < EPT; ++j) {
+          if ((chosen >> j) & 1u) mx = fmaxf(mx, v[j]);
+        }
+        mx = WarpMaxF(mx);
+        float sum = 0.f, dot = 0.f;
 #pragma unroll
-      for (int i = 0; i < EPT; ++i) {
-        v[i] = ((chosen >> i) & 1u) ? expf(v[i] - mx) : 0.f;
-        sum += v[i];
-      }
-      sum = WarpSum(sum);
-      float dot = 0.f;
+        for (int j = 0; j < EPT; ++j) {
+          const float ex = ExpNonPos(v[j] - mx);
+          v[j] = ((chosen >> j) & 1u) ? ex : 0.f;
+          sum += v[j];
+          dot += v[j] * g[j];
+        }
+        WarpSum2(sum, dot);
+        const float inv = SoftmaxScale(1.f, sum);
+        dot *= inv;  // sum_j w_j g_j
 #pragma unroll
-      for (int i = 0; i < EPT; ++i) {
-        v[i] = v[i] / sum;  // w
-        dot += v[i] * sf * g[i];
-      }
-      dot = WarpSum(dot);
+        for (int j = 0; j < EPT; ++j) dx[j] = ((chosen >> j) & 1u) ? (v[j] * inv) * (sf * (g[j] - dot)) : 0.f;
+      } else {
+        // w = sig / (sum of chosen sig + eps) (topk > 1) or sig; dx through w and the sigmoid.
+        float sum = 0.f, dot = 0.f;
 #pragma unroll
-      for (int i = 0; i < EPT; ++i) dx[i] = ((chosen >> i) & 1u) ? v[i] * (sf * g[i] - dot) : 0.f;
-    } else if (p.score == Score::kSoftmax) {
-      SoftmaxInPlace<EPT>(v);  // v := s
-      float dot = 0.f;
+        for (int j = 0; j < EPT; ++j) {
+          v[j] = ((chosen >> j) & 1u) ? Sigmoid(v[j]) : 0.f;
+          g[j] *= sf;
+          sum += v[j];
+          dot += g[j] * v[j];
+        }
+        float inv = 1.f;
+        if (p.topk > 1) {
+          WarpSum2(sum, dot);
+          inv = 1.f / (sum + kSigmoidEps);
+        }
 #pragma unroll
-      for (int i = 0; i < EPT; ++i) {
-        g[i] = ((chosen >> i) & 1u) ? sf * g[i] : 0.f;  // ds
-        dot += v[i] * g[i];
-      }
-      dot = WarpSum(dot);
-#pragma unroll
-      for (int i = 0; i < EPT; ++i) dx[i] = v[i] * (g[i] - dot);
-    } else {
-      float sum = 0.f, dot = 0.f;
-#pragma unroll
-      for (int i = 0; i < EPT; ++i) {
-        v[i] = Sigmoid(v[i]);
-        g[i] = sf * g[i];
-        if ((chosen >> i) & 1u) {
-          sum += v[i];
-          dot += g[i] * v[i];
+        for (int j = 0; j < EPT; ++j) {
+          const float gsig = p.topk > 1 ? (g[j] - dot * inv) * inv : g[j];
+          dx[j] = ((chosen >> j) & 1u) ? gsig * v[j] * (1.f - v[j]) : 0.f;
         }
       }
-      float d = 1.f;
-      if (p.topk > 1) {
-        d = WarpSum(sum) + kSigmoidEps;
-        dot = WarpSum(dot);
-      }
+    } else if (kKind == BwdKind::kPreSoftmax || p.score == Score::kSoftmax) {
+      // s = softmax(x); ds = sf g at chosen experts (pre-softmax) or g (aux); dx = s (ds - <s, ds>).
+      SoftmaxSlots<EPT, false>(v, valid);
+      float dot = 0.f;
 #pragma unroll
-      for (int i = 0; i < EPT; ++i) {
-        const float gsig = p.topk > 1 ? g[i] / d - dot / (d * d) : g[i];
-        dx[i] = ((chosen >> i) & 1u) ? gsig * v[i] * (1.f - v[i]) : 0.f;
+      for (int j = 0; j < EPT; ++j) {
+        if constexpr (kKind == BwdKind::kPreSoftmax) g[j] *= sf;
+        dot += v[j] * g[j];
+      }
+      dot = WarpSum(dot);
+#pragma unroll
+      for (int j = 0; j < EPT; ++j) dx[j] = v[j] * (g[j] - dot);
+    } else {
+      // aux sigmoid: s = sig / (sum sig + eps) over the row.
+      float sum = 0.f, dot = 0.f;
+#pragma unroll
+      for (int j = 0; j < EPT; ++j) {
+        v[j] = valid.Has(j) ? Sigmoid(v[j]) : 0.f;
+        sum += v[j];
+        dot += g[j] * v[j];
+      }
+      WarpSum2(sum, dot);
+      const float inv = 1.f / (sum + kSigmoidEps);
+      dot *= inv;
+#pragma unroll
+      for (int j = 0; j < EPT; ++j) {
+        const float dsig = (g[j] - dot) * inv;  // g / d - <g, sig> / d^2
+        dx[j] = dsig * v[j] * (1.f - v[j]);
       }
     }
-  }
+    StoreSlice<T, EPT, kVec, /*kStream=*/true>(static_cast<T*>(p.out) + row * E, e0, E, dx);
 
-  T* out = static_cast<T*>(p.out) + row * E;
-#pragma unroll
-  for (int i = 0; i < EPT; ++i) {
-    const int e = i * 32 + lane;
-    if (e < E) out[e] = FromF<T>(dx[i]);
-  }
-}
-
-template <typename T, int EPT>
-cudaError_t LaunchRowEpt(const RowParams& p, cudaStream_t s, bool backward) {
-  const int64_t blocks = (p.rows + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  const dim3 grid(static_cast<unsigned>(blocks)), block(kWarpsPerBlock * 32);
-  if (backward) {
-    RowBackwardKernel<T, EPT><<<grid, block, 0, s>>>(p);
-  } else {
-    const size_t smem = p.num_groups > 0 ? sizeof(float) * kWarpsPerBlock * p.experts : 0;
-    RowForwardKernel<T, EPT><<<grid, block, smem, s>>>(p);
-  }
-  return cudaGetLastError();
-}
-
-template <typename T>
-cudaError_t LaunchRowTyped(const RowParams& p, cudaStream_t s, bool backward) {
-  if (p.rows == 0) return cudaSuccess;
-  if (p.experts < 1 || p.experts > kMaxExperts) return cudaErrorInvalidValue;
-  if ((p.rows + kWarpsPerBlock - 1) / kWarpsPerBlock > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
-  switch (ElementsPerLane(p.experts)) {
-    case 1: return LaunchRowEpt<T, 1>(p, s, backward);
-    case 2: return LaunchRowEpt<T, 2>(p, s, backward);
-    case 4: return LaunchRowEpt<T, 4>(p, s, backward);
-    case 8: return LaunchRowEpt<T, 8>(p, s, backward);
-    case 16: return LaunchRowEpt<T, 16>(p, s, backward);
-    case 32: return LaunchRowEpt<T, 32>(p, s, backward);
-    default: return cudaErrorInvalidValue;
+    if (!more) break;
+    row = next;
+    if constexpr (kPre) {
+      cur = nxt;
+    } else {
+      cur.Load(p, row, e0);
+    }
   }
 }
-
-// Defined once per dtype file (router_<dtype>.cu) so the three compile in parallel.
-cudaError_t LaunchRowF32(const RowParams& p, cudaStream_t s, bool backward);
-cudaError_t LaunchRowBF16(const RowParams& p, cudaStream_t s, bool backward);
-cudaError_t LaunchRowF16(const RowParams& p, cudaStream_t s, bool backward);
 
 }  // namespace te::router

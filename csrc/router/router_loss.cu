@@ -1,9 +1,13 @@
-// Aux-loss kernels and the dtype dispatch of the row kernels.
+// Aux-loss kernels, the dtype dispatch of the row kernels and their persistent-grid size.
 //
 // Forward: kLossPartials blocks each reduce a grid-strided slice of probs[t, e] * tpe[e] into one
 // fp32 partial (written to an XLA-allocated scratch result), then one block sums the partials in a
 // fixed order: deterministic, no atomics, nothing to zero, graph-safe.
-#include "router/router_kernels.cuh"
+#include <map>
+#include <mutex>
+#include <tuple>
+
+#include "router/router_launch.cuh"
 
 namespace te::router {
 
@@ -11,6 +15,32 @@ int ElementsPerLane(int experts) {
   int ept = 1;
   while (ept * 32 < experts) ept *= 2;
   return ept;
+}
+
+cudaError_t ResidentBlocks(const void* kernel, size_t smem, int64_t* blocks) {
+  int device = 0;
+  cudaError_t st = cudaGetDevice(&device);
+  if (st != cudaSuccess) return st;
+  static std::mutex mu;
+  static std::map<std::tuple<const void*, int, size_t>, int64_t> cache;  // (kernel, device, smem)
+  const auto key = std::make_tuple(kernel, device, smem);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    const auto it = cache.find(key);
+    if (it != cache.end()) {
+      *blocks = it->second;
+      return cudaSuccess;
+    }
+  }
+  int per_sm = 0, sms = 0;
+  st = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kWarpsPerBlock * 32, smem);
+  if (st != cudaSuccess) return st;
+  st = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (st != cudaSuccess) return st;
+  *blocks = static_cast<int64_t>(per_sm > 0 ? per_sm : 1) * sms;
+  std::lock_guard<std::mutex> lock(mu);
+  cache.emplace(key, *blocks);
+  return cudaSuccess;
 }
 
 cudaError_t LaunchRowForward(const RowParams& p, cudaStream_t s) {

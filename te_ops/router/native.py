@@ -1,9 +1,12 @@
 """CUDA implementation of the MoE router ops (csrc/router): XLA-FFI handlers, graph-safe.
 
 Same signatures and residual layouts as :mod:`te_ops.router.reference`. One warp owns one token
-row: the row's logits stay in registers (E <= 1024), the top-k is a warp-wide argmax repeated k
-times with ``redux.sync`` (sm_80+) on order-preserving integer keys, and the score function,
-grouped selection, weights, the dense probs and the routing map are produced in the same pass.
+row at a time (persistent warps prefetch their next row): each lane holds E/32 contiguous logits in
+registers (E <= 1024, 16-byte loads), the top-k is k rounds of one ``redux.sync`` (sm_80+) on
+order-preserving integer keys plus a ballot (the lowest lane wins ties = the smaller expert index),
+and the score function, grouped selection, weights, the dense probs and the routing map are
+produced in the same pass. The backward of softmax (without pre-softmax) and sigmoid reads the
+logits and d probs only where the routing map is set. Design notes: ``csrc/router/router_kernels.cuh``.
 """
 
 from __future__ import annotations
