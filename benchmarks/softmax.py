@@ -86,19 +86,12 @@ def bench_case(name, shape, dtype, variant, scale=0.125):
     return rows
 
 
-# (threads_per_row, vectors_per_thread) for te_ops._native.softmax_set_tuning: (0, 0) = heuristic (v2);
-# (32, 16) and (32, -16) select the warp-per-row forwards (csrc/softmax/softmax_warp_row.cuh; the
-# backward keeps v2). A pair that does not apply to the problem falls back to the heuristic.
+# (threads_per_row, vectors_per_thread) for te_ops._native.softmax_set_tuning: (0, 0) = the default
+# choice (v2 up to 128 vectors per row, the warp-per-row forward for longer rows where it applies);
+# (128, 4) forces v2 on the issue's rows; (32, 16) and (32, -16) select the warp-per-row forwards
+# (csrc/softmax/softmax_warp_row.cuh; the backward is always v2). A pair that does not apply to the
+# problem falls back to the default. The table's `kernel` column is what the chooser picked.
 SWEEP = [(0, 0), (64, 8), (128, 4), (256, 2), (512, 1), (32, 16), (32, -16)]
-KERNEL_NAMES = {(32, 16): "warp-row", (32, -16): "warp-row-packed"}
-
-
-def warp_row_applies(dtype, cols, packed):
-    """Where the warp-per-row forwards run (csrc/softmax/softmax_launch.cuh WarpRowNv); elsewhere the
-    tuning pair falls back to the v2 heuristic. (Pointer alignment holds for XLA buffers.)"""
-    item = jnp.dtype(dtype).itemsize
-    ok = cols % (16 // item) == 0 and cols * item <= 32 * 16 * 16
-    return ok and (not packed or jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16))
 
 
 def sweep(shape, dtype, variant, scale=0.125, xla_fwd_ms=None):
@@ -125,15 +118,13 @@ def sweep(shape, dtype, variant, scale=0.125, xla_fwd_ms=None):
         y_default = jax.block_until_ready(f(x))
         for tpr, nv in SWEEP:
             mod.softmax_set_tuning(tpr, nv)
-            if (tpr, nv) in KERNEL_NAMES:
-                applied = warp_row_applies(dtype, s_k, packed=nv < 0)
-            else:
-                cfg = mod.softmax_config({"float32": 0, "bfloat16": 1, "float16": 2}[jnp.dtype(dtype).name],
-                                         x.size // s_k, s_k, {"masked-causal": 1, "upper-triang": 2}.get(variant, 0))
-                applied = (tpr, nv) == (0, 0) or (cfg["threads_per_row"], cfg["vectors_per_thread"]) == (tpr, nv)
+            cfg = mod.softmax_config({"float32": 0, "bfloat16": 1, "float16": 2}[jnp.dtype(dtype).name],
+                                     x.size // s_k, s_k, {"masked-causal": 1, "upper-triang": 2}.get(variant, 0),
+                                     scale)
+            kernel = f"{cfg['kernel']} ({cfg['threads_per_row']}x{cfg['vectors_per_thread']})"
             fwd_ms = _timing.time_fn(f, [(x,)])
             rows.append({"variant": variant, "threads_per_row": tpr, "vectors_per_thread": nv,
-                         "kernel": KERNEL_NAMES.get((tpr, nv), "v2") if applied else "v2 (fallback)",
+                         "kernel": kernel,
                          "fwd_ms": fwd_ms, "fwd+bwd_ms": _timing.time_fn(fb, [(x, dy)]),
                          "fwd_vs_xla": (xla_fwd_ms / fwd_ms) if xla_fwd_ms else None,
                          "max_diff_vs_default": float(max_diff(f(x), y_default))})

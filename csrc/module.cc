@@ -28,8 +28,9 @@ nb::dict Registrations() {
 }
 
 #ifdef TE_WITH_SOFTMAX
-nb::dict SoftmaxConfig(int dtype, int64_t rows, int64_t cols, int mode) {
+nb::dict SoftmaxConfig(int dtype, int64_t rows, int64_t cols, int mode, float scale) {
   te::softmax::Params p;
+  p.scale = scale;
   p.dtype = static_cast<te::softmax::DType>(dtype);
   p.rows = rows;
   p.cols = cols;
@@ -41,6 +42,8 @@ nb::dict SoftmaxConfig(int dtype, int64_t rows, int64_t cols, int mode) {
   d["threads_per_row"] = c.threads_per_row;
   d["block"] = c.block;
   d["grid"] = c.grid;
+  static const char* kNames[] = {"v2", "warp-row", "warp-row-packed"};
+  d["kernel"] = kNames[static_cast<int>(c.kernel)];  // forward kernel (the backward is always v2)
   return d;
 }
 #endif
@@ -70,7 +73,7 @@ NB_MODULE(TE_MODULE_NAME, m) {
 #ifdef TE_WITH_SOFTMAX
   m.def("softmax_set_tuning", &te::softmax::SetTuning, nb::arg("threads_per_row"), nb::arg("vectors_per_thread"),
         "Benchmark hook: force the softmax register-kernel shape (0, 0 = heuristic).");
-  m.def("softmax_config", &SoftmaxConfig, nb::arg("dtype"), nb::arg("rows"), nb::arg("cols"), nb::arg("mode"),
+  m.def("softmax_config", &SoftmaxConfig, nb::arg("dtype"), nb::arg("rows"), nb::arg("cols"), nb::arg("mode"), nb::arg("scale") = 1.0f,
         "Launch configuration the softmax kernels choose (dtype 0=f32 1=bf16 2=f16; mode 0 none 1 mask 2 causal).");
 #endif
   m.def("build_info", &BuildInfo);

@@ -31,8 +31,9 @@ struct Params {
   DType dtype = DType::kF32;
 };
 
-// Forward kernel families. kV2 (softmax_kernels.cuh) is the default and the only backward; the
-// warp-per-row forwards (softmax_warp_row.cuh) are launch choices reachable through SetTuning only.
+// Forward kernel families. kV2 (softmax_kernels.cuh) is the only backward and the forward for rows of
+// at most 128 vectors; kWarpRow (softmax_warp_row.cuh) is the default forward for longer rows where it
+// applies (see WarpRowNv); kWarpRowPacked is reachable through SetTuning only.
 enum class FwdKernel : int { kV2 = 0, kWarpRow = 1, kWarpRowPacked = 2 };
 
 // Launch configuration chosen for a problem (exposed for tests and the benchmark table).

@@ -65,6 +65,22 @@ inline LaunchConfig ChooseConfigFor(const Params& p, int elem_bytes, bool forwar
     c.grid = (p.rows + c.block / force_tpr - 1) / (c.block / force_tpr);
     return c;
   }
+  // Default forward for rows longer than one warp's share of v2 (more than 32 lanes x 4 vectors,
+  // where v2 would reduce across warps through shared memory): the warp-per-row kernel (exact, no
+  // block synchronisation). On the H200 (2026-12-03, run 8) it took the 4x32x4096x4096 bf16 causal
+  // masked forward from 3.23 ms (v2) to 2.04 ms, the upper-triangular one from 2.67 to 1.64 ms.
+  // A forced (threads_per_row, vectors_per_thread) pair that covers the row (above) still selects v2.
+  if (forward && nvec > 32 * 4) {
+    const int wnv = WarpRowNv(p, elem_bytes, FwdKernel::kWarpRow);
+    if (wnv > 0) {
+      c.kernel = FwdKernel::kWarpRow;
+      c.threads_per_row = 32;
+      c.vectors_per_thread = wnv;
+      c.block = kWarpRowThreads;
+      c.grid = (p.rows + kWarpRowThreads / 32 - 1) / (kWarpRowThreads / 32);
+      return c;
+    }
+  }
   // Grow the row group to a warp first, then the per-thread vectors to 4 (64 bytes in flight per
   // thread), then the group up to the largest block NV=4 allows without spilling (512 threads:
   // rows of up to 16384 2-byte / 8192 4-byte elements stay in registers); longer rows go to the

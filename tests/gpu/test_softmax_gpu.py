@@ -125,20 +125,28 @@ def _tuning(pair):
         mod.softmax_set_tuning(0, 0)
 
 
-_WARMED = set()  # (handler, tag, shape, dtype, kernel) keys already warmed in this process
+# (handler, tag, shape, dtype, kernel) keys already warmed in this process. The handler's warm-up key
+# (csrc/softmax/softmax_ffi.cc Key) is dtype | mode | x shape | launch configuration: the mask's shape is
+# not part of it, so the tag names the mode only.
+_WARMED = set()
 
 
 def _warmups(handler):
     return native.counters().get(handler, {}).get("warmups", 0)
 
 
+# A v2 launch that covers any row the warp-row kernels take (<= 512 vectors): the baseline below.
+_V2_PAIR = (128, 4)
+
+
 def _compare_variant(kernel, fn, shape, dtype, handler, tag, seed=0):
     """Compares the variant's forward (and v2's backward on its output) with the reference, and checks
     that the variant really ran: its warm-up key (csrc/softmax/softmax_ffi.cc Key) differs from v2's,
-    so the first call under the variant, after one under v2, performs one more warm-up."""
+    so the first call under the variant, after one under a forced v2 launch, performs one more warm-up."""
     x = _x(seed, shape, dtype)
     f = jax.jit(lambda x: fn(x, "native"))
-    jax.block_until_ready(f(x))  # v2 launch: its key is warmed now
+    with _tuning(_V2_PAIR):
+        jax.block_until_ready(f(x))  # v2 launch: its key is warmed now
     key = (handler, tag, shape, jnp.dtype(dtype).name, kernel)
     with _tuning(WARP_ROW[kernel]):
         before = _warmups(handler)
@@ -184,7 +192,7 @@ def test_warp_row_masked(kernel, dtype, shapes, scale):
         mask = mask.at[0, 0, 0].set(True).at[0, 0, 0, -1].set(False)
         mask = mask.at[0, 0, 2, : x_shape[-1] // 2 + 3].set(True)
     fn = lambda x, impl: te_ops.scaled_masked_softmax(x, mask, scale, implementation=impl)
-    y = _compare_variant(kernel, fn, x_shape, dtype, "scaled_masked_softmax_fwd", ("mask", mask_shape))
+    y = _compare_variant(kernel, fn, x_shape, dtype, "scaled_masked_softmax_fwd", "mask")
     assert bool(jnp.all(jnp.where(jnp.broadcast_to(mask, x_shape), y.astype(jnp.float32), 0) == 0))
 
 
@@ -260,3 +268,23 @@ def test_without_command_buffers_executes_eagerly():
     assert c["executes"] >= 4 and c["captured_executes"] == 0, c
     assert c["warmups"] == 2 and c["initialize_calls"] >= c["executes"], c
     assert report["max_rel_error"] < 2e-2, report
+
+
+@pytest.mark.parametrize("dtype, cols", [(jnp.bfloat16, 4096), (jnp.float16, 2056), (jnp.float32, 1000)])
+def test_default_forward_is_warp_row_for_long_rows(dtype, cols):
+    """The default launch (no tuning pair) of a row longer than 128 vectors is the warp-row forward:
+    the benchmark's causal case runs it. Checked through the chooser, the warm-up key (a forced v2
+    launch warms a different key), and against the reference (forward and backward)."""
+    mod = native.module()
+    dt = {"float32": 0, "bfloat16": 1, "float16": 2}[jnp.dtype(dtype).name]
+    assert mod.softmax_config(dt, 64, cols, 2, 0.125)["kernel"] == "warp-row"
+    causal = ~jnp.tril(jnp.ones((16, cols), bool), k=cols - 16)[None, None]
+    fn = lambda x, impl: te_ops.scaled_masked_softmax(x, causal, 0.125, implementation=impl)
+    x = _x(11, (2, 2, 16, cols), dtype)
+    f = jax.jit(lambda x: fn(x, "native"))
+    with _tuning(_V2_PAIR):
+        y_v2 = jax.block_until_ready(f(x))
+    before = _warmups("scaled_masked_softmax_fwd")
+    y = _compare(fn, (2, 2, 16, cols), dtype, 11)
+    assert _warmups("scaled_masked_softmax_fwd") >= before + 1  # a key v2 did not warm
+    T.assert_close(y, y_v2, dtype)

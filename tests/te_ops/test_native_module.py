@@ -32,6 +32,15 @@ def test_softmax_launch_shape_covers_the_row(dtype, elem, cols, mode):
         assert cols * elem > 16384 * 2 or cols % (16 // elem) != 0
         return
     tpr, nv, vec = c["threads_per_row"], c["vectors_per_thread"], c["vec"]
+    nvec = -(-cols // (16 // elem))
+    if c["kernel"] == "warp-row":  # default forward for rows longer than 128 16-byte vectors
+        assert vec == 16 // elem and cols % vec == 0 and 128 < nvec <= 512
+        assert tpr == 32 and nv in (8, 16) and tpr * nv * vec >= cols and c["block"] == 128
+        assert c["grid"] * 4 >= rows
+        return
+    assert c["kernel"] == "v2"
+    # v2 keeps rows that 32 lanes x 4 vectors cover, and rows the warp-row kernel cannot take
+    assert nvec <= 128 or vec == 1 or nvec > 512
     assert tpr & (tpr - 1) == 0 and 4 <= tpr <= 1024  # power of two (shuffle reductions)
     assert vec in (1, 16 // elem) and (vec == 1 or cols % vec == 0)
     assert tpr * nv * vec >= cols  # the row fits in registers
