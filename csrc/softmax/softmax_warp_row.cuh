@@ -1,5 +1,6 @@
-// Warp-per-row softmax forward (launch choices next to the default v2 kernel of
-// softmax_kernels.cuh; selected through SetTuning, see softmax.h).
+// Warp-per-row softmax forward. kWarpRow is the default forward for rows of 129..512 16-byte vectors
+// (ChooseConfigFor); kWarpRowPacked is a SetTuning choice (see softmax.h). The backward is v2
+// (softmax_kernels.cuh).
 //
 // One warp owns one row of up to 32 * NV 16-byte vectors (NV = 16: a 4096-wide bf16/f16 row, a
 // 2048-wide f32 row). The row stays in registers as raw 32-bit words (NV * 4 of them), never as
