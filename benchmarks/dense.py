@@ -8,6 +8,11 @@ Forward: ``jit(f)(x, w, b)``. Forward+backward: ``jit`` of ``y, vjp = jax.vjp(f,
 (y, *vjp(dy))`` with a random cotangent dy (so neither side can constant-fold the gradient).
 
     python benchmarks/dense.py            # prints a table, writes benchmarks/results/dense.json
+
+With the native module, the MLP case also gets a per-GEMM breakdown of the backward: each cuBLASLt
+plan's timed best (te_ops._native_cublaslt.dense_plans(), measured in the initialize stage) next to
+XLA's dot_general of the same contraction and XLA's fused dgelu pass, timed alone (--no-breakdown
+skips it).
 """
 
 from __future__ import annotations
@@ -79,11 +84,61 @@ def rel_err(a, b):
     return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-6))
 
 
+def _dgelu_dbias(dy, z):
+    dz = jax.vjp(jax.nn.gelu, z)[1](dy)[0]
+    return dz, jnp.sum(dz.astype(jnp.float32), axis=0)
+
+
+def breakdown(m, k, n, dtype, repeats, calls):
+    """Rows comparing, GEMM by GEMM, our cuBLASLt plans for an [m, k] x [k, n] dense with XLA's
+    dot_general of the same contraction (no transposes materialised on either side), plus XLA's
+    dgelu(+dbias) elementwise pass. Ours come from the plan cache (timed at initialize)."""
+    mod = _native._loaded["_native_cublaslt"]
+    kx, kw, kd = jax.random.split(jax.random.key(7), 3)
+    x = jax.random.normal(kx, (m, k), jnp.float32).astype(dtype)
+    w = (jax.random.normal(kw, (k, n), jnp.float32) / np.sqrt(k)).astype(dtype)
+    dz = jax.random.normal(kd, (m, n), jnp.float32).astype(dtype)
+    z = dz * 0.5
+    dn = lambda lc, rc: ((lc, rc), ((), ()))
+    xla = {
+        # y = x @ w; dx = dz @ w^T (contract N); dw = x^T @ dz (contract M)
+        "fwd x@w": (jax.jit(lambda x, w: jax.lax.dot_general(x, w, dn((1,), (0,)))), (x, w)),
+        "dgrad dz@w^T": (jax.jit(lambda dz, w: jax.lax.dot_general(dz, w, dn((1,), (1,)))), (dz, w)),
+        "wgrad x^T@dz": (jax.jit(lambda x, dz: jax.lax.dot_general(x, dz, dn((0,), (0,)))), (x, dz)),
+        "dgelu+dbias pass": (jax.jit(_dgelu_dbias), (dz, z)),
+    }
+    rows = []
+    for what, (f, a) in xla.items():
+        rows.append({"what": what, "side": "xla", "ms": _timing.time_fn(f, [a], repeats=repeats, calls=calls)})
+    # Ours: the plans whose column-major (m, n, k) is one of this dense's three GEMMs.
+    shapes = {(n, m, k): "fwd x@w", (k, m, n): "dgrad dz@w^T", (n, k, m): "wgrad x^T@dz"}
+    for p in mod.dense_plans():
+        what = shapes.get((p["m"], p["n"], p["k"]))
+        if what is None:
+            continue
+        timed = [t for t in p["candidate_ms"] if t > 0]
+        rows.append(
+            {
+                "what": what,
+                "side": f"ours (epilogue {p['epilogue']})",
+                "ms": p["best_ms"],
+                "candidates": p["candidates"],
+                "chosen": p["chosen"],
+                "worst_candidate_ms": max(timed) if timed else None,
+            }
+        )
+    for r in rows:
+        if r["what"] != "dgelu+dbias pass" and r["ms"] and r["ms"] > 0:
+            r["TFLOPs"] = 2.0 * m * n * k / r["ms"] / 1e9
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--only", default=None, help="substring of a case name")
+    parser.add_argument("--no-breakdown", action="store_true", help="skip the per-GEMM backward breakdown")
     args = parser.parse_args()
 
     dtype = jnp.bfloat16
@@ -152,7 +207,17 @@ def main():
             "max_rel_diff_vs_xla",
         ],
     )
-    _timing.write_json("dense", {"dtype": "bfloat16", "rows": rows, "counters": _native.counters()})
+    extra = {}
+    mlp = CASES[0]
+    if impl == "native" and not args.no_breakdown and (not args.only or args.only in mlp[0]):
+        bd = breakdown(mlp[1], mlp[2], mlp[3], dtype, args.repeats, args.calls)
+        _timing.print_table(
+            f"backward breakdown, {mlp[0]} (ours: cuBLASLt plan timings at initialize)",
+            bd,
+            ["what", "side", "ms", "TFLOPs", "candidates", "chosen", "worst_candidate_ms"],
+        )
+        extra["breakdown"] = bd
+    _timing.write_json("dense", {"dtype": "bfloat16", "rows": rows, "counters": _native.counters(), **extra})
 
 
 if __name__ == "__main__":

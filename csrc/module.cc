@@ -11,6 +11,11 @@
 #ifdef TE_WITH_SOFTMAX
 #include "softmax/softmax.h"
 #endif
+#ifdef TE_WITH_DENSE
+#include <nanobind/stl/vector.h>
+
+#include "dense/dense_gemm.h"
+#endif
 
 namespace nb = nanobind;
 
@@ -48,6 +53,29 @@ nb::dict SoftmaxConfig(int dtype, int64_t rows, int64_t cols, int mode, float sc
 }
 #endif
 
+#ifdef TE_WITH_DENSE
+nb::list DensePlans() {
+  nb::list out;
+  for (const auto& p : te::dense::PlanSnapshot()) {
+    nb::dict d;
+    d["device"] = p.device;
+    d["describe"] = p.describe;
+    d["m"] = p.m;
+    d["n"] = p.n;
+    d["k"] = p.k;
+    d["trans_a"] = p.trans_a;
+    d["trans_b"] = p.trans_b;
+    d["epilogue"] = p.epilogue;
+    d["candidates"] = p.candidates;
+    d["chosen"] = p.chosen;
+    d["best_ms"] = p.best_ms;
+    d["candidate_ms"] = p.candidate_ms;
+    out.append(d);
+  }
+  return out;
+}
+#endif
+
 nb::dict BuildInfo() {
   nb::dict d;
   int rt = 0;
@@ -75,6 +103,11 @@ NB_MODULE(TE_MODULE_NAME, m) {
         "Benchmark hook: force the softmax register-kernel shape (0, 0 = heuristic).");
   m.def("softmax_config", &SoftmaxConfig, nb::arg("dtype"), nb::arg("rows"), nb::arg("cols"), nb::arg("mode"), nb::arg("scale") = 1.0f,
         "Launch configuration the softmax kernels choose (dtype 0=f32 1=bf16 2=f16; mode 0 none 1 mask 2 causal).");
+#endif
+#ifdef TE_WITH_DENSE
+  m.def("dense_plans", &DensePlans,
+        "The cached cuBLASLt plans (column-major m, n, k, op flags, epilogue, the candidates' timed ms and "
+        "the chosen one) for diagnostics.");
 #endif
   m.def("build_info", &BuildInfo);
 }

@@ -124,8 +124,9 @@ cublasStatus_t Matmul(DeviceState& dev, GemmPlan& plan, const GemmPtrs& p, const
 // offered an algorithm it then refused: the caller treats the spec as unsupported and falls back).
 // Never touches XLA's buffers.
 int TimeCandidates(DeviceState& dev, GemmPlan& plan, const std::vector<cublasLtMatmulHeuristicResult_t>& cands,
-                   float* best_ms) {
+                   float* best_ms, std::vector<float>* all_ms) {
   *best_ms = -1.0f;
+  all_ms->assign(cands.size(), -1.0f);
   if (cands.empty()) return -1;
   const GemmSpec& s = plan.spec;
   uint64_t ar, ac, br, bc;
@@ -227,6 +228,7 @@ int TimeCandidates(DeviceState& dev, GemmPlan& plan, const std::vector<cublasLtM
     }
   }
   if (best_t < 0.0f && est > 0.0f) best_t = est, best = static_cast<int>(first);
+  *all_ms = t;
   const bool synced = cudaStreamSynchronize(stream) == cudaSuccess;
   cleanup();
   *best_ms = best_t;
@@ -381,12 +383,13 @@ ffi::Error GetPlan(const char* op, int device, DeviceState& dev, const GemmSpec&
   GemmPlan* raw = nullptr;
   if (!cands.empty()) {
     float best_ms = -1.0f;
-    const int best = time_candidates ? TimeCandidates(dev, *p, cands, &best_ms) : 0;
+    const int best = time_candidates ? TimeCandidates(dev, *p, cands, &best_ms, &p->candidate_ms) : 0;
     if (best >= 0) {
       p->algo = cands[best].algo;
       p->workspace_bytes = dev.workspace_bytes;  // any size >= the algorithm's need is allowed
       p->candidates = static_cast<int>(cands.size());
       p->best_ms = best_ms;
+      p->chosen = best;
       raw = p.get();
     }
   }
@@ -395,6 +398,29 @@ ffi::Error GetPlan(const char* op, int device, DeviceState& dev, const GemmSpec&
   if (slot == nullptr && raw != nullptr) slot = std::move(p);
   *plan = slot.get();
   return ffi::Error::Success();
+}
+
+std::vector<PlanInfo> PlanSnapshot() {
+  std::lock_guard<std::mutex> lock(StateMutex());
+  std::vector<PlanInfo> out;
+  for (const auto& [key, plan] : Plans()) {
+    if (plan == nullptr) continue;  // a spec without an algorithm
+    PlanInfo info;
+    info.device = std::stoi(key.substr(0, key.find('|')));
+    info.describe = plan->spec.Describe();
+    info.m = plan->spec.m;
+    info.n = plan->spec.n;
+    info.k = plan->spec.k;
+    info.trans_a = plan->spec.trans_a;
+    info.trans_b = plan->spec.trans_b;
+    info.epilogue = static_cast<int>(plan->spec.epilogue);
+    info.candidates = plan->candidates;
+    info.chosen = plan->chosen;
+    info.best_ms = plan->best_ms;
+    info.candidate_ms = plan->candidate_ms;
+    out.push_back(std::move(info));
+  }
+  return out;
 }
 
 ffi::Error RunGemm(const char* op, DeviceState& dev, GemmPlan& plan, const GemmPtrs& ptrs, cudaStream_t stream) {

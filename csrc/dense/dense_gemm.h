@@ -20,6 +20,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "common/ffi_util.h"
 
@@ -66,6 +67,8 @@ struct GemmPlan {
   size_t workspace_bytes = 0;
   int candidates = 0;     // heuristic results considered
   float best_ms = -1.0f;  // timed (initialize stage) or -1 when the heuristic's first choice was taken
+  int chosen = 0;         // index of the chosen candidate in the heuristic's order
+  std::vector<float> candidate_ms;  // each candidate's best time (-1: refused or not timed)
   std::mutex mu;          // the descriptor's pointer attributes are set per call
   ~GemmPlan();
 };
@@ -79,6 +82,19 @@ int Alignment(const void* p);
 // spec (e.g. an epilogue it does not support for these shapes): the caller falls back.
 ffi::Error GetPlan(const char* op, int device, DeviceState& dev, const GemmSpec& spec, const GemmPtrs& ptrs,
                    bool create, bool time_candidates, GemmPlan** plan);
+
+// What the plan cache holds (for diagnostics: te_ops._native_cublaslt.dense_plans()).
+struct PlanInfo {
+  int device = 0;
+  std::string describe;
+  uint64_t m = 0, n = 0, k = 0;
+  bool trans_a = false, trans_b = false;
+  int epilogue = 0;
+  int candidates = 0, chosen = 0;
+  float best_ms = -1.0f;
+  std::vector<float> candidate_ms;
+};
+std::vector<PlanInfo> PlanSnapshot();
 
 // Enqueues the GEMM on `stream` (no allocation, no synchronisation).
 ffi::Error RunGemm(const char* op, DeviceState& dev, GemmPlan& plan, const GemmPtrs& ptrs, cudaStream_t stream);

@@ -84,9 +84,7 @@ def test_native_primal_only_path(dtype):
     x, w, b, _ = _inputs((64, 96), 80, dtype, True, seed=3)
     for act in ACTS:
         with native.poisoned_outputs():
-            y = jax.jit(lambda x, w, b, act=act: dense(x, w, b, activation=act, implementation="native"))(
-                x, w, b
-            )
+            y = jax.jit(lambda x, w, b, act=act: dense(x, w, b, activation=act, implementation="native"))(x, w, b)
         y_ref = dense(x, w, b, activation=act, implementation="reference")
         T.assert_close(y, y_ref, dtype, scale=_scale(y_ref), err_msg=f"act={act}")
 
@@ -131,6 +129,19 @@ def test_native_tall_skinny_router_gate_shape(has_bias):
     T.assert_close(y, y_ref, jnp.bfloat16, scale=_scale(y_ref))
     for a, e in zip(grads, grads_ref, strict=True):
         T.assert_close(a, e, jnp.bfloat16, scale=_scale(e))
+
+
+def test_plan_cache_reports_timed_candidates():
+    """dense_plans() lists the plans a native call created, each with its timed candidates (the
+    fastest chosen) and column-major (m, n, k) = (N, M, K) for the forward."""
+    x, w, b, _ = _inputs((640, 384), 512, jnp.bfloat16, True, seed=8)
+    jax.block_until_ready(jax.jit(lambda x, w, b: dense(x, w, b, activation="relu", implementation="native"))(x, w, b))
+    plans = [p for p in native._loaded["_native_cublaslt"].dense_plans() if (p["m"], p["n"], p["k"]) == (512, 640, 384)]
+    assert plans, "no plan for the forward GEMM"
+    for p in plans:
+        timed = [t for t in p["candidate_ms"] if t > 0]
+        assert p["candidates"] == len(p["candidate_ms"]) >= 1 and timed, p
+        assert p["best_ms"] == min(timed) == p["candidate_ms"][p["chosen"]], p
 
 
 def test_larger_bf16_gelu_tanh_training_shape():
