@@ -30,4 +30,10 @@ cudaError_t LaunchActBackward(DType dt, Act act, const void* dy, const void* sav
 cudaError_t LaunchReducePartials(DType dt, const float* partials, int64_t chunks, int64_t n, void* out,
                                  cudaStream_t stream);
 
+// Fills `count` elements of dt at p with pseudo-random values uniform in [-1, 1) (a hash of the index
+// and `seed`): scratch data for timing GEMM candidates that draws power like real data does (a
+// constant pattern toggles few tensor-core bits, lets the clock run higher than in real training and
+// can rank algorithms differently).
+cudaError_t LaunchFillUniform(DType dt, void* p, int64_t count, uint32_t seed, cudaStream_t stream);
+
 }  // namespace te::dense

@@ -1,6 +1,8 @@
 // cuBLASLt plans for dense (see dense_gemm.h).
 #include "dense/dense_gemm.h"
 
+#include "dense/dense.h"
+
 #include <algorithm>
 #include <cmath>
 #include <map>
@@ -166,10 +168,14 @@ int TimeCandidates(DeviceState& dev, GemmPlan& plan, const std::vector<cublasLtM
             cudaMalloc(&ws, dev.workspace_bytes) == cudaSuccess &&
             cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess &&
             cudaEventCreate(&start) == cudaSuccess && cudaEventCreate(&stop) == cudaSuccess;
-  // Small non-zero values (byte 0x3c: ~0.01 in bf16/fp16/fp32), like real data for the tensor cores.
-  ok = ok && cudaMemsetAsync(a, 0x3c, bytes_a, stream) == cudaSuccess &&
-       cudaMemsetAsync(b, 0x3c, bytes_b, stream) == cudaSuccess &&
-       (bytes_bias == 0 || cudaMemsetAsync(bias, 0x3c, bytes_bias, stream) == cudaSuccess);
+  // Pseudo-random values in [-1, 1), so the candidates draw power (and the clock behaves) as with
+  // real data; a constant pattern let the clock run higher than in training and ranked differently.
+  auto fill = [&](void* ptr, size_t bytes, cudaDataType_t t, uint32_t seed) {
+    const DType dt = t == CUDA_R_32F ? DType::kF32 : (t == CUDA_R_16BF ? DType::kBF16 : DType::kF16);
+    return LaunchFillUniform(dt, ptr, static_cast<int64_t>(bytes / ElementBytes(t)), seed, stream) == cudaSuccess;
+  };
+  ok = ok && fill(a, bytes_a, s.ab_type, 1) && fill(b, bytes_b, s.ab_type, 2) &&
+       (bytes_bias == 0 || fill(bias, bytes_bias, s.d_type, 3));
   if (!ok) {
     cleanup();
     return 0;

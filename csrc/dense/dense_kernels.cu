@@ -172,7 +172,43 @@ cudaError_t ByType(DType dt, Fn&& fn) {
   return cudaErrorInvalidValue;
 }
 
+__device__ __forceinline__ uint32_t HashIndex(uint64_t i, uint32_t seed) {
+  // splitmix64-style finaliser of the index, folded to 32 bits
+  uint64_t z = i + 0x9e3779b97f4a7c15ull * (static_cast<uint64_t>(seed) + 1);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return static_cast<uint32_t>((z ^ (z >> 31)) >> 32);
+}
+
+template <typename T>
+__global__ void FillUniformKernel(T* p, int64_t count, uint32_t seed) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += stride) {
+    const float u = static_cast<float>(HashIndex(static_cast<uint64_t>(i), seed) >> 8) * (2.0f / 16777216.0f) - 1.0f;
+    p[i] = FromF<T>(u);
+  }
+}
+
 }  // namespace
+
+cudaError_t LaunchFillUniform(DType dt, void* p, int64_t count, uint32_t seed, cudaStream_t stream) {
+  if (count <= 0) return cudaSuccess;
+  const int threads = 256;
+  const int64_t blocks = std::min<int64_t>((count + threads - 1) / threads, 132 * 16);
+  switch (dt) {
+    case DType::kF32:
+      FillUniformKernel<float><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(static_cast<float*>(p), count, seed);
+      break;
+    case DType::kBF16:
+      FillUniformKernel<__nv_bfloat16>
+          <<<static_cast<unsigned>(blocks), threads, 0, stream>>>(static_cast<__nv_bfloat16*>(p), count, seed);
+      break;
+    case DType::kF16:
+      FillUniformKernel<__half><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(static_cast<__half*>(p), count, seed);
+      break;
+  }
+  return cudaGetLastError();
+}
 
 cudaError_t LaunchActForward(DType dt, Act act, const void* z, const void* bias, void* y, void* z_out, int64_t m,
                              int64_t n, cudaStream_t stream) {
