@@ -54,7 +54,8 @@ constexpr int kTuneWarpRowTpr = 32;
 constexpr int kTuneWarpRowNv = 16;         // (32, 16): FwdKernel::kWarpRow
 constexpr int kTuneWarpRowPackedNv = -16;  // (32, -16): FwdKernel::kWarpRowPacked
 
-LaunchConfig ChooseConfig(const Params& p);
+// The launch the forward (or, with forward = false, the backward) uses for p.
+LaunchConfig ChooseConfig(const Params& p, bool forward = true);
 
 // Benchmark/tuning hook: force (threads_per_row, vectors_per_thread) for the register kernels
 // whenever that pair covers the row (0, 0 restores the heuristic), or select a warp-per-row

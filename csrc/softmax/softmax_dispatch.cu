@@ -19,8 +19,8 @@ void GetTuning(int* threads_per_row, int* vectors_per_thread) {
   *vectors_per_thread = g_force_nv.load();
 }
 
-LaunchConfig ChooseConfig(const Params& p) {
-  return ChooseConfigFor(p, p.dtype == DType::kF32 ? 4 : 2);
+LaunchConfig ChooseConfig(const Params& p, bool forward) {
+  return ChooseConfigFor(p, p.dtype == DType::kF32 ? 4 : 2, forward);
 }
 
 static cudaError_t Launch(const Params& p, cudaStream_t s, bool backward) {

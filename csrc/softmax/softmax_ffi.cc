@@ -28,8 +28,8 @@ ffi::Error ToDType(const char* op, ffi::DataType dt, DType* out) {
   }
 }
 
-std::string Key(const Params& p, const AnyBuffer& x) {
-  const LaunchConfig c = ChooseConfig(p);
+std::string Key(const Params& p, const AnyBuffer& x, bool backward) {
+  const LaunchConfig c = ChooseConfig(p, /*forward=*/!backward);
   return std::to_string(static_cast<int>(p.dtype)) + "|" + std::to_string(static_cast<int>(p.mode)) + "|" +
          ShapeStr(x.dimensions()) + "|" + std::to_string(c.vec) + "/" + std::to_string(c.vectors_per_thread) +
          "/" + std::to_string(c.threads_per_row) + "/k" + std::to_string(static_cast<int>(c.kernel));
@@ -47,7 +47,7 @@ ffi::Error Run(const char* handler, cudaStream_t stream, int device, const Param
     return ffi::Error::Success();
   };
   if constexpr (kStage == ExecutionStage::kInitialize) {
-    return WarmOnce(handler, device, Key(p, shape_src), launch);
+    return WarmOnce(handler, device, Key(p, shape_src, backward), launch);
   } else {
     RecordExecute(Counters(handler), stream);
     return launch(stream);
