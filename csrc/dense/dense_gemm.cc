@@ -389,6 +389,7 @@ ffi::Error GetPlan(const char* op, int device, DeviceState& dev, const GemmSpec&
   GemmPlan* raw = nullptr;
   if (!cands.empty()) {
     float best_ms = -1.0f;
+    p->candidate_ms.assign(cands.size(), -1.0f);  // stays -1 where not timed
     const int best = time_candidates ? TimeCandidates(dev, *p, cands, &best_ms, &p->candidate_ms) : 0;
     if (best >= 0) {
       p->algo = cands[best].algo;
