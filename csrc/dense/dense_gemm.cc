@@ -233,7 +233,10 @@ int TimeCandidates(DeviceState& dev, GemmPlan& plan, const std::vector<cublasLtM
       best = static_cast<int>(i);
     }
   }
-  if (best_t < 0.0f && est > 0.0f) best_t = est, best = static_cast<int>(first);
+  if (best_t < 0.0f && est > 0.0f) {  // only the first run succeeded: keep it, with that one time
+    best = static_cast<int>(first);
+    best_t = t[first] = est;
+  }
   *all_ms = t;
   const bool synced = cudaStreamSynchronize(stream) == cudaSuccess;
   cleanup();
