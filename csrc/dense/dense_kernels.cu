@@ -195,19 +195,11 @@ cudaError_t LaunchFillUniform(DType dt, void* p, int64_t count, uint32_t seed, c
   if (count <= 0) return cudaSuccess;
   const int threads = 256;
   const int64_t blocks = std::min<int64_t>((count + threads - 1) / threads, 132 * 16);
-  switch (dt) {
-    case DType::kF32:
-      FillUniformKernel<float><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(static_cast<float*>(p), count, seed);
-      break;
-    case DType::kBF16:
-      FillUniformKernel<__nv_bfloat16>
-          <<<static_cast<unsigned>(blocks), threads, 0, stream>>>(static_cast<__nv_bfloat16*>(p), count, seed);
-      break;
-    case DType::kF16:
-      FillUniformKernel<__half><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(static_cast<__half*>(p), count, seed);
-      break;
-  }
-  return cudaGetLastError();
+  return ByType(dt, [&](auto t) -> cudaError_t {
+    using T = decltype(t);
+    FillUniformKernel<T><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(static_cast<T*>(p), count, seed);
+    return cudaGetLastError();
+  });
 }
 
 cudaError_t LaunchActForward(DType dt, Act act, const void* z, const void* bias, void* y, void* z_out, int64_t m,

@@ -146,29 +146,21 @@ struct Vec<8> {
     else *static_cast<uint2*>(p) = v;
   }
 };
-template <>
-struct Vec<4> {
-  static __device__ __forceinline__ void Load(const void* p, uint32_t* w) {
-    w[0] = __ldg(static_cast<const unsigned int*>(p));
-  }
+// 4- and 2-byte accesses: one scalar U in the low bits of w[0].
+template <typename U>
+struct ScalarVec {
+  static __device__ __forceinline__ void Load(const void* p, uint32_t* w) { w[0] = __ldg(static_cast<const U*>(p)); }
   template <bool kStream>
   static __device__ __forceinline__ void Store(void* p, const uint32_t* w) {
-    if constexpr (kStream) __stcs(static_cast<unsigned int*>(p), w[0]);
-    else *static_cast<unsigned int*>(p) = w[0];
+    const auto v = static_cast<U>(w[0]);
+    if constexpr (kStream) __stcs(static_cast<U*>(p), v);
+    else *static_cast<U*>(p) = v;
   }
 };
 template <>
-struct Vec<2> {
-  static __device__ __forceinline__ void Load(const void* p, uint32_t* w) {
-    w[0] = __ldg(static_cast<const unsigned short*>(p));
-  }
-  template <bool kStream>
-  static __device__ __forceinline__ void Store(void* p, const uint32_t* w) {
-    const auto v = static_cast<unsigned short>(w[0]);
-    if constexpr (kStream) __stcs(static_cast<unsigned short*>(p), v);
-    else *static_cast<unsigned short*>(p) = v;
-  }
-};
+struct Vec<4> : ScalarVec<unsigned int> {};
+template <>
+struct Vec<2> : ScalarVec<unsigned short> {};
 template <>
 struct Vec<1> {
   static __device__ __forceinline__ void Load(const void* p, uint32_t* w) {

@@ -38,6 +38,19 @@ inline int WarpRowNv(const Params& p, int elem_bytes, FwdKernel k) {
   return nvec <= 32 * 4 ? 4 : (nvec <= 32 * 8 ? 8 : 16);
 }
 
+// Sets *c to the warp-per-row launch of kernel k (one warp per row, 4 rows per block) and returns
+// true, or returns false (c untouched) where k does not apply to p.
+inline bool WarpRowConfig(const Params& p, int elem_bytes, FwdKernel k, LaunchConfig* c) {
+  const int wnv = WarpRowNv(p, elem_bytes, k);
+  if (wnv == 0) return false;
+  c->kernel = k;
+  c->threads_per_row = 32;
+  c->vectors_per_thread = wnv;
+  c->block = kWarpRowThreads;
+  c->grid = (p.rows + kWarpRowThreads / 32 - 1) / (kWarpRowThreads / 32);
+  return true;
+}
+
 inline LaunchConfig ChooseConfigFor(const Params& p, int elem_bytes, bool forward = true) {
   LaunchConfig c;
   c.vec = VecFor(p, elem_bytes);
@@ -47,15 +60,7 @@ inline LaunchConfig ChooseConfigFor(const Params& p, int elem_bytes, bool forwar
   GetTuning(&force_tpr, &force_nv);
   if (forward && force_tpr == kTuneWarpRowTpr && (force_nv == kTuneWarpRowNv || force_nv == kTuneWarpRowPackedNv)) {
     const FwdKernel k = force_nv == kTuneWarpRowNv ? FwdKernel::kWarpRow : FwdKernel::kWarpRowPacked;
-    const int wnv = WarpRowNv(p, elem_bytes, k);
-    if (wnv > 0) {
-      c.kernel = k;
-      c.threads_per_row = 32;
-      c.vectors_per_thread = wnv;
-      c.block = kWarpRowThreads;
-      c.grid = (p.rows + kWarpRowThreads / 32 - 1) / (kWarpRowThreads / 32);
-      return c;
-    }
+    if (WarpRowConfig(p, elem_bytes, k, &c)) return c;
   }
   if (force_tpr >= 4 && force_nv >= 1 && force_nv <= kMaxNv && force_tpr <= MaxThreadsForNv(force_nv) &&
       static_cast<int64_t>(force_tpr) * force_nv >= nvec) {
@@ -70,17 +75,7 @@ inline LaunchConfig ChooseConfigFor(const Params& p, int elem_bytes, bool forwar
   // block synchronisation). On the H200 (2026-12-03, run 8) it took the 4x32x4096x4096 bf16 causal
   // masked forward from 3.23 ms (v2) to 2.04 ms, the upper-triangular one from 2.67 to 1.64 ms.
   // A forced (threads_per_row, vectors_per_thread) pair that covers the row (above) still selects v2.
-  if (forward && nvec > 32 * 4) {
-    const int wnv = WarpRowNv(p, elem_bytes, FwdKernel::kWarpRow);
-    if (wnv > 0) {
-      c.kernel = FwdKernel::kWarpRow;
-      c.threads_per_row = 32;
-      c.vectors_per_thread = wnv;
-      c.block = kWarpRowThreads;
-      c.grid = (p.rows + kWarpRowThreads / 32 - 1) / (kWarpRowThreads / 32);
-      return c;
-    }
-  }
+  if (forward && nvec > 32 * 4 && WarpRowConfig(p, elem_bytes, FwdKernel::kWarpRow, &c)) return c;
   // Grow the row group to a warp first, then the per-thread vectors to 4 (64 bytes in flight per
   // thread), then the group up to the largest block NV=4 allows without spilling (512 threads:
   // rows of up to 16384 2-byte / 8192 4-byte elements stay in registers); longer rows go to the

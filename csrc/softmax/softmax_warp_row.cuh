@@ -42,9 +42,19 @@ __device__ __forceinline__ To BitCast(const From& v) {
 template <typename T>
 struct Words;
 
-template <>
-struct Words<__nv_bfloat16> {
+// The two 16-bit specialisations share the packed min/max of a word's two elements.
+template <typename T2>
+struct HalfPairWords {
   static constexpr int kPerWord = 2;
+  template <bool kMin>
+  __device__ static __forceinline__ uint32_t Max(uint32_t a, uint32_t b) {
+    const T2 x = BitCast<T2>(a), y = BitCast<T2>(b);
+    return BitCast<uint32_t>(kMin ? __hmin2(x, y) : __hmax2(x, y));
+  }
+};
+
+template <>
+struct Words<__nv_bfloat16> : HalfPairWords<__nv_bfloat162> {
   static constexpr uint32_t kNegInf = 0xFF80FF80u;
   static constexpr uint32_t kPosInf = 0x7F807F80u;
   __device__ static __forceinline__ float Elem(uint32_t w, int e) {
@@ -53,16 +63,10 @@ struct Words<__nv_bfloat16> {
   __device__ static __forceinline__ uint32_t Pack(float lo, float hi) {
     return BitCast<uint32_t>(__floats2bfloat162_rn(lo, hi));
   }
-  template <bool kMin>
-  __device__ static __forceinline__ uint32_t Max(uint32_t a, uint32_t b) {
-    const __nv_bfloat162 x = BitCast<__nv_bfloat162>(a), y = BitCast<__nv_bfloat162>(b);
-    return BitCast<uint32_t>(kMin ? __hmin2(x, y) : __hmax2(x, y));
-  }
 };
 
 template <>
-struct Words<__half> {
-  static constexpr int kPerWord = 2;
+struct Words<__half> : HalfPairWords<__half2> {
   static constexpr uint32_t kNegInf = 0xFC00FC00u;
   static constexpr uint32_t kPosInf = 0x7C007C00u;
   __device__ static __forceinline__ float Elem(uint32_t w, int e) {
@@ -71,11 +75,6 @@ struct Words<__half> {
   }
   __device__ static __forceinline__ uint32_t Pack(float lo, float hi) {
     return BitCast<uint32_t>(__floats2half2_rn(lo, hi));
-  }
-  template <bool kMin>
-  __device__ static __forceinline__ uint32_t Max(uint32_t a, uint32_t b) {
-    const __half2 x = BitCast<__half2>(a), y = BitCast<__half2>(b);
-    return BitCast<uint32_t>(kMin ? __hmin2(x, y) : __hmax2(x, y));
   }
 };
 

@@ -152,6 +152,12 @@ def unsupported_reason(
 # ----------------------------------------------------------------------------------------------
 
 
+def _band(xp, a, n_other, lo, hi):
+    """Whether position a (a query for rows, a key for columns) sees at least one of the n_other
+    positions of the other axis inside its window [a - lo, a + hi]; xp is numpy or jax.numpy."""
+    return xp.maximum(0, a - lo) <= xp.minimum(n_other - 1, a + hi)
+
+
 def _valid(b, s_q, s_k, *, mask_type, window, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids):
     """(row_valid [B|1, Sq] or None, col_valid [B|1, Sk] or None); None: every row (key) is visible."""
     if mask_type == "none" and window is None and q_segment_ids is None:
@@ -177,20 +183,17 @@ def _valid(b, s_q, s_k, *, mask_type, window, q_seqlens, kv_seqlens, q_segment_i
     if mask_type not in _PADDING:
         # Static shapes and bounds: decide with numpy, and skip the where() passes (a full extra read and
         # write of the output and gradients) whenever every row and every key is visible, e.g. plain causal.
-        i_np, j_np = np.arange(s_q), np.arange(s_k)
-        row_np = np.maximum(0, i_np - left) <= np.minimum(s_k - 1, i_np + right)
-        col_np = np.maximum(0, j_np - right) <= np.minimum(s_q - 1, j_np + left)
+        row_np, col_np = _band(np, np.arange(s_q), s_k, left, right), _band(np, np.arange(s_k), s_q, right, left)
         # Built from iota, not from the numpy arrays: a numpy constant would become a closed-over
         # constant of the traced function, which custom_partitioning (our sharding rule) rejects.
-        i, j = jnp.arange(s_q), jnp.arange(s_k)
-        row = None if row_np.all() else (jnp.maximum(0, i - left) <= jnp.minimum(s_k - 1, i + right))[None]
-        col = None if col_np.all() else (jnp.maximum(0, j - right) <= jnp.minimum(s_q - 1, j + left))[None]
+        row = None if row_np.all() else _band(jnp, jnp.arange(s_q), s_k, left, right)[None]
+        col = None if col_np.all() else _band(jnp, jnp.arange(s_k), s_q, right, left)[None]
         return row, col
     i = jnp.arange(s_q)[None, :]
     j = jnp.arange(s_k)[None, :]
     qlen, kvlen = q_seqlens[:, None], kv_seqlens[:, None]
-    row = (jnp.maximum(0, i - left) <= jnp.minimum(kvlen - 1, i + right)) & (i < qlen)
-    col = (jnp.maximum(0, j - right) <= jnp.minimum(qlen - 1, j + left)) & (j < kvlen)
+    row = _band(jnp, i, kvlen, left, right) & (i < qlen)
+    col = _band(jnp, j, qlen, right, left) & (j < kvlen)
     return row, col
 
 
