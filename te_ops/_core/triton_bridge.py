@@ -673,13 +673,21 @@ _HLO_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=")
 _THUNK_LINE = re.compile(r"^(?P<indent>[ \t]*)(?:\d+:\s+)?(?P<kind>k[A-Z]\w*)(?P<rest>.*)$")
 
 
+def _launches_by_computation(hlo_text: str) -> dict[str, list[str]]:
+    """HLO computation name -> names of its instructions that launch a kernel through the bridge."""
+    comp, comps = None, {}
+    for line in hlo_text.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            comp = (line.split()[1] if line.startswith("ENTRY") else line.split()[0]).lstrip("%")
+            comps[comp] = []
+        elif comp is not None and f'custom_call_target="{FFI_TARGET}"' in line and (m := _HLO_INSTR.match(line)):
+            comps[comp].append(m["name"])
+    return comps
+
+
 def triton_launch_names(hlo_text: str) -> list[str]:
     """Names of the instructions of an HLO module (text) that launch a kernel through the bridge."""
-    names = []
-    for line in hlo_text.splitlines():
-        if f'custom_call_target="{FFI_TARGET}"' in line and (m := _HLO_INSTR.match(line)):
-            names.append(m["name"])
-    return names
+    return [n for names in _launches_by_computation(hlo_text).values() for n in names]
 
 
 def find_thunk_dump(dump_dir: str | os.PathLike, module_name: str) -> str | None:
@@ -714,7 +722,8 @@ def command_buffer_report(hlo_text: str, thunk_text: str | None = None) -> dict[
       ``custom_calls_inside``, ``custom_calls_outside`` and ``other_custom_calls`` (custom calls of
       the module to other targets).
     """
-    launches = triton_launch_names(hlo_text)
+    comps = _launches_by_computation(hlo_text)  # old XLA: command_buffer computations hold launches
+    launches = [n for names in comps.values() for n in names]
     other = sum(1 for ln in hlo_text.splitlines() if "custom_call_target=" in ln) - len(launches)
     report: dict[str, Any] = dict(
         mode="none",
@@ -726,17 +735,6 @@ def command_buffer_report(hlo_text: str, thunk_text: str | None = None) -> dict[
         custom_calls_outside=0,
         other_custom_calls=other,
     )
-    comp, comps = None, {}  # old XLA: HLO computation -> launches in it
-    for line in hlo_text.splitlines():
-        if line and not line[0].isspace() and line.rstrip().endswith("{"):
-            comp = (line.split()[1] if line.startswith("ENTRY") else line.split()[0]).lstrip("%")
-            comps[comp] = []
-        elif (
-            comp is not None
-            and f'custom_call_target="{FFI_TARGET}"' in line
-            and (m := _HLO_INSTR.match(line))
-        ):
-            comps[comp].append(m["name"])
     cb_comps = [c for c in comps if "command_buffer" in c]
     if cb_comps:
         inside = [n for c in cb_comps for n in comps[c]]
