@@ -96,6 +96,25 @@ __device__ __forceinline__ void SoftmaxSlots(float (&v)[EPT], Slots valid) {
 // (whose calling convention costs registers and caused spills).
 __device__ __forceinline__ float SoftmaxScale(float scale, float sum) { return __fdividef(scale, sum); }
 
+// o = scaling * softmax over the chosen slots of the logits logit(j) (0 elsewhere). `first` is the
+// top-k's round-0 winner, i.e. the key of the largest chosen logit: the max needs no reduction.
+// Every slot's exp is computed, then selected: no branches.
+template <int EPT, typename Logit>
+__device__ __forceinline__ void ChosenSoftmax(Logit logit, uint32_t chosen, uint32_t first, float scaling,
+                                              float (&o)[EPT]) {
+  const float mx = KeyFloat(first);
+  float sum = 0.f;
+#pragma unroll
+  for (int j = 0; j < EPT; ++j) {
+    const float ex = ExpNonPos(logit(j) - mx);
+    o[j] = ((chosen >> j) & 1u) ? ex : 0.f;
+    sum += o[j];
+  }
+  const float scale = SoftmaxScale(scaling, WarpSum(sum));
+#pragma unroll
+  for (int j = 0; j < EPT; ++j) o[j] *= scale;
+}
+
 // The expert bias of a lane's slots: in registers for small vector slices (E <= 256), re-read per
 // row (L1 hits) otherwise, where EPT more live registers would cost occupancy or spill.
 template <int EPT, bool kVec>
@@ -161,17 +180,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) RowForwardKernel(RowParam
 #pragma unroll
       for (int j = 0; j < EPT; ++j) key[j] = valid.Has(j) ? SelectKey(cur.Get(j)) : 0u;
       chosen = WarpTopK<EPT>(key, LaneBest2<EPT>(key, 0u), p.topk, lane, first);
-      const float mx = KeyFloat(first);  // the largest chosen logit (= the row's max)
-      float sum = 0.f;
-#pragma unroll
-      for (int j = 0; j < EPT; ++j) {
-        const float ex = ExpNonPos(cur.Get(j) - mx);  // every slot, then select: no branches
-        o[j] = ((chosen >> j) & 1u) ? ex : 0.f;
-        sum += o[j];
-      }
-      const float scale = SoftmaxScale(p.scaling, WarpSum(sum));
-#pragma unroll
-      for (int j = 0; j < EPT; ++j) o[j] *= scale;
+      ChosenSoftmax<EPT>([&](int j) { return cur.Get(j); }, chosen, first, p.scaling, o);
     } else {
       float s[EPT];
 #pragma unroll
@@ -211,17 +220,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) RowForwardKernel(RowParam
         }
         chosen = WarpTopK<EPT>(key, b, p.topk, lane, first);
         if (p.score == Score::kSoftmax && !p.pre_softmax) {  // softmax over the chosen logits
-          const float mx = KeyFloat(first);
-          float sum = 0.f;
-#pragma unroll
-          for (int j = 0; j < EPT; ++j) {
-            const float ex = ExpNonPos(s[j] - mx);
-            o[j] = ((chosen >> j) & 1u) ? ex : 0.f;
-            sum += o[j];
-          }
-          const float scale = SoftmaxScale(p.scaling, WarpSum(sum));
-#pragma unroll
-          for (int j = 0; j < EPT; ++j) o[j] *= scale;
+          ChosenSoftmax<EPT>([&](int j) { return s[j]; }, chosen, first, p.scaling, o);
         } else {  // the chosen scores, sigmoid ones normalised to sum 1 (topk > 1)
           float sum = 0.f;
 #pragma unroll
