@@ -133,17 +133,10 @@ __device__ __forceinline__ float Exp2Ftz(float x) {
   return y;
 }
 
-__device__ __forceinline__ float WarpMax(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-
-__device__ __forceinline__ float WarpSum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
+// Whole-warp max / sum: softmax_kernels.cuh's row-group reduction with a group of one warp (no
+// shared memory is touched for groups of <= 32 threads).
+__device__ __forceinline__ float WarpMax(float v) { return GroupReduce<true>(v, 32, nullptr); }
+__device__ __forceinline__ float WarpSum(float v) { return GroupReduce<false>(v, 32, nullptr); }
 
 // Makes the compiler forget what it knows about the raw words, so it recomputes conversions in
 // the next pass instead of keeping 2 * NV * 4 fp32 values live across the warp reduction (that is
