@@ -140,6 +140,13 @@ def _warmups(handler):
 _V2_PAIR = (128, 4)
 
 
+def _chosen_kernel(dtype, rows, cols, mode, scale=1.0):
+    """The forward kernel the launch chooser picks (te_ops._native.softmax_config) under the current
+    tuning pair; mode is "none", "mask" or "causal"."""
+    dt = {"float32": 0, "bfloat16": 1, "float16": 2}[jnp.dtype(dtype).name]
+    return native.module().softmax_config(dt, rows, cols, {"none": 0, "mask": 1, "causal": 2}[mode], scale)["kernel"]
+
+
 def _compare_variant(kernel, fn, shape, dtype, handler, tag, seed=0):
     """Compares the variant's forward (and v2's backward on its output) with the reference, and checks
     that the variant really ran: its warm-up key (csrc/softmax/softmax_ffi.cc Key) differs from v2's,
@@ -149,15 +156,12 @@ def _compare_variant(kernel, fn, shape, dtype, handler, tag, seed=0):
     with _tuning(_V2_PAIR):
         jax.block_until_ready(f(x))  # v2 launch: its key is warmed now
     key = (handler, tag, shape, jnp.dtype(dtype).name, kernel)
-    mod = native.module()
-    dt = {"float32": 0, "bfloat16": 1, "float16": 2}[jnp.dtype(dtype).name]
     rows, cols = math.prod(shape[:-1]), shape[-1]
-    mode = {"none": 0, "mask": 1, "causal": 2}[tag]
     # Where the default launch is this very kernel, other tests in this process (default launches of
     # the same shape) may have warmed its key already: the chooser check below is the proof there.
-    default_is_variant = mod.softmax_config(dt, rows, cols, mode)["kernel"] == kernel
+    default_is_variant = _chosen_kernel(dtype, rows, cols, tag) == kernel
     with _tuning(WARP_ROW[kernel]):
-        assert mod.softmax_config(dt, rows, cols, mode)["kernel"] == kernel, (shape, dtype)
+        assert _chosen_kernel(dtype, rows, cols, tag) == kernel, (shape, dtype)
         before = _warmups(handler)
         y = _compare(fn, shape, dtype, seed)
         jax.block_until_ready(f(x))
@@ -284,9 +288,7 @@ def test_default_forward_is_warp_row_for_long_rows(dtype, cols):
     """The default launch (no tuning pair) of a row longer than 128 vectors is the warp-row forward:
     the benchmark's causal case runs it. Checked through the chooser, the warm-up key (a forced v2
     launch warms a different key), and against the reference (forward and backward)."""
-    mod = native.module()
-    dt = {"float32": 0, "bfloat16": 1, "float16": 2}[jnp.dtype(dtype).name]
-    assert mod.softmax_config(dt, 64, cols, 2, 0.125)["kernel"] == "warp-row"
+    assert _chosen_kernel(dtype, 64, cols, "causal", 0.125) == "warp-row"
     causal = ~jnp.tril(jnp.ones((16, cols), bool), k=cols - 16)[None, None]
     fn = lambda x, impl: te_ops.scaled_masked_softmax(x, causal, 0.125, implementation=impl)
     x = _x(11, (2, 2, 16, cols), dtype)
