@@ -333,6 +333,7 @@ ffi::Error GetPlan(const char* op, int device, DeviceState& dev, const GemmSpec&
   const std::string what = spec.Describe();
   auto p = std::make_unique<GemmPlan>();
   p->spec = spec;
+  p->device = device;
   TE_LT_CHECK(op, cublasLtMatmulDescCreate(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), what);
   const int32_t ta = spec.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
   const int32_t tb = spec.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
@@ -413,10 +414,11 @@ ffi::Error GetPlan(const char* op, int device, DeviceState& dev, const GemmSpec&
 std::vector<PlanInfo> PlanSnapshot() {
   std::lock_guard<std::mutex> lock(StateMutex());
   std::vector<PlanInfo> out;
-  for (const auto& [key, plan] : Plans()) {
+  for (const auto& entry : Plans()) {
+    const GemmPlan* plan = entry.second.get();
     if (plan == nullptr) continue;  // a spec without an algorithm
     PlanInfo info;
-    info.device = std::stoi(key.substr(0, key.find('|')));
+    info.device = plan->device;
     info.describe = plan->spec.Describe();
     info.m = plan->spec.m;
     info.n = plan->spec.n;

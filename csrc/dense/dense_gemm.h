@@ -61,6 +61,7 @@ struct GemmPtrs {
 
 struct GemmPlan {
   GemmSpec spec;
+  int device = 0;
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t la = nullptr, lb = nullptr, ld = nullptr;
   cublasLtMatmulAlgo_t algo{};
