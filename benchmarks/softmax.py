@@ -3,8 +3,8 @@ side by side in one process. Prints a table and writes benchmarks/results/softma
 
     python benchmarks/softmax.py [--quick] [--target-only]
 
-The launch-shape sweep at the end also times the warp-per-row forward variants (SWEEP below) next
-to the default v2 launch, with XLA's forward time for the same case.
+The launch-shape sweep at the end times the default launch, forced v2 shapes and both warp-per-row
+forward variants (SWEEP below), with XLA's forward time for the same case.
 """
 
 from __future__ import annotations
