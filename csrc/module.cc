@@ -70,6 +70,16 @@ nb::list DensePlans() {
     d["chosen"] = p.chosen;
     d["best_ms"] = p.best_ms;
     d["candidate_ms"] = p.candidate_ms;
+    nb::dict a;
+    a["id"] = p.algo.id;
+    a["tile"] = p.algo.tile;
+    a["stages"] = p.algo.stages;
+    a["split_k"] = p.algo.split_k;
+    a["reduction_scheme"] = p.algo.reduction_scheme;
+    a["swizzle"] = p.algo.swizzle;
+    a["custom"] = p.algo.custom;
+    a["cluster_shape"] = p.algo.cluster_shape;
+    d["algo"] = a;
     out.append(d);
   }
   return out;
@@ -107,7 +117,7 @@ NB_MODULE(TE_MODULE_NAME, m) {
 #ifdef TE_WITH_DENSE
   m.def("dense_plans", &DensePlans,
         "The cached cuBLASLt plans (column-major m, n, k, op flags, epilogue, the candidates' timed ms and "
-        "the chosen one) for diagnostics.");
+        "the chosen one with its cuBLASLt algo config) for diagnostics.");
 #endif
   m.def("build_info", &BuildInfo);
 }

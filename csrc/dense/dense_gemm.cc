@@ -13,6 +13,7 @@ namespace {
 
 constexpr size_t kWorkspaceBytes = size_t{32} << 20;  // cuBLAS's recommendation for Hopper
 constexpr int kMaxCandidates = 24;
+constexpr uint32_t kAllowedReductionSchemes = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;  // (NONE always)
 // Timing scratch is cudaMalloc'd and freed in the initialize stage; above this we take the
 // heuristic's first choice instead of timing.
 constexpr size_t kMaxTimingScratchBytes = size_t{4} << 30;
@@ -375,6 +376,13 @@ ffi::Error GetPlan(const char* op, int device, DeviceState& dev, const GemmSpec&
     st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_d, sizeof(al_d));
   if (st == CUBLAS_STATUS_SUCCESS)
     st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_d, sizeof(al_d));
+  // Split-K partial sums only in the compute type (float32): INPLACE and OUTPUT_TYPE reductions add
+  // the parts in the output type (bf16/f16), which breaks the float32-accumulation contract; it was
+  // visible as ReLU masks flipping near zero on small odd shapes (H200, 2026-12-03).
+  const uint32_t reduction = kAllowedReductionSchemes;
+  if (st == CUBLAS_STATUS_SUCCESS)
+    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &reduction,
+                                              sizeof(reduction));
   std::vector<cublasLtMatmulHeuristicResult_t> results(kMaxCandidates);
   int returned = 0;
   if (st == CUBLAS_STATUS_SUCCESS) {
@@ -411,6 +419,28 @@ ffi::Error GetPlan(const char* op, int device, DeviceState& dev, const GemmSpec&
   return ffi::Error::Success();
 }
 
+namespace {
+// The chosen algorithm's configuration (cuBLASLt algo config attributes; -1 where unreadable).
+AlgoInfo AlgoConfig(const cublasLtMatmulAlgo_t& algo) {
+  auto get = [&](cublasLtMatmulAlgoConfigAttributes_t attr, auto zero) -> int64_t {
+    decltype(zero) v = zero;
+    size_t written = 0;
+    if (cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &v, sizeof(v), &written) != CUBLAS_STATUS_SUCCESS) return -1;
+    return static_cast<int64_t>(v);
+  };
+  AlgoInfo a;
+  a.id = get(CUBLASLT_ALGO_CONFIG_ID, int32_t{0});
+  a.tile = get(CUBLASLT_ALGO_CONFIG_TILE_ID, uint32_t{0});
+  a.stages = get(CUBLASLT_ALGO_CONFIG_STAGES_ID, uint32_t{0});
+  a.split_k = get(CUBLASLT_ALGO_CONFIG_SPLITK_NUM, int32_t{0});
+  a.reduction_scheme = get(CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, uint32_t{0});
+  a.swizzle = get(CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, uint32_t{0});
+  a.custom = get(CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION, uint32_t{0});
+  a.cluster_shape = get(CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, uint16_t{0});
+  return a;
+}
+}  // namespace
+
 std::vector<PlanInfo> PlanSnapshot() {
   std::lock_guard<std::mutex> lock(StateMutex());
   std::vector<PlanInfo> out;
@@ -430,6 +460,7 @@ std::vector<PlanInfo> PlanSnapshot() {
     info.chosen = plan->chosen;
     info.best_ms = plan->best_ms;
     info.candidate_ms = plan->candidate_ms;
+    info.algo = AlgoConfig(plan->algo);
     out.push_back(std::move(info));
   }
   return out;

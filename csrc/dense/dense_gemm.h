@@ -84,6 +84,12 @@ int Alignment(const void* p);
 ffi::Error GetPlan(const char* op, int device, DeviceState& dev, const GemmSpec& spec, const GemmPtrs& ptrs,
                    bool create, bool time_candidates, GemmPlan** plan);
 
+// A chosen algorithm's cuBLASLt configuration (CUBLASLT_ALGO_CONFIG_*; -1 where unreadable).
+struct AlgoInfo {
+  int64_t id = -1, tile = -1, stages = -1, split_k = -1, reduction_scheme = -1, swizzle = -1, custom = -1,
+          cluster_shape = -1;
+};
+
 // What the plan cache holds (for diagnostics: te_ops._native_cublaslt.dense_plans()).
 struct PlanInfo {
   int device = 0;
@@ -94,6 +100,7 @@ struct PlanInfo {
   int candidates = 0, chosen = 0;
   float best_ms = -1.0f;
   std::vector<float> candidate_ms;
+  AlgoInfo algo;
 };
 std::vector<PlanInfo> PlanSnapshot();
 

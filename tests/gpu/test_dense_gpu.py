@@ -144,6 +144,20 @@ def test_plan_cache_reports_timed_candidates():
         assert p["best_ms"] == min(timed) == p["candidate_ms"][p["chosen"]], p
 
 
+def test_plans_accumulate_split_k_in_float32():
+    """No cached plan reduces split-K parts in the output type (INPLACE = 1, OUTPUT_TYPE = 4): those
+    add bf16/f16 partial sums, and on (37, 29) x 53 relu that flipped ReLU masks near zero."""
+    for dtype in (jnp.bfloat16, jnp.float16):
+        x, w, b, ct = _inputs((37, 29), 53, dtype, True, seed=3)
+        jax.block_until_ready(jax.jit(_fwd_bwd("native", "relu", True))(x, w, b, ct))
+    plans = native._loaded["_native_cublaslt"].dense_plans()
+    assert plans
+    for p in plans:
+        a = p["algo"]
+        assert a["split_k"] >= 1 and a["reduction_scheme"] >= 0, p
+        assert a["split_k"] == 1 or a["reduction_scheme"] in (0, 2), p
+
+
 def test_larger_bf16_gelu_tanh_training_shape():
     """A transformer-sized MLP slice (fused GELU_AUX_BIAS forward, dgelu+dbias kernel, two GEMMs)."""
     x, w, b, ct = _inputs((2, 256, 1024), 4096, jnp.bfloat16, True, seed=6)
