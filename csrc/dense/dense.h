@@ -26,6 +26,10 @@ cudaError_t LaunchActForward(DType dt, Act act, const void* z, const void* bias,
 cudaError_t LaunchActBackward(DType dt, Act act, const void* dy, const void* saved, void* dz, float* partials,
                               int64_t chunks, int64_t m, int64_t n, cudaStream_t stream);
 
+// The row chunking of LaunchActBackward's grid for [M, N] with VEC-element vectors (1 or 16 bytes /
+// element size): the partials scratch must hold this many rows (te_ops/dense/native.py mirrors it).
+int64_t BackwardChunks(int64_t m, int64_t n, int vec);
+
 // out[N] = sum over chunks of partials[chunks, N], rounded to dt.
 cudaError_t LaunchReducePartials(DType dt, const float* partials, int64_t chunks, int64_t n, void* out,
                                  cudaStream_t stream);

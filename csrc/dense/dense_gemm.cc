@@ -186,8 +186,23 @@ int TimeCandidates(DeviceState& dev, GemmPlan& plan, const std::vector<cublasLtM
     cleanup();
     return 0;
   }
-  // Runs candidate i n times; returns its mean time in ms, or -1 when cuBLASLt refused it, or -2 on
-  // an event error (timing impossible: keep the heuristic's order).
+  // Ranking must hold in training, where GEMMs run back to back at the power-limited sustained clock,
+  // not in a short burst at boost clock (short bursts ranked tiles differently: H200, 2026-12-03,
+  // benchmarks/dense_profile.py). So: one probe call per candidate (cuBLASLt may refuse one it
+  // offered), ~100 ms of continuous work to reach the sustained clock, then kRounds rounds in which
+  // every candidate runs ~3 ms between its own pair of events, all enqueued back to back with no host
+  // synchronisation inside a round (the GPU never idles), the order rotated each round so no
+  // candidate always follows the same one; a candidate's time is its median over the rounds.
+  constexpr int kRounds = 4;
+  const size_t nc = cands.size();
+  std::vector<float> t(nc, -1.0f);
+  std::vector<char> runs(nc, 0);
+  for (size_t i = 0; i < nc; ++i) {
+    runs[i] = Matmul(dev, plan, p, cands[i].algo, stream, ws, dev.workspace_bytes) == CUBLAS_STATUS_SUCCESS;
+  }
+  size_t first = 0;
+  while (first < nc && !runs[first]) ++first;
+  // Mean ms of n calls of candidate i, or -1 when refused, -2 on an event error.
   auto run_n = [&](size_t i, int n) -> float {
     if (cudaEventRecord(start, stream) != cudaSuccess) return -2.0f;
     bool failed = false;
@@ -201,40 +216,53 @@ int TimeCandidates(DeviceState& dev, GemmPlan& plan, const std::vector<cublasLtM
     }
     return failed ? -1.0f : ms / n;
   };
-  // An idle GPU sits at a low SM clock and ramps up over tens of milliseconds: keep it busy with the
-  // first candidate that runs for ~30 ms before timing anything, then time each candidate over ~2 ms
-  // (at least 3 calls), twice (second pass in reverse order), keeping its best.
-  std::vector<float> t(cands.size(), -1.0f);
-  size_t first = 0;
-  float est = -1.0f;
-  for (; first < cands.size(); ++first) {
-    est = run_n(first, 1);
-    if (est != -1.0f) break;
-  }
+  const float est = first < nc ? run_n(first, 1) : -1.0f;
   const bool untimed = est == -2.0f;  // events failed: keep the heuristic's first choice
-  if (est > 0.0f) {
-    const int warm = static_cast<int>(std::min(1000.0f, std::ceil(30.0f / est)));
-    const int reps = static_cast<int>(std::max(3.0f, std::min(100.0f, std::ceil(2.0f / est))));
-    if (run_n(first, warm) > 0.0f) {
-      for (int pass = 0; pass < 2; ++pass) {
-        for (size_t j = 0; j < cands.size(); ++j) {
-          const size_t i = pass == 0 ? j : cands.size() - 1 - j;
-          if (i < first || (pass == 1 && t[i] < 0.0f)) continue;  // refused: not retried
-          if (run_n(i, 1) <= 0.0f) continue;                       // per-candidate warm-up
-          const float ms = run_n(i, reps);
-          if (ms > 0.0f && (t[i] < 0.0f || ms < t[i])) t[i] = ms;
+  std::vector<cudaEvent_t> ev(2 * nc, nullptr);
+  bool events_ok = true;
+  for (auto& e : ev) events_ok = events_ok && cudaEventCreate(&e) == cudaSuccess;
+  if (est > 0.0f && events_ok) {
+    const int warm = static_cast<int>(std::min(4000.0f, std::ceil(100.0f / est)));
+    const int reps = static_cast<int>(std::max(3.0f, std::min(200.0f, std::ceil(3.0f / est))));
+    std::vector<std::vector<float>> samples(nc);
+    bool ok = run_n(first, warm) > 0.0f;
+    for (int round = 0; round < kRounds && ok; ++round) {
+      for (size_t j = 0; j < nc && ok; ++j) {
+        const size_t i = (j + round) % nc;
+        if (!runs[i]) continue;
+        ok = cudaEventRecord(ev[2 * i], stream) == cudaSuccess;
+        for (int r = 0; r < reps && ok && runs[i]; ++r) {
+          runs[i] = Matmul(dev, plan, p, cands[i].algo, stream, ws, dev.workspace_bytes) == CUBLAS_STATUS_SUCCESS;
+        }
+        ok = ok && cudaEventRecord(ev[2 * i + 1], stream) == cudaSuccess;
+      }
+      ok = ok && cudaStreamSynchronize(stream) == cudaSuccess;
+      for (size_t i = 0; i < nc && ok; ++i) {
+        float ms = 0.0f;
+        if (runs[i] && cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]) == cudaSuccess) {
+          samples[i].push_back(ms / reps);
         }
       }
     }
+    for (size_t i = 0; i < nc; ++i) {
+      auto& v = samples[i];
+      if (!runs[i] || v.empty()) continue;
+      std::sort(v.begin(), v.end());
+      const size_t h = v.size() / 2;
+      t[i] = v.size() % 2 == 1 ? v[h] : 0.5f * (v[h - 1] + v[h]);
+    }
+  }
+  for (auto& e : ev) {
+    if (e) cudaEventDestroy(e);
   }
   float best_t = -1.0f;
-  for (size_t i = 0; i < t.size(); ++i) {
+  for (size_t i = 0; i < nc; ++i) {
     if (t[i] > 0.0f && (best_t < 0.0f || t[i] < best_t)) {
       best_t = t[i];
       best = static_cast<int>(i);
     }
   }
-  if (best_t < 0.0f && est > 0.0f) {  // only the first run succeeded: keep it, with that one time
+  if (best_t < 0.0f && est > 0.0f) {  // only the first timed run succeeded: keep it, with that time
     best = static_cast<int>(first);
     best_t = t[first] = est;
   }

@@ -57,11 +57,12 @@ def _sds(shape, dtype):
 def partial_chunks(m: int, n: int, itemsize: int) -> int:
     """Row chunks of the dbias column-sum kernel (one float32 [chunks, N] scratch row each).
 
-    Enough blocks to fill the GPU (~512 of 256 threads), at most 512 rows per chunk."""
+    The same rule as csrc/dense/dense_kernels.cu BackwardChunks: ~2048 blocks of 32 x 8 threads
+    (each block 32 vectors of columns wide), at least 64 rows per chunk."""
     vec = 16 // itemsize if n % (16 // itemsize) == 0 else 1
-    gx = math.ceil(n / vec / 256)
-    chunks = max(math.ceil(512 / gx), math.ceil(m / 512))
-    return int(max(1, min(m, chunks, 65535)))
+    gx = math.ceil(n / (32 * vec))
+    chunks = min(math.ceil(2048 / gx), math.ceil(m / 64))
+    return int(max(1, min(chunks, 65535)))
 
 
 def forward(x, kernel, bias=None, *, activation, has_bias: bool, mode: str = "train"):
