@@ -106,17 +106,28 @@ def main():
         "ours": dense_bench.ours_fn(act, True, "native"),
         "xla": dense_bench.xla_fn(act, True),
     }
+    mod = _native._loaded["_native_cublaslt"]
+    info = mod.dense_backward_variants()
+    runs = [("forward", "ours", None), ("forward", "xla", None), ("forward+backward", "xla", None)]
+    # ours forward+backward once per compiled block shape of the dz/dbias kernel, the default last
+    order = [v for v in range(len(info["variants"])) if v != info["active"]] + [info["active"]]
+    runs += [("forward+backward", "ours", v) for v in order]
     results = []
-    for stage in ("forward", "forward+backward"):
-        for side, f in sides.items():
-            fn = jax.jit(f) if stage == "forward" else jax.jit(dense_bench.fwd_bwd(f))
-            a = (x, w, b) if stage == "forward" else (x, w, b, dy)
-            r = profile(fn, a, args.steps)
-            r.update(side=side, stage=stage)
-            results.append(r)
-            print(f"\n== {side} {stage}: kernels busy {r['busy_ms']:.3f} ms/step, span {r['span_ms']:.3f} ms/step ==")
-            for kr in r["kernels"]:
-                print(f"  {kr['ms_per_step']:8.3f} ms  x{kr['calls_per_step']:.1f}  {kr['kernel'][:150]}")
+    for stage, side, variant in runs:
+        f = sides[side]
+        fn = jax.jit(f) if stage == "forward" else jax.jit(dense_bench.fwd_bwd(f))
+        a = (x, w, b) if stage == "forward" else (x, w, b, dy)
+        if variant is not None:
+            mod.dense_set_backward_variant(variant)
+            side = f"ours, dz kernel block {tuple(info['variants'][variant])}" + (
+                " (default)" if variant == info["active"] else ""
+            )
+        r = profile(fn, a, args.steps)
+        r.update(side=side, stage=stage)
+        results.append(r)
+        print(f"\n== {side} {stage}: kernels busy {r['busy_ms']:.3f} ms/step, span {r['span_ms']:.3f} ms/step ==")
+        for kr in r["kernels"]:
+            print(f"  {kr['ms_per_step']:8.3f} ms  x{kr['calls_per_step']:.1f}  {kr['kernel'][:150]}")
     _timing.write_json(
         "dense_profile",
         {

@@ -14,6 +14,7 @@
 #ifdef TE_WITH_DENSE
 #include <nanobind/stl/vector.h>
 
+#include "dense/dense.h"
 #include "dense/dense_gemm.h"
 #endif
 
@@ -115,6 +116,30 @@ NB_MODULE(TE_MODULE_NAME, m) {
         "Launch configuration the softmax kernels choose (dtype 0=f32 1=bf16 2=f16; mode 0 none 1 mask 2 causal).");
 #endif
 #ifdef TE_WITH_DENSE
+  m.def(
+      "dense_set_backward_variant",
+      [](int i) {
+        if (!te::dense::SetBackwardVariant(i)) {
+          throw nb::value_error(("variant must be in [0, " + std::to_string(te::dense::NumBackwardVariants()) +
+                                 "), got " + std::to_string(i))
+                                    .c_str());
+        }
+      },
+      nb::arg("variant"), "Benchmark hook: the block shape of dense's backward dz/dbias kernel (process-wide).");
+  m.def(
+      "dense_backward_variants",
+      [] {
+        nb::dict d;
+        nb::list shapes;
+        for (int i = 0; i < te::dense::NumBackwardVariants(); ++i) {
+          const auto v = te::dense::BackwardVariantAt(i);
+          shapes.append(nb::make_tuple(v.bx, v.by, v.unroll));
+        }
+        d["variants"] = shapes;
+        d["active"] = te::dense::BackwardVariant();
+        return d;
+      },
+      "The compiled (threads x, threads y, rows per batch) shapes of dense's backward kernel and the active one.");
   m.def("dense_plans", &DensePlans,
         "The cached cuBLASLt plans (column-major m, n, k, op flags, epilogue, the candidates' timed ms and "
         "the chosen one with its cuBLASLt algo config) for diagnostics.");

@@ -20,15 +20,25 @@ cudaError_t LaunchActForward(DType dt, Act act, const void* z, const void* bias,
                              int64_t n, cudaStream_t stream);
 
 // dz[M, N] = dy * act'(saved) (act kNone: dz = dy; kRelu: saved is y, others: saved is z).
-// dz may be null (not written). If partials is non-null it receives, for each of `chunks` consecutive
-// row chunks, the float32 column sums of dz over the chunk: partials[chunks, N]. Without partials,
-// chunks <= 0 lets the launcher choose the row chunking (it only shapes the grid then).
+// dz may be null (not written). If partials is non-null it receives, for each of *chunks_used
+// consecutive row chunks (at most max_chunks, the scratch's rows), the float32 column sums of dz over
+// the chunk: partials[*chunks_used, N] (LaunchReducePartials adds them up).
 cudaError_t LaunchActBackward(DType dt, Act act, const void* dy, const void* saved, void* dz, float* partials,
-                              int64_t chunks, int64_t m, int64_t n, cudaStream_t stream);
+                              int64_t max_chunks, int64_t m, int64_t n, cudaStream_t stream, int64_t* chunks_used);
 
-// The row chunking of LaunchActBackward's grid for [M, N] with VEC-element vectors (1 or 16 bytes /
-// element size): the partials scratch must hold this many rows (te_ops/dense/native.py mirrors it).
-int64_t BackwardChunks(int64_t m, int64_t n, int vec);
+// The backward kernel's block shape: bx x by threads, `unroll` rows per load batch. Several are
+// compiled; one is active process-wide (a tuning hook: te_ops._native_cublaslt.dense_set_backward_variant).
+struct BwdVariant {
+  int bx, by, unroll;
+};
+int NumBackwardVariants();
+BwdVariant BackwardVariantAt(int i);
+int BackwardVariant();
+bool SetBackwardVariant(int i);  // false when i is out of range
+
+// Row chunks of LaunchActBackward for [M, N] with vec-element vectors and blocks block_x threads
+// wide: ~2048 blocks, >= 32 rows per chunk, <= max_chunks.
+int64_t BackwardChunks(int64_t m, int64_t n, int vec, int block_x, int64_t max_chunks);
 
 // out[N] = sum over chunks of partials[chunks, N], rounded to dt.
 cudaError_t LaunchReducePartials(DType dt, const float* partials, int64_t chunks, int64_t n, void* out,

@@ -440,13 +440,14 @@ ffi::Error DenseBwd(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer 
   auto launch = [&](cudaStream_t s) -> ffi::Error {
     const bool need_sums = p.has_bias && !bgrad;
     if (p.act != Act::kNone || need_sums) {
+      int64_t chunks = 0;
       TE_RETURN_IF_ERROR(LaunchCheck(
           op,
           LaunchActBackward(p.dt, p.act, p.dy, p.saved, p.act != Act::kNone ? p.dz : nullptr,
-                            need_sums ? p.partials : nullptr, p.chunks, p.m, p.n, s),
+                            need_sums ? p.partials : nullptr, p.chunks, p.m, p.n, s, &chunks),
           "activation-gradient kernel for dy " + mn));
       if (need_sums) {
-        TE_RETURN_IF_ERROR(LaunchCheck(op, LaunchReducePartials(p.dt, p.partials, p.chunks, p.n, p.db, s),
+        TE_RETURN_IF_ERROR(LaunchCheck(op, LaunchReducePartials(p.dt, p.partials, chunks, p.n, p.db, s),
                                        "dbias reduction kernel for N = " + std::to_string(p.n)));
       }
     }
@@ -455,7 +456,8 @@ ffi::Error DenseBwd(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer 
   };
   if constexpr (kStage == kInit) {
     const std::string key = dx_plan->spec.Key() + "|" + dw_plan->spec.Key() + "|a" + std::to_string(activation) +
-                            "|b" + std::to_string(has_bias) + "|c" + std::to_string(p.chunks);
+                            "|b" + std::to_string(has_bias) + "|c" + std::to_string(p.chunks) + "|v" +
+                            std::to_string(BackwardVariant());
     return WarmOnce(op, device, key, launch);
   } else {
     RecordExecute(Counters(op), stream);

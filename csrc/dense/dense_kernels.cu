@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 
 #include "common/convert.cuh"
@@ -20,11 +21,14 @@ using act::Vec;
 using te::FromF;
 using te::ToF;
 
-// The backward kernel's block: 32 x 8 threads (benchmarks/micro/dense_act_bwd.cu sweeps the
-// alternatives on the GPU), kBwdUnroll rows per load batch; the dbias reduction's 32 x 8 block.
-constexpr int kBwdCols = 32;
-constexpr int kBwdRows = 8;
-constexpr int kBwdUnroll = 4;
+// The backward kernel's compiled block shapes (threads x, threads y, rows per load batch); one is
+// active (SetBackwardVariant; benchmarks/dense_profile.py times each inside the real op and
+// benchmarks/micro/dense_act_bwd.cu sweeps more shapes standalone). The dbias reduction's block is
+// 32 x kReduceRows.
+constexpr BwdVariant kBwdVariants[] = {{32, 8, 4}, {256, 1, 2}, {256, 1, 4}, {128, 2, 2}};
+constexpr int kNumBwdVariants = sizeof(kBwdVariants) / sizeof(kBwdVariants[0]);
+constexpr int kDefaultBwdVariant = 1;
+std::atomic<int> g_bwd_variant{kDefaultBwdVariant};
 constexpr int kReduceRows = 8;
 
 template <typename T, int ACT, int VEC>
@@ -51,13 +55,23 @@ __global__ void ActForwardKernel(const T* z, const T* __restrict__ bias, T* y, T
 
 }  // namespace
 
-int64_t BackwardChunks(int64_t m, int64_t n, int vec) {
-  // ~2048 blocks of kBwdCols x kBwdRows threads (several waves on 132 SMs), but at least 64 rows
-  // per chunk so each thread has a few unrolled iterations. te_ops/dense/native.py's
-  // partial_chunks() sizes the partials scratch with this same rule (tests/te_ops/test_dense.py).
-  const int64_t gx = (n + int64_t{kBwdCols} * vec - 1) / (int64_t{kBwdCols} * vec);
-  int64_t chunks = std::min<int64_t>((2048 + gx - 1) / gx, (m + 63) / 64);
-  return std::max<int64_t>(1, std::min<int64_t>(chunks, 65535));
+int NumBackwardVariants() { return kNumBwdVariants; }
+BwdVariant BackwardVariantAt(int i) { return kBwdVariants[i]; }
+int BackwardVariant() { return g_bwd_variant.load(std::memory_order_relaxed); }
+bool SetBackwardVariant(int i) {
+  if (i < 0 || i >= kNumBwdVariants) return false;
+  g_bwd_variant.store(i, std::memory_order_relaxed);
+  return true;
+}
+
+int64_t BackwardChunks(int64_t m, int64_t n, int vec, int block_x, int64_t max_chunks) {
+  // ~2048 blocks (several waves on 132 SMs) but at least 32 rows per chunk, at most max_chunks
+  // (the partials scratch's rows: te_ops/dense/native.py partial_chunks(), this rule's bound for
+  // the widest block, 256 threads).
+  const int64_t cols = int64_t{block_x} * vec;
+  const int64_t gx = (n + cols - 1) / cols;
+  const int64_t chunks = std::min<int64_t>((2048 + gx - 1) / gx, (m + 31) / 32);
+  return std::max<int64_t>(1, std::min<int64_t>({chunks, max_chunks, int64_t{65535}}));
 }
 
 namespace {
@@ -74,15 +88,28 @@ cudaError_t FwdTyped(const void* z, const void* bias, void* y, void* z_out, int6
   return cudaGetLastError();
 }
 
-template <typename T, int VEC, int ACT>
+template <typename T, int VEC, int ACT, int V>
 cudaError_t BwdTyped(const void* dy, const void* saved, void* dz, float* partials, int64_t chunks, int64_t m,
                      int64_t n, cudaStream_t s) {
-  const int64_t gx = (n + kBwdCols * VEC - 1) / (kBwdCols * VEC);
+  constexpr BwdVariant kV = kBwdVariants[V];
+  const int64_t gx = (n + kV.bx * VEC - 1) / (kV.bx * VEC);
   const int64_t rows_per_chunk = (m + chunks - 1) / chunks;
   dim3 grid(static_cast<unsigned>(gx), static_cast<unsigned>(chunks));
-  act::ActBackwardKernel<T, ACT, VEC, kBwdCols, kBwdRows, kBwdUnroll><<<grid, dim3(kBwdCols, kBwdRows), 0, s>>>(static_cast<const T*>(dy), static_cast<const T*>(saved),
-                                                          static_cast<T*>(dz), partials, m, n, rows_per_chunk);
+  act::ActBackwardKernel<T, ACT, VEC, kV.bx, kV.by, kV.unroll><<<grid, dim3(kV.bx, kV.by), 0, s>>>(
+      static_cast<const T*>(dy), static_cast<const T*>(saved), static_cast<T*>(dz), partials, m, n, rows_per_chunk);
   return cudaGetLastError();
+}
+
+template <typename Fn>
+cudaError_t ByVariant(int v, Fn&& fn) {
+  static_assert(kNumBwdVariants == 4, "list every variant below");
+  switch (v) {
+    case 0: return fn(std::integral_constant<int, 0>{});
+    case 1: return fn(std::integral_constant<int, 1>{});
+    case 2: return fn(std::integral_constant<int, 2>{});
+    case 3: return fn(std::integral_constant<int, 3>{});
+  }
+  return cudaErrorInvalidValue;
 }
 
 template <typename T, int VEC, typename Fn>
@@ -154,21 +181,25 @@ cudaError_t LaunchActForward(DType dt, Act act, const void* z, const void* bias,
 }
 
 cudaError_t LaunchActBackward(DType dt, Act act, const void* dy, const void* saved, void* dz, float* partials,
-                              int64_t chunks, int64_t m, int64_t n, cudaStream_t stream) {
+                              int64_t max_chunks, int64_t m, int64_t n, cudaStream_t stream, int64_t* chunks_used) {
+  *chunks_used = 0;
   if (n == 0 || m == 0) return cudaSuccess;
-  if (chunks > 65535 || (partials != nullptr && chunks <= 0)) return cudaErrorInvalidValue;
+  if (partials != nullptr && (max_chunks <= 0 || max_chunks > 65535)) return cudaErrorInvalidValue;
+  if (partials == nullptr) max_chunks = 65535;  // no column sums: the chunking only shapes the grid
+  const int v = BackwardVariant();
   return ByType(dt, [&](auto t) -> cudaError_t {
     using T = decltype(t);
     constexpr int kVec = 16 / sizeof(T);
     const bool vec = n % kVec == 0 && Aligned16(dy) && Aligned16(saved) && Aligned16(dz);
-    if (chunks <= 0) {
-      // No column sums wanted: the row chunking only sets the grid.
-      chunks = BackwardChunks(m, n, vec ? kVec : 1);
-    }
+    const int64_t chunks = BackwardChunks(m, n, vec ? kVec : 1, kBwdVariants[v].bx, max_chunks);
+    *chunks_used = chunks;
     return ByAct<T, 1>(act, [&](auto a) -> cudaError_t {
       constexpr int A = decltype(a)::value;
-      return vec ? BwdTyped<T, kVec, A>(dy, saved, dz, partials, chunks, m, n, stream)
-                 : BwdTyped<T, 1, A>(dy, saved, dz, partials, chunks, m, n, stream);
+      return ByVariant(v, [&](auto vi) -> cudaError_t {
+        constexpr int V = decltype(vi)::value;
+        return vec ? BwdTyped<T, kVec, A, V>(dy, saved, dz, partials, chunks, m, n, stream)
+                   : BwdTyped<T, 1, A, V>(dy, saved, dz, partials, chunks, m, n, stream);
+      });
     });
   });
 }

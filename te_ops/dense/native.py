@@ -55,13 +55,13 @@ def _sds(shape, dtype):
 
 
 def partial_chunks(m: int, n: int, itemsize: int) -> int:
-    """Row chunks of the dbias column-sum kernel (one float32 [chunks, N] scratch row each).
-
-    The same rule as csrc/dense/dense_kernels.cu BackwardChunks: ~2048 blocks of 32 x 8 threads
-    (each block 32 vectors of columns wide), at least 64 rows per chunk."""
+    """Rows of the float32 [rows, N] dbias partial-sum scratch: an upper bound of the row chunks the
+    backward kernel uses (csrc/dense/dense_kernels.cu BackwardChunks: ~2048 blocks, >= 32 rows per
+    chunk), taken for its widest block (256 threads x 16-byte vectors), so every compiled block shape
+    fits."""
     vec = 16 // itemsize if n % (16 // itemsize) == 0 else 1
-    gx = math.ceil(n / (32 * vec))
-    chunks = min(math.ceil(2048 / gx), math.ceil(m / 64))
+    gx = math.ceil(n / (256 * vec))
+    chunks = min(math.ceil(2048 / gx), math.ceil(m / 32))
     return int(max(1, min(chunks, 65535)))
 
 

@@ -162,6 +162,36 @@ def test_plans_accumulate_split_k_in_float32():
     assert readable > 0, plans
 
 
+@pytest.mark.parametrize(
+    "x_shape, n, dtype, act",
+    [
+        ((2, 256, 1024), 4096, jnp.bfloat16, "gelu_tanh"),
+        ((37, 29), 53, jnp.float16, "silu"),
+        ((3, 100, 64), 136, jnp.float32, "gelu"),
+    ],
+    ids=str,
+)
+def test_every_backward_block_shape_matches_reference(x_shape, n, dtype, act):
+    """Each compiled block shape of the dz/dbias kernel (dense_set_backward_variant, a benchmark
+    hook) gives the reference gradients, vectorised and scalar, with poisoned outputs."""
+    mod = native._loaded["_native_cublaslt"]
+    info = mod.dense_backward_variants()
+    x, w, b, ct = _inputs(x_shape, n, dtype, True, seed=11)
+    y_ref, grads_ref = jax.jit(_fwd_bwd("reference", act, True))(x, w, b, ct)
+    try:
+        for v in range(len(info["variants"])):
+            mod.dense_set_backward_variant(v)
+            with native.poisoned_outputs():
+                y, grads = jax.jit(_fwd_bwd("native", act, True))(x, w, b, ct)
+            T.assert_close(y, y_ref, dtype, scale=_scale(y_ref), err_msg=f"y variant {v}")
+            for name, a, e in zip(("dx", "dkernel", "dbias"), grads, grads_ref, strict=True):
+                T.assert_close(a, e, dtype, scale=_scale(e), err_msg=f"{name} variant {info['variants'][v]}")
+    finally:
+        mod.dense_set_backward_variant(info["active"])
+    with pytest.raises(ValueError, match="variant must be in"):
+        mod.dense_set_backward_variant(len(info["variants"]))
+
+
 def test_larger_bf16_gelu_tanh_training_shape():
     """A transformer-sized MLP slice (fused GELU_AUX_BIAS forward, dgelu+dbias kernel, two GEMMs)."""
     x, w, b, ct = _inputs((2, 256, 1024), 4096, jnp.bfloat16, True, seed=6)
