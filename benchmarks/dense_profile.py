@@ -112,12 +112,18 @@ def main():
     # ours forward+backward once per compiled block shape of the dz/dbias kernel, the default last
     order = [v for v in range(len(info["variants"])) if v != info["active"]] + [info["active"]]
     runs += [("forward+backward", "ours", v) for v in order]
+    # the training forward's split path (hook) vs the fused epilogue, alternated twice (GEMM kernel
+    # times drift by a few % between profiles), with the default dz kernel
+    runs += [("forward+backward", "ours", "split"), ("forward+backward", "ours", "fused")] * 2
     results = []
     for stage, side, variant in runs:
         f = sides[side]
         fn = jax.jit(f) if stage == "forward" else jax.jit(dense_bench.fwd_bwd(f))
         a = (x, w, b) if stage == "forward" else (x, w, b, dy)
-        if variant is not None:
+        if variant in ("split", "fused"):
+            mod.dense_set_forward_split(variant == "split")
+            side = f"ours, {variant} training forward"
+        elif variant is not None:
             mod.dense_set_backward_variant(variant)
             side = f"ours, dz kernel block {tuple(info['variants'][variant])}" + (
                 " (default)" if variant == info["active"] else ""
@@ -128,6 +134,7 @@ def main():
         print(f"\n== {side} {stage}: kernels busy {r['busy_ms']:.3f} ms/step, span {r['span_ms']:.3f} ms/step ==")
         for kr in r["kernels"]:
             print(f"  {kr['ms_per_step']:8.3f} ms  x{kr['calls_per_step']:.1f}  {kr['kernel'][:150]}")
+    mod.dense_set_forward_split(False)
     _timing.write_json(
         "dense_profile",
         {

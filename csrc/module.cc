@@ -140,6 +140,9 @@ NB_MODULE(TE_MODULE_NAME, m) {
         return d;
       },
       "The compiled (threads x, threads y, rows per batch) shapes of dense's backward kernel and the active one.");
+  m.def("dense_set_forward_split", &te::dense::SetTrainForwardSplit, nb::arg("split"),
+        "Benchmark hook: training forwards with an activation take the split path (BIAS-epilogue GEMM + our "
+        "activation kernel) instead of the fused epilogue (process-wide; default False).");
   m.def("dense_plans", &DensePlans,
         "The cached cuBLASLt plans (column-major m, n, k, op flags, epilogue, the candidates' timed ms and "
         "the chosen one with its cuBLASLt algo config) for diagnostics.");

@@ -36,6 +36,12 @@ BwdVariant BackwardVariantAt(int i);
 int BackwardVariant();
 bool SetBackwardVariant(int i);  // false when i is out of range
 
+// Tuning hook (te_ops._native_cublaslt.dense_set_forward_split): when set, the training forward of an
+// activation with a cuBLASLt epilogue takes the split path (GEMM + BIAS epilogue writes z, our kernel
+// writes y = act(z)) instead of the fused GELU_AUX_BIAS / RELU_BIAS epilogue. Default: fused.
+bool TrainForwardSplit();
+void SetTrainForwardSplit(bool split);
+
 // Row chunks of LaunchActBackward for [M, N] with vec-element vectors and blocks block_x threads
 // wide: ~2048 blocks, >= 32 rows per chunk, <= max_chunks.
 int64_t BackwardChunks(int64_t m, int64_t n, int vec, int block_x, int64_t max_chunks);

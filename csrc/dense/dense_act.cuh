@@ -86,6 +86,49 @@ struct alignas(sizeof(T) * VEC) Vec {
   T v[VEC];
 };
 
+// y = act(z + bias) (bias may be null), z_out = z + bias when non-null. z and y may be the same buffer
+// (in place: each element is read, then written, by one thread), hence no __restrict__ on them.
+// Same thread layout as ActBackwardKernel: threadIdx.x owns VEC columns (its bias values are loaded
+// once), threadIdx.y walks the chunk's rows with stride BY, U rows' loads issued before any math.
+template <typename T, int ACT, int VEC, int BX, int BY, int U>
+__global__ void __launch_bounds__(BX* BY)
+    ActForwardKernel(const T* z, const T* __restrict__ bias, T* y, T* z_out, int64_t m, int64_t n,
+                     int64_t rows_per_chunk) {
+  using V = Vec<T, VEC>;
+  constexpr bool kFast = sizeof(T) < 4;
+  const int64_t col = (blockIdx.x * static_cast<int64_t>(BX) + threadIdx.x) * VEC;
+  if (col >= n) return;
+  float bv[VEC];
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) bv[j] = bias != nullptr ? ToF(bias[col + j]) : 0.0f;
+  const int64_t row0 = blockIdx.y * rows_per_chunk;
+  const int64_t row1 = min(m, row0 + rows_per_chunk);
+  for (int64_t r = row0 + threadIdx.y; r < row1; r += BY * U) {
+    V zv[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t ru = r + u * BY;
+      if (ru < row1) zv[u] = reinterpret_cast<const V*>(z)[(ru * n + col) / VEC];
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t ru = r + u * BY;
+      if (ru < row1) {
+        V yv, zo;
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          const float f = ToF(zv[u].v[j]) + bv[j];
+          zo.v[j] = FromF<T>(f);
+          yv.v[j] = FromF<T>(Activate<ACT, kFast>(f));
+        }
+        const int64_t off = (ru * n + col) / VEC;
+        if (z_out != nullptr) reinterpret_cast<V*>(z_out)[off] = zo;
+        reinterpret_cast<V*>(y)[off] = yv;
+      }
+    }
+  }
+}
+
 // dz = dy * act'(saved) with float32 column sums of dz per row chunk (dbias partials).
 // Block BX x BY threads: threadIdx.x owns VEC consecutive columns, so a block row covers BX * VEC
 // columns (BX * 16 contiguous bytes); threadIdx.y walks the chunk's rows with stride BY, U rows'

@@ -230,6 +230,7 @@ ffi::Error DenseFwdImpl(const char* op, cudaStream_t stream, int device, const A
   FwdPath path = FwdPath::kFused;
   bool possible = true;
   FusedEpilogue(p, &possible);
+  if (p.mode == kTrain && p.act != Act::kNone && TrainForwardSplit()) possible = false;  // tuning hook
   const FwdPath order[3] = {FwdPath::kFused, FwdPath::kSplitBias, FwdPath::kSplitKernelBias};
   auto skip = [&](FwdPath cand) {
     return (cand == FwdPath::kFused && !possible) ||

@@ -192,6 +192,32 @@ def test_every_backward_block_shape_matches_reference(x_shape, n, dtype, act):
         mod.dense_set_backward_variant(len(info["variants"]))
 
 
+@pytest.mark.parametrize(
+    "x_shape, n, dtype, act",
+    [
+        ((2, 256, 1024), 4096, jnp.bfloat16, "gelu_tanh"),
+        ((37, 29), 53, jnp.float16, "relu"),
+        ((4, 32, 128), 192, jnp.float16, "gelu_tanh"),
+    ],
+    ids=str,
+)
+def test_split_training_forward_matches_reference(x_shape, n, dtype, act):
+    """The split training forward (dense_set_forward_split: BIAS-epilogue GEMM + our activation
+    kernel, in place for relu) gives the reference outputs and gradients."""
+    mod = native._loaded["_native_cublaslt"]
+    x, w, b, ct = _inputs(x_shape, n, dtype, True, seed=12)
+    y_ref, grads_ref = jax.jit(_fwd_bwd("reference", act, True))(x, w, b, ct)
+    try:
+        mod.dense_set_forward_split(True)
+        with native.poisoned_outputs():
+            y, grads = jax.jit(_fwd_bwd("native", act, True))(x, w, b, ct)
+    finally:
+        mod.dense_set_forward_split(False)
+    T.assert_close(y, y_ref, dtype, scale=_scale(y_ref), err_msg="y")
+    for name, a, e in zip(("dx", "dkernel", "dbias"), grads, grads_ref, strict=True):
+        T.assert_close(a, e, dtype, scale=_scale(e), err_msg=name)
+
+
 def test_larger_bf16_gelu_tanh_training_shape():
     """A transformer-sized MLP slice (fused GELU_AUX_BIAS forward, dgelu+dbias kernel, two GEMMs)."""
     x, w, b, ct = _inputs((2, 256, 1024), 4096, jnp.bfloat16, True, seed=6)
