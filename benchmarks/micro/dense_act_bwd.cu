@@ -32,16 +32,6 @@ constexpr int kVec = 8;
     }                                                                                           \
   } while (0)
 
-__global__ void Fill(T* p, int64_t count, uint32_t seed, float scale) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count; i += int64_t{gridDim.x} * blockDim.x) {
-    uint64_t z = static_cast<uint64_t>(i) + 0x9e3779b97f4a7c15ull * (seed + 1);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    const float u = static_cast<float>((z ^ (z >> 31)) >> 40) / 16777216.0f * 2.0f - 1.0f;
-    p[i] = __float2bfloat16(u * scale);
-  }
-}
-
 struct Buffers {
   int64_t m, n;
   T *dy, *z, *dz;
@@ -118,8 +108,8 @@ int main(int argc, char** argv) {
   CHECK(cudaMalloc(&b.db, n * sizeof(T)));
   cudaStream_t s;
   CHECK(cudaStreamCreate(&s));
-  Fill<<<1024, 256, 0, s>>>(b.dy, m * n, 1, 1.0f);
-  Fill<<<1024, 256, 0, s>>>(b.z, m * n, 2, 3.0f);
+  te::dense::act::FillUniformKernel<T><<<1024, 256, 0, s>>>(b.dy, m * n, 1, 1.0f);
+  te::dense::act::FillUniformKernel<T><<<1024, 256, 0, s>>>(b.z, m * n, 2, 3.0f);
   CHECK(cudaStreamSynchronize(s));
 
   // Copy ceiling: one read + one write of 1.5 x the tensor, i.e. the same 3 x M x N x 2 bytes moved.

@@ -1,4 +1,5 @@
-// Device code of dense's elementwise passes, shared by csrc/dense/dense_kernels.cu (the launches)
+// Device code of dense's elementwise passes (forward activation, backward dz/dbias, dbias reduction,
+// timing-data fill), shared by csrc/dense/dense_kernels.cu (the launches)
 // and benchmarks/micro/dense_act_bwd.cu (a standalone sweep of the backward kernel's block shapes).
 // Math in float32; FAST (16-bit outputs) selects the cheap sigmoid forms (see Sigmoid).
 #pragma once
@@ -220,6 +221,24 @@ __global__ void __launch_bounds__(32 * RY)
 #pragma unroll
     for (int y = 1; y < RY; ++y) t += sums[y][threadIdx.x];
     out[col] = FromF<T>(t);
+  }
+}
+
+__device__ __forceinline__ uint32_t HashIndex(uint64_t i, uint32_t seed) {
+  // splitmix64-style finaliser of the index, folded to 32 bits
+  uint64_t z = i + 0x9e3779b97f4a7c15ull * (static_cast<uint64_t>(seed) + 1);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return static_cast<uint32_t>((z ^ (z >> 31)) >> 32);
+}
+
+// p[i] = scale * uniform[-1, 1) from a hash of (i, seed): deterministic pseudo-random data.
+template <typename T>
+__global__ void FillUniformKernel(T* p, int64_t count, uint32_t seed, float scale) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += stride) {
+    const float u = static_cast<float>(HashIndex(static_cast<uint64_t>(i), seed) >> 8) * (2.0f / 16777216.0f) - 1.0f;
+    p[i] = FromF<T>(u * scale);
   }
 }
 

@@ -1,5 +1,5 @@
-// Elementwise kernels of dense (see dense.h): launches of the device code in dense_act.cuh, plus
-// the forward activation and the timing-data fill. Vectorised 16-byte accesses when N is a multiple
+// Elementwise kernels of dense (see dense.h): the launches of dense_act.cuh's device code (forward
+// activation, backward dz/dbias, dbias reduction, timing-data fill). Vectorised 16-byte accesses when N is a multiple
 // of the vector width and the pointers are 16-byte aligned, scalar otherwise.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -16,7 +16,6 @@
 namespace te::dense {
 namespace {
 
-using act::Vec;
 using te::FromF;
 using te::ToF;
 
@@ -119,23 +118,6 @@ cudaError_t ByType(DType dt, Fn&& fn) {
   return cudaErrorInvalidValue;
 }
 
-__device__ __forceinline__ uint32_t HashIndex(uint64_t i, uint32_t seed) {
-  // splitmix64-style finaliser of the index, folded to 32 bits
-  uint64_t z = i + 0x9e3779b97f4a7c15ull * (static_cast<uint64_t>(seed) + 1);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return static_cast<uint32_t>((z ^ (z >> 31)) >> 32);
-}
-
-template <typename T>
-__global__ void FillUniformKernel(T* p, int64_t count, uint32_t seed) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += stride) {
-    const float u = static_cast<float>(HashIndex(static_cast<uint64_t>(i), seed) >> 8) * (2.0f / 16777216.0f) - 1.0f;
-    p[i] = FromF<T>(u);
-  }
-}
-
 }  // namespace
 
 cudaError_t LaunchFillUniform(DType dt, void* p, int64_t count, uint32_t seed, cudaStream_t stream) {
@@ -144,7 +126,8 @@ cudaError_t LaunchFillUniform(DType dt, void* p, int64_t count, uint32_t seed, c
   const int64_t blocks = std::min<int64_t>((count + threads - 1) / threads, 132 * 16);
   return ByType(dt, [&](auto t) -> cudaError_t {
     using T = decltype(t);
-    FillUniformKernel<T><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(static_cast<T*>(p), count, seed);
+    act::FillUniformKernel<T><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(static_cast<T*>(p), count, seed,
+                                                                                      1.0f);
     return cudaGetLastError();
   });
 }
