@@ -55,6 +55,14 @@ def _scale(a):
     return float(jnp.max(jnp.abs(jnp.asarray(a, jnp.float32)))) + 1.0
 
 
+def _assert_fwd_bwd_close(y, grads, y_ref, grads_ref, dtype, tag=""):
+    """y and (dx, dkernel, dbias) against the reference, each with the dtype's tolerance."""
+    T.assert_close(y, y_ref, dtype, scale=_scale(y_ref), err_msg=f"y {tag}")
+    names = ("dx", "dkernel", "dbias")[: len(grads)]  # no dbias without a bias
+    for name, a, e in zip(names, grads, grads_ref, strict=True):
+        T.assert_close(a, e, dtype, scale=_scale(e), err_msg=f"{name} {tag}")
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("act", ACTS, ids=str)
 @pytest.mark.parametrize("x_shape, n, has_bias", SHAPES, ids=lambda v: str(v))
@@ -126,9 +134,7 @@ def test_native_tall_skinny_router_gate_shape(has_bias):
     with native.poisoned_outputs():
         y, grads = jax.jit(_fwd_bwd("native", None, has_bias))(x, w, b, ct)
     y_ref, grads_ref = jax.jit(_fwd_bwd("reference", None, has_bias))(x, w, b, ct)
-    T.assert_close(y, y_ref, jnp.bfloat16, scale=_scale(y_ref))
-    for a, e in zip(grads, grads_ref, strict=True):
-        T.assert_close(a, e, jnp.bfloat16, scale=_scale(e))
+    _assert_fwd_bwd_close(y, grads, y_ref, grads_ref, jnp.bfloat16)
 
 
 def test_plan_cache_reports_timed_candidates():
@@ -183,9 +189,7 @@ def test_every_backward_block_shape_matches_reference(x_shape, n, dtype, act):
             mod.dense_set_backward_variant(v)
             with native.poisoned_outputs():
                 y, grads = jax.jit(_fwd_bwd("native", act, True))(x, w, b, ct)
-            T.assert_close(y, y_ref, dtype, scale=_scale(y_ref), err_msg=f"y variant {v}")
-            for name, a, e in zip(("dx", "dkernel", "dbias"), grads, grads_ref, strict=True):
-                T.assert_close(a, e, dtype, scale=_scale(e), err_msg=f"{name} variant {info['variants'][v]}")
+            _assert_fwd_bwd_close(y, grads, y_ref, grads_ref, dtype, tag=f"variant {info['variants'][v]}")
     finally:
         mod.dense_set_backward_variant(info["active"])
     with pytest.raises(ValueError, match="variant must be in"):
@@ -213,9 +217,7 @@ def test_split_training_forward_matches_reference(x_shape, n, dtype, act):
             y, grads = jax.jit(_fwd_bwd("native", act, True))(x, w, b, ct)
     finally:
         mod.dense_set_forward_split(False)
-    T.assert_close(y, y_ref, dtype, scale=_scale(y_ref), err_msg="y")
-    for name, a, e in zip(("dx", "dkernel", "dbias"), grads, grads_ref, strict=True):
-        T.assert_close(a, e, dtype, scale=_scale(e), err_msg=name)
+    _assert_fwd_bwd_close(y, grads, y_ref, grads_ref, dtype, tag="split forward")
 
 
 def test_larger_bf16_gelu_tanh_training_shape():
@@ -224,9 +226,7 @@ def test_larger_bf16_gelu_tanh_training_shape():
     with native.poisoned_outputs():
         y, grads = jax.jit(_fwd_bwd("native", "gelu_tanh", True))(x, w, b, ct)
     y_ref, grads_ref = jax.jit(_fwd_bwd("reference", "gelu_tanh", True))(x, w, b, ct)
-    T.assert_close(y, y_ref, jnp.bfloat16, scale=_scale(y_ref))
-    for a, e in zip(grads, grads_ref, strict=True):
-        T.assert_close(a, e, jnp.bfloat16, scale=_scale(e))
+    _assert_fwd_bwd_close(y, grads, y_ref, grads_ref, jnp.bfloat16)
 
 
 _CMD_BUFFER_SCRIPT = textwrap.dedent(
