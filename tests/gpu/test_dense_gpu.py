@@ -147,7 +147,9 @@ def test_plan_cache_reports_timed_candidates():
     for p in plans:
         timed = [t for t in p["candidate_ms"] if t > 0]
         assert p["candidates"] == len(p["candidate_ms"]) >= 1 and timed, p
-        assert p["best_ms"] == min(timed) == p["candidate_ms"][p["chosen"]], p
+        # the earliest candidate (cuBLASLt's order) within 2% of the fastest
+        assert p["best_ms"] == p["candidate_ms"][p["chosen"]] <= 1.02 * min(timed) + 1e-9, p
+        assert all(t <= 0 or t > 1.02 * min(timed) for t in p["candidate_ms"][: p["chosen"]]), p
 
 
 def test_plans_accumulate_split_k_in_float32():
