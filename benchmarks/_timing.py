@@ -17,8 +17,9 @@ import jax
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
-def time_fn(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, warmup: int = 2, repeats: int = 5,
-            calls: int = 20) -> float:
+def time_fn(
+    fn: Callable[..., Any], arg_sets: Sequence[tuple], *, warmup: int = 2, repeats: int = 5, calls: int = 20
+) -> float:
     """Median over ``repeats`` of the mean time (ms) of ``calls`` back-to-back calls.
 
     ``arg_sets`` are rotated call by call (give several when one set fits in L2)."""
@@ -33,6 +34,33 @@ def time_fn(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, warmup: int = 
         jax.block_until_ready(out)
         samples.append((time.perf_counter() - t0) * 1e3 / calls)
     return statistics.median(samples)
+
+
+def time_interleaved(
+    fns: dict[str, Callable[..., Any]], arg_sets: Sequence[tuple], *, warmup: int = 2, repeats: int = 6, calls: int = 20
+) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """Like :func:`time_fn` for several alternatives at once, their rounds interleaved.
+
+    Round r times every alternative for ``calls`` back-to-back calls, in an order that is reversed
+    every other round (A B, B A, ...), so clock drift (the GPU settling to its power-limited clock
+    during long compute-bound runs) falls on all of them alike rather than on whichever ran last.
+    Returns each alternative's median ms per call and its per-round samples."""
+    names = list(fns)
+    for name in names:
+        for i in range(warmup):
+            jax.block_until_ready(fns[name](*arg_sets[i % len(arg_sets)]))
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(repeats):
+        for name in names if r % 2 == 0 else reversed(names):
+            fn = fns[name]
+            jax.block_until_ready(fn(*arg_sets[0]))  # the previous alternative's queue is drained
+            t0 = time.perf_counter()
+            out = None
+            for i in range(calls):
+                out = fn(*arg_sets[i % len(arg_sets)])
+            jax.block_until_ready(out)
+            samples[name].append((time.perf_counter() - t0) * 1e3 / calls)
+    return {n: statistics.median(v) for n, v in samples.items()}, samples
 
 
 def environment() -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """Dense benchmark: te_ops.dense (cuBLASLt, fused bias+GELU epilogue) vs XLA's jnp formulation.
 
-Both are jitted and timed in the same process (benchmarks/_timing.py: warm-up, block_until_ready,
-median of repeats). "gelu" here is the tanh approximation (activation="gelu_tanh" for te_ops), since
+Both are jitted and timed in the same process, their timing rounds interleaved (ours, XLA, XLA,
+ours, ...; benchmarks/_timing.py time_interleaved: warm-up, block_until_ready, median per side), so
+the GPU's drift to its power-limited clock during these compute-bound runs does not favour either. "gelu" here is the tanh approximation (activation="gelu_tanh" for te_ops), since
 the XLA baseline is ``jax.nn.gelu(x @ w + b)`` with jax.nn.gelu's default (approximate=True).
 
 Forward: ``jit(f)(x, w, b)``. Forward+backward: ``jit`` of ``y, vjp = jax.vjp(f, x, w, b);
@@ -123,8 +124,11 @@ def breakdown(m, k, n, dtype, repeats, calls):
                 "side": f"ours (epilogue {p['epilogue']})",
                 "ms": p["best_ms"],
                 "candidates": p["candidates"],
+                "own": p["own_candidates"],
                 "chosen": p["chosen"],
                 "worst_candidate_ms": max(timed) if timed else None,
+                "candidate_ms": p["candidate_ms"],
+                "algo": p["algo"],
             }
         )
     for r in rows:
@@ -135,7 +139,7 @@ def breakdown(m, k, n, dtype, repeats, calls):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=6, help="interleaved rounds (ours/XLA alternate)")
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--only", default=None, help="substring of a case name")
     parser.add_argument("--no-breakdown", action="store_true", help="skip the per-GEMM backward breakdown")
@@ -167,8 +171,10 @@ def main():
             ("forward", ours_f, xla_f, flops, fwd_sets, err_f),
             ("forward+backward", ours_g, xla_g, 3 * flops, sets, err_b),
         ):
-            t_ours = _timing.time_fn(fo, arg_sets, repeats=args.repeats, calls=args.calls)
-            t_xla = _timing.time_fn(fx, arg_sets, repeats=args.repeats, calls=args.calls)
+            med, samples = _timing.time_interleaved(
+                {"ours": fo, "xla": fx}, arg_sets, repeats=args.repeats, calls=args.calls
+            )
+            t_ours, t_xla = med["ours"], med["xla"]
             target = TARGETS.get(name, {}).get(stage)
             speedup = t_xla / t_ours
             rows.append(
@@ -184,6 +190,8 @@ def main():
                     "target": target,
                     "meets_target": None if target is None else bool(speedup >= target),
                     "max_rel_diff_vs_xla": err,
+                    "ours_round_ms": samples["ours"],
+                    "xla_round_ms": samples["xla"],
                 }
             )
             print(
@@ -214,7 +222,7 @@ def main():
         _timing.print_table(
             f"backward breakdown, {mlp[0]} (ours: cuBLASLt plan timings at initialize)",
             bd,
-            ["what", "side", "ms", "TFLOPs", "candidates", "chosen", "worst_candidate_ms"],
+            ["what", "side", "ms", "TFLOPs", "candidates", "own", "chosen", "worst_candidate_ms"],
         )
         extra["breakdown"] = bd
     _timing.write_json("dense", {"dtype": "bfloat16", "rows": rows, "counters": _native.counters(), **extra})

@@ -68,6 +68,8 @@ nb::list DensePlans() {
     d["trans_b"] = p.trans_b;
     d["epilogue"] = p.epilogue;
     d["candidates"] = p.candidates;
+    d["own_candidates"] = p.own_candidates;
+    d["forced"] = p.forced;
     d["chosen"] = p.chosen;
     d["best_ms"] = p.best_ms;
     d["candidate_ms"] = p.candidate_ms;
@@ -143,6 +145,9 @@ NB_MODULE(TE_MODULE_NAME, m) {
   m.def("dense_set_forward_split", &te::dense::SetTrainForwardSplit, nb::arg("split"),
         "Benchmark hook: training forwards with an activation take the split path (BIAS-epilogue GEMM + our "
         "activation kernel) instead of the fused epilogue (process-wide; default False).");
+  m.def("dense_force_candidate", &te::dense::SetForcedCandidate, nb::arg("index"),
+        "Test hook: plans created from now on take candidate min(index, candidates - 1) of their list "
+        "instead of the fastest, cached under their own key (process-wide; -1, the default, restores timing).");
   m.def("dense_plans", &DensePlans,
         "The cached cuBLASLt plans (column-major m, n, k, op flags, epilogue, the candidates' timed ms and "
         "the chosen one with its cuBLASLt algo config) for diagnostics.");

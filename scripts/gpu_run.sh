@@ -91,9 +91,17 @@ for step in $STEPS; do
     OUT="$OUT/results" TE_OPS_ONLY="${OPS:-}" TE_OPS_EXCLUDE="$EXCLUDE" timeout $(( left - 15 )) \
       bash "scripts/diag/$name.sh" || stamp "diag $name rc=$?"
   elif [ -f "benchmarks/$name.py" ]; then
-    stamp "benchmark $name"
-    TE_BENCH_OUT="$OUT/results" timeout $(( left < ${BENCH_TIMEOUT:-240} ? left - 15 : ${BENCH_TIMEOUT:-240} )) \
-      $PY "benchmarks/$name.py" $(eval echo "\${BENCH_ARGS_$name:-}") || stamp "benchmark $name FAILED rc=$?"
+    # A benchmark named again (a fresh process: plans are timed anew) writes its JSON under
+    # results/repeat<k>/ and takes BENCH_ARGS_<name>_repeat when that is set.
+    runs=$(( $(eval echo "\${RUNS_$name:-0}") + 1 )); eval "RUNS_$name=$runs"
+    dir="$OUT/results"; args=$(eval echo "\${BENCH_ARGS_$name:-}")
+    if [ "$runs" -gt 1 ]; then
+      dir="$OUT/results/repeat$runs"
+      args=$(eval echo "\${BENCH_ARGS_${name}_repeat:-$args}")
+    fi
+    stamp "benchmark $name (run $runs) $args"
+    TE_BENCH_OUT="$dir" timeout $(( left < ${BENCH_TIMEOUT:-240} ? left - 15 : ${BENCH_TIMEOUT:-240} )) \
+      $PY "benchmarks/$name.py" $args || stamp "benchmark $name FAILED rc=$?"
   fi
 done
 [ -n "$SKIPPED_STEPS" ] && stamp "SKIPPED (deadline ${DEADLINE}s):$SKIPPED_STEPS"

@@ -262,7 +262,8 @@ ffi::Error DenseFwdImpl(const char* op, cudaStream_t stream, int device, const A
   }
   auto launch = [&](cudaStream_t s) { return FwdLaunch(op, *dev, *plan, path, p, s); };
   if constexpr (kStage == kInit) {
-    const std::string key = plan->spec.Key() + "|p" + std::to_string(static_cast<int>(path)) + "|a" +
+    const std::string key = plan->spec.Key() + "|f" + std::to_string(plan->forced) + "|p" +
+                            std::to_string(static_cast<int>(path)) + "|a" +
                             std::to_string(activation) + "|m" + std::to_string(mode);
     return WarmOnce(op, device, key, launch);
   } else {
@@ -456,7 +457,8 @@ ffi::Error DenseBwd(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer 
     return RunGemm(op, *dev, *dw_plan, dw_ptrs, s);
   };
   if constexpr (kStage == kInit) {
-    const std::string key = dx_plan->spec.Key() + "|" + dw_plan->spec.Key() + "|a" + std::to_string(activation) +
+    const std::string key = dx_plan->spec.Key() + "|" + dw_plan->spec.Key() + "|f" + std::to_string(dx_plan->forced) +
+                            "|a" + std::to_string(activation) +
                             "|b" + std::to_string(has_bias) + "|c" + std::to_string(p.chunks) + "|v" +
                             std::to_string(BackwardVariant());
     return WarmOnce(op, device, key, launch);

@@ -67,8 +67,11 @@ struct GemmPlan {
   cublasLtMatmulAlgo_t algo{};
   size_t workspace_bytes = 0;
   int candidates = 0;     // heuristic results considered
+  int own_candidates = 0;  // of which the first own_candidates are the heuristic's for this epilogue
+                           // (the rest: from the simpler epilogues' lists, accepted by AlgoCheck)
   float best_ms = -1.0f;  // timed (initialize stage) or -1 when the heuristic's first choice was taken
   int chosen = 0;         // index of the chosen candidate in the heuristic's order
+  int forced = -1;        // the ForcedCandidate() it was created under (-1: chosen by timing)
   std::vector<float> candidate_ms;  // each candidate's best time (-1: refused or not timed)
   std::mutex mu;          // the descriptor's pointer attributes are set per call
   ~GemmPlan();
@@ -84,6 +87,12 @@ int Alignment(const void* p);
 ffi::Error GetPlan(const char* op, int device, DeviceState& dev, const GemmSpec& spec, const GemmPtrs& ptrs,
                    bool create, bool time_candidates, GemmPlan** plan);
 
+// Test hook (te_ops._native_cublaslt.dense_force_candidate): while >= 0, plans created from then on
+// take candidate min(i, candidates - 1) of their list instead of the fastest (cached under their own
+// key, so every listed algorithm can be checked against the reference). -1 (default): timing decides.
+int ForcedCandidate();
+void SetForcedCandidate(int i);
+
 // A chosen algorithm's cuBLASLt configuration (CUBLASLT_ALGO_CONFIG_*; -1 where unreadable).
 struct AlgoInfo {
   int64_t id = -1, tile = -1, stages = -1, split_k = -1, reduction_scheme = -1, swizzle = -1, custom = -1,
@@ -97,7 +106,7 @@ struct PlanInfo {
   uint64_t m = 0, n = 0, k = 0;
   bool trans_a = false, trans_b = false;
   int epilogue = 0;
-  int candidates = 0, chosen = 0;
+  int candidates = 0, own_candidates = 0, chosen = 0, forced = -1;
   float best_ms = -1.0f;
   std::vector<float> candidate_ms;
   AlgoInfo algo;

@@ -152,6 +152,56 @@ def test_plan_cache_reports_timed_candidates():
         assert all(t <= 0 or t > 1.02 * min(timed) for t in p["candidate_ms"][: p["chosen"]]), p
 
 
+def test_fused_epilogue_plans_widen_their_candidates():
+    """A GELU_AUX_BIAS plan (training forward, gelu + bias) lists cuBLASLt's own candidates first and
+    may add algorithms from the simpler epilogues' lists (accepted by cublasLtMatmulAlgoCheck)."""
+    x, w, b, ct = _inputs((640, 384), 512, jnp.bfloat16, True, seed=9)
+    jax.block_until_ready(jax.jit(_fwd_bwd("native", "gelu_tanh", True))(x, w, b, ct))
+    plans = [
+        p
+        for p in native._loaded["_native_cublaslt"].dense_plans()
+        if (p["m"], p["n"], p["k"], p["epilogue"]) == (512, 640, 384, 164) and p["forced"] < 0
+    ]
+    assert plans, "no GELU_AUX_BIAS plan for the training forward"
+    for p in plans:
+        assert 1 <= p["own_candidates"] <= p["candidates"] == len(p["candidate_ms"]), p
+
+
+@pytest.mark.parametrize(
+    "x_shape, n, dtype, act",
+    [
+        ((640, 384), 512, jnp.bfloat16, "gelu_tanh"),
+        ((37, 29), 53, jnp.float16, "gelu"),
+        ((96, 64), 80, jnp.float32, "relu"),
+    ],
+    ids=str,
+)
+def test_every_cublaslt_candidate_matches_reference(x_shape, n, dtype, act):
+    """Each algorithm a plan may choose (cuBLASLt's own and the borrowed ones), forced one at a time
+    through dense_force_candidate for the forward, dgrad and wgrad GEMMs, gives the reference result."""
+    mod = native._loaded["_native_cublaslt"]
+    x, w, b, ct = _inputs(x_shape, n, dtype, True, seed=10)
+    y_ref, grads_ref = jax.jit(_fwd_bwd("reference", act, True))(x, w, b, ct)
+    m, k = int(np.prod(x_shape[:-1])), x_shape[-1]
+    gemms = {(n, m, k), (k, m, n), (n, k, m), (k, n, m)}  # column-major fwd, dgrad, wgrad (either operand order)
+    most, i = 1, 0
+    try:
+        while i < most:
+            mod.dense_force_candidate(i)
+            with native.poisoned_outputs():
+                y, grads = jax.jit(_fwd_bwd("native", act, True))(x, w, b, ct)  # a fresh closure: a new compile
+            mine = [p for p in mod.dense_plans() if p["forced"] == i and (p["m"], p["n"], p["k"]) in gemms]
+            assert len(mine) >= 3, mine  # forward, dgrad, wgrad plans created under this index
+            for p in mine:
+                assert p["chosen"] == min(i, p["candidates"] - 1), p
+            most = max(p["candidates"] for p in mine)
+            _assert_fwd_bwd_close(y, grads, y_ref, grads_ref, dtype, tag=f"candidate {i}")
+            i += 1
+    finally:
+        mod.dense_force_candidate(-1)
+    assert i == most >= 1
+
+
 def test_plans_accumulate_split_k_in_float32():
     """No cached plan reduces split-K parts in the output type (INPLACE = 1, OUTPUT_TYPE = 4): those
     add bf16/f16 partial sums, and on (37, 29) x 53 relu that flipped ReLU masks near zero."""
