@@ -2,7 +2,8 @@
 
 Both are jitted and timed in the same process, their timing rounds interleaved (ours, XLA, XLA,
 ours, ...; benchmarks/_timing.py time_interleaved: warm-up, block_until_ready, median per side), so
-the GPU's drift to its power-limited clock during these compute-bound runs does not favour either. "gelu" here is the tanh approximation (activation="gelu_tanh" for te_ops), since
+the GPU's drift to its power-limited clock during these compute-bound runs does not favour either.
+"gelu" here is the tanh approximation (activation="gelu_tanh" for te_ops), since
 the XLA baseline is ``jax.nn.gelu(x @ w + b)`` with jax.nn.gelu's default (approximate=True).
 
 Forward: ``jit(f)(x, w, b)``. Forward+backward: ``jit`` of ``y, vjp = jax.vjp(f, x, w, b);

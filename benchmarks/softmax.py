@@ -155,7 +155,8 @@ def main():
     xla_fwd = {r["variant"]: r["xla_ms"] for r in rows if r["mode"] == "fwd" and r["shape"] == "x".join(map(str, big))}
     for variant in ("masked-causal", "upper-triang") if args.target_only else ("masked-causal", "upper-triang", "none"):
         sweep_rows += sweep(big, jnp.bfloat16, variant, xla_fwd_ms=xla_fwd.get(variant))
-    _timing.print_table("launch-shape sweep (0,0 = default choice, see `kernel`; fwd_vs_xla = XLA fwd ms / ours)", sweep_rows,
+    title = "launch-shape sweep (0,0 = default choice, see `kernel`; fwd_vs_xla = XLA fwd ms / ours)"
+    _timing.print_table(title, sweep_rows,
                         ["variant", "threads_per_row", "vectors_per_thread", "kernel", "fwd_ms", "fwd+bwd_ms",
                          "fwd_vs_xla", "max_diff_vs_default"])
     cols = ["case", "mode", "shape", "dtype", "ours_ms", "xla_ms", "xla_variant", "ours_TBps", "xla_TBps", "speedup"]

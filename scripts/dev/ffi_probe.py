@@ -15,7 +15,9 @@ stages = {"execute": st["execute"]} if mode == "exec_only" else dict(st)
 name = f"probe_{mode}"
 jax.ffi.register_ffi_target(name, stages, platform="CUDA", api_version=1)
 x = jax.random.normal(jax.random.key(0), (4, 256), jnp.float32)
-f = jax.jit(lambda x: jax.ffi.ffi_call(name, jax.ShapeDtypeStruct(x.shape, x.dtype))(x, scale=np.float32(1.0), mode=np.int32(0)))
+f = jax.jit(
+    lambda x: jax.ffi.ffi_call(name, jax.ShapeDtypeStruct(x.shape, x.dtype))(x, scale=np.float32(1.0), mode=np.int32(0))
+)
 print("lowered ok", flush=True)
 y = f(x)
 print("ran", flush=True)

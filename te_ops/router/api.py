@@ -23,9 +23,9 @@ import numpy as np
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-from te_ops._core.partitioning import match_vma
 from te_ops._core import partitioning as P
 from te_ops._core import registry
+from te_ops._core.partitioning import match_vma
 from te_ops.router import native, reference
 from te_ops.router.reference import LossResiduals, ScoresResiduals, TopkResiduals
 

@@ -21,7 +21,9 @@ def run_under_command_buffers(builder: str, flags: str = CMDBUF_FLAGS, timeout: 
     for line in proc.stdout.splitlines():
         if line.startswith("CMDBUF_REPORT "):
             return json.loads(line[len("CMDBUF_REPORT "):])
-    raise AssertionError(f"no report from subprocess (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    raise AssertionError(
+        f"no report from subprocess (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    )
 
 
 def assert_graph_captured_and_warmed_once(report: dict, handlers: dict[str, int]) -> None:

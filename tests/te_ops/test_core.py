@@ -33,7 +33,7 @@ def test_default_on_cpu_runs_reference_and_keeps_gpu_branch_out_of_cpu_hlo():
 def test_default_skips_unavailable_or_unsupported_gpu_impl():
     for fam in (_family("fake2", gpu_reason="not built"), _family("fake3", gpu_unsupported="odd shape")):
         x = jnp.arange(3.0)
-        hlo = jax.jit(lambda x: fam.dispatch(None, "forward", (x,), {"k": 3.0}, {})).lower(x).as_text()
+        hlo = jax.jit(lambda x, fam=fam: fam.dispatch(None, "forward", (x,), {"k": 3.0}, {})).lower(x).as_text()
         assert "1.000000e+03" not in hlo  # the GPU branch was never staged
 
 
