@@ -75,14 +75,17 @@ def bench_case(name, b, s, hq, hk, d, *, xla_fwd=True, xla_bwd=True):
     flops_fwd = 4.0 * b * hq * s * s * d / 2  # causal: half
     rows = []
     for mode, idx, flops in (("fwd", 0, flops_fwd), ("fwd+bwd", 1, 3.5 * flops_fwd)):
-        times = {}
+        runnable = {}
         for key, f in fns.items():
             if key == "xla" and mode == "fwd+bwd" and not xla_bwd:
                 continue
             try:
-                times[key] = _timing.time_fn(f[idx], arg_sets)
+                jax.block_until_ready(f[idx](*arg_sets[0]))
+                runnable[key] = f[idx]
             except Exception as e:  # e.g. XLA out of memory on the big case
                 print(f"  {name} {mode} {key}: failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+        # the runnable ones in interleaved rounds (benchmarks/_timing.py time_interleaved)
+        times, _ = _timing.time_interleaved(runnable, arg_sets)
         row = {
             "case": name,
             "mode": mode,

@@ -21,7 +21,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._timing import print_table, time_fn, write_json  # noqa: E402
+from benchmarks._timing import print_table, time_interleaved, write_json  # noqa: E402
 from te_ops.permutation import api, token_combine, token_dispatch  # noqa: E402
 
 TARGETS = {"dispatch_fwd": 1.5, "combine_fwd": 8.0, "dispatch_combine_fwd_bwd": 5.0}
@@ -118,12 +118,14 @@ def bench_workload(t, h, e, k, impls, quick):
 
     rows, results = [], {}
     for op in ideal:
-        base = time_fn(*fns[("xla", op)][:1], [fns[("xla", op)][1]], **reps)
+        # XLA and every implementation in interleaved rounds (each call with its own arguments)
+        calls = {impl: (lambda fn=fns[(impl, op)][0], a=fns[(impl, op)][1]: fn(*a)) for impl in ("xla", *impls)}
+        med, _ = time_interleaved(calls, [()], **reps)
+        base = med["xla"]
         results[f"xla/{op}"] = base
         rows.append(dict(op=op, impl="xla", ms=base, tbps=ideal[op] / base / 1e9, speedup=1.0))
         for impl in impls:
-            fn, args = fns[(impl, op)]
-            ms = time_fn(fn, [args], **reps)
+            ms = med[impl]
             results[f"{impl}/{op}"] = ms
             rows.append(
                 dict(

@@ -86,7 +86,7 @@ def bench_case(name, t, e, cfg, has_bias, dtype):
     agree = float(jnp.mean(jnp.all(m == m_ref, axis=-1)))
     rows = []
     for mode, idx, moved in (("fwd", 0, (2 * nb + 1) * t * e), ("fwd+bwd", 1, (5 * nb + 2) * t * e)):
-        times = {k: _timing.time_fn(f[idx], arg_sets) for k, f in fns.items()}
+        times, _ = _timing.time_interleaved({k: f[idx] for k, f in fns.items()}, arg_sets)
         alt = min(("xla", "te_reference"), key=times.get)
         rows.append(
             {
