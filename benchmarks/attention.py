@@ -115,7 +115,7 @@ def main():
         "--xla-bwd-big", action="store_true", help="also time XLA fwd+bwd at S8192 (needs ~50 GB)"
     )
     args = ap.parse_args()
-    why = _native.native_unavailable_reason(fa_native.MODULE)
+    why = _native.native_unavailable_reason(fa_native.MODULE, "fused_attention")
     if why is not None:
         print(f"attention benchmark needs the native cuDNN path: {why}")
         return 1

@@ -147,10 +147,10 @@ def main():
     args = parser.parse_args()
 
     dtype = jnp.bfloat16
-    impl = "native" if _native.native_unavailable_reason("_native_cublaslt") is None else "reference"
+    impl = "native" if _native.native_unavailable_reason("_native_cublaslt", "dense") is None else "reference"
     if impl != "native":
         print(
-            f"WARNING: native dense unavailable ({_native.native_unavailable_reason('_native_cublaslt')}); "
+            f"WARNING: native dense unavailable ({_native.native_unavailable_reason('_native_cublaslt', 'dense')}); "
             "timing the reference path"
         )
     rows = []

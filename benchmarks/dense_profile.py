@@ -96,8 +96,8 @@ def main():
     ap.add_argument("--n", type=int, default=14336)
     ap.add_argument("--steps", type=int, default=10)
     args = ap.parse_args()
-    if _native.native_unavailable_reason("_native_cublaslt") is not None:
-        print(f"native dense unavailable: {_native.native_unavailable_reason('_native_cublaslt')}")
+    if _native.native_unavailable_reason("_native_cublaslt", "dense") is not None:
+        print(f"native dense unavailable: {_native.native_unavailable_reason('_native_cublaslt', 'dense')}")
         return
     m, k, n = args.m, args.k, args.n
     ((x, w, b, dy),) = dense_bench.make_args(m, k, n, jnp.bfloat16, n_sets=1)

@@ -111,8 +111,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="small shapes (smoke test)")
     args = ap.parse_args()
-    if te_ops.native_unavailable_reason() is not None:
-        print(f"router benchmark needs the native GPU path: {te_ops.native_unavailable_reason()}")
+    if te_ops.native_unavailable_reason("_native", "router") is not None:
+        print(f"router benchmark needs the native GPU path: {te_ops.native_unavailable_reason("_native", "router")}")
         return 1
     t = 4096 if args.quick else 65536
     softmax = dict(topk=8, score_function="softmax")

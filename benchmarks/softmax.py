@@ -140,8 +140,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="small shapes (smoke test)")
     ap.add_argument("--target-only", action="store_true", help="only the issue's causal case (+ its sweep)")
     args = ap.parse_args()
-    if te_ops.native_unavailable_reason() is not None:
-        print(f"softmax benchmark needs the native GPU path: {te_ops.native_unavailable_reason()}")
+    if te_ops.native_unavailable_reason("_native", "softmax") is not None:
+        print(f"softmax benchmark needs the native GPU path: {te_ops.native_unavailable_reason("_native", "softmax")}")
         return 1
     big = (1, 4, 1024, 1024) if args.quick else (4, 32, 4096, 4096)
     rows = []

@@ -37,10 +37,11 @@ stamp "building (pip install --no-build-isolation --no-deps -e .)"
 # If an op's sources fail to compile, exclude that op folder and build the rest (up to 3 tries), so
 # one broken op does not hide the results of the others; the exclusions are printed.
 EXCLUDE=""
+OPS=${OPS:-}; OPS=${OPS//,/;}  # op folders, ";"- or ","-separated (empty: all)
 for attempt in 1 2 3 4; do
   # Always pass both (possibly empty): CMake caches them in build/, and a stale value from an
   # earlier build would silently drop ops.
-  BUILD_ARGS=("-Ccmake.define.TE_OPS_ONLY=${OPS:-}" "-Ccmake.define.TE_OPS_EXCLUDE=${EXCLUDE}"
+  BUILD_ARGS=("-Ccmake.define.TE_OPS_ONLY=${OPS}" "-Ccmake.define.TE_OPS_EXCLUDE=${EXCLUDE}"
               "-Ccmake.define.TE_STATIC_LIBSTDCXX_MODULES=${STATIC_LIBSTDCXX-_native_cudnn}")
   if $PY -m pip install --no-build-isolation --no-deps -e . "${BUILD_ARGS[@]}" > "$OUT/results/build.log" 2>&1; then
     break

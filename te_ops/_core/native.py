@@ -59,9 +59,34 @@ def cuda_device_unavailable_reason() -> str | None:
     return None
 
 
-def native_unavailable_reason(name: str = "_native") -> str | None:
-    """None when the handlers of extension module ``name`` can run in this process, else why not."""
-    return extension_unavailable_reason(name) or cuda_device_unavailable_reason()
+def built_ops(name: str = "_native") -> tuple[str, ...]:
+    """The op folders of csrc/ whose handlers extension module ``name`` was built with (a build may
+    leave some out: TE_OPS_ONLY / TE_OPS_EXCLUDE at install time); () when it is not loaded."""
+    mod = _loaded.get(name)
+    if mod is None:
+        return ()
+    return tuple(o for o in str(mod.build_info().get("enabled_ops", "")).split(",") if o)
+
+
+def op_unavailable_reason(name: str, op: str) -> str | None:
+    """None when extension module ``name`` is loaded and holds op ``op``'s handlers, else why not."""
+    reason = extension_unavailable_reason(name)
+    if reason is not None:
+        return reason
+    ops = built_ops(name)
+    if op in ops:
+        return None
+    return (
+        f"te_ops.{name} was built without the {op} handlers (it has: {', '.join(ops) or 'none'}; "
+        "TE_OPS_ONLY / TE_OPS_EXCLUDE at install time left them out); reinstall without that restriction"
+    )
+
+
+def native_unavailable_reason(name: str = "_native", op: str | None = None) -> str | None:
+    """None when the handlers of extension module ``name`` (of op ``op``, when given) can run in
+    this process, else why not."""
+    reason = extension_unavailable_reason(name) if op is None else op_unavailable_reason(name, op)
+    return reason or cuda_device_unavailable_reason()
 
 
 def ensure_registered() -> None:

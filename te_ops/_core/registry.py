@@ -70,9 +70,10 @@ class Implementation:
         return bool(self.auto(**call)) if callable(self.auto) else bool(self.auto)
 
 
-def native_available(module: str = "_native") -> Callable[[], str | None]:
-    """An ``available`` callable for implementations backed by extension module ``module``."""
-    return lambda: _native.native_unavailable_reason(module)
+def native_available(module: str = "_native", op: str | None = None) -> Callable[[], str | None]:
+    """An ``available`` callable for implementations backed by extension module ``module`` (and, when
+    given, by the handlers of op folder ``op`` in it: a build can leave op folders out)."""
+    return lambda: _native.native_unavailable_reason(module, op)
 
 
 class OpFamily:

@@ -38,7 +38,7 @@ FAMILY.register(
         # Default on CUDA since tests/gpu/test_dense_gpu.py passed 67/67 on the H200 (2026-12-03),
         # for GEMMs large enough to be measured faster than XLA (see _auto_native).
         auto=_auto_native,
-        available=registry.native_available("_native_cublaslt"),
+        available=registry.native_available("_native_cublaslt", "dense"),
     )
 )
 FAMILY.register(

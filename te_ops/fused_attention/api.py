@@ -28,7 +28,7 @@ FAMILY.register(
         platform="cuda",
         # Default on CUDA since tests/gpu/test_fused_attention_gpu.py passed 28/29 on the H200
         # (2026-12-03); the one failure was trace-time glue (fixed, CPU-tested).
-        available=registry.native_available(native.MODULE),
+        available=registry.native_available(native.MODULE, "fused_attention"),
     )
 )
 FAMILY.register(

@@ -49,7 +49,7 @@ for _fam, _fwd, _bwd, _why, _rfwd, _rbwd in (
             unsupported_reason=_why,
             platform="cuda",
             # Default on CUDA since tests/gpu/test_router_gpu.py passed 35/35 on the H200 (2026-12-03).
-            available=registry.native_available(),
+            available=registry.native_available("_native", "router"),
         )
     )
     _fam.register(registry.Implementation(name=registry.REFERENCE, forward=_rfwd, backward=_rbwd))

@@ -23,7 +23,7 @@ FAMILY.register(
         backward=native.backward,
         unsupported_reason=native.unsupported_reason,
         platform="cuda",
-        available=registry.native_available(),
+        available=registry.native_available("_native", "softmax"),
     )
 )
 FAMILY.register(

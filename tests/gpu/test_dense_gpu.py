@@ -18,7 +18,7 @@ from te_ops._core import testing as T
 from te_ops.dense import dense
 from te_ops.dense import native as dense_native
 
-_WHY = native.native_unavailable_reason("_native_cublaslt")
+_WHY = native.native_unavailable_reason("_native_cublaslt", "dense")
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(_WHY is not None, reason=f"GPU test: {_WHY}"),

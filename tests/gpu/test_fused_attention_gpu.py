@@ -13,7 +13,7 @@ from te_ops.fused_attention import fused_attention
 from te_ops.fused_attention import native as fa_native
 from tests.gpu.cmdbuf import assert_graph_captured_and_warmed_once, run_under_command_buffers
 
-_WHY = native.native_unavailable_reason(fa_native.MODULE)
+_WHY = native.native_unavailable_reason(fa_native.MODULE, "fused_attention")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_WHY is not None, reason=f"GPU test: {_WHY}")]
 
 F32 = jnp.float32

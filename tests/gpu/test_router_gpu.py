@@ -23,7 +23,8 @@ from te_ops.router import (
 )
 from tests.gpu.cmdbuf import assert_graph_captured_and_warmed_once, run_under_command_buffers
 
-pytestmark = pytest.mark.gpu
+_WHY = native.native_unavailable_reason("_native", "router")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_WHY is not None, reason=f"GPU test: {_WHY}")]
 
 F32 = jnp.float32
 DSV3 = dict(topk=8, score_function="sigmoid", num_groups=8, group_topk=4, scaling_factor=2.5)

@@ -12,7 +12,8 @@ from te_ops._core import native
 from te_ops._core import testing as T
 from tests.gpu.cmdbuf import assert_graph_captured_and_warmed_once, run_under_command_buffers
 
-pytestmark = pytest.mark.gpu
+_WHY = native.native_unavailable_reason("_native", "softmax")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_WHY is not None, reason=f"GPU test: {_WHY}")]
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 

@@ -112,3 +112,23 @@ def test_poisoned_outputs_apply_even_after_an_unpoisoned_trace(monkeypatch):
     assert "te_softmax_fwd" in plain and "output_operand_aliases" not in plain
     assert "output_operand_aliases" in poisoned  # the NaN buffer aliased to the result
     assert "output_operand_aliases" not in after
+
+
+def test_a_build_without_an_op_folder_reports_that_op_unavailable(monkeypatch):
+    """A module built with TE_OPS_ONLY / TE_OPS_EXCLUDE lacks some ops' handlers: their native
+    implementation reports why (not an XLA 'no FFI handler registered' error at run time)."""
+
+    class _Partial:
+        @staticmethod
+        def build_info():
+            return {"enabled_ops": "router"}
+
+    monkeypatch.setitem(native._loaded, "_fake_partial", _Partial())
+    assert native.built_ops("_fake_partial") == ("router",)
+    assert native.op_unavailable_reason("_fake_partial", "router") is None
+    why = native.op_unavailable_reason("_fake_partial", "softmax")
+    assert why is not None and "without the softmax handlers" in why and "router" in why
+    assert registry.native_available("_fake_partial", "softmax")() == why
+    # a module that is not loaded at all: its load error, whatever the op
+    missing = native.extension_unavailable_reason("_not_a_module")
+    assert missing is not None and native.op_unavailable_reason("_not_a_module", "softmax") == missing

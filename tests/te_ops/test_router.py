@@ -469,7 +469,7 @@ def test_native_path_lowers_for_cuda(monkeypatch, poison):
     from te_ops._core import native as N
 
     monkeypatch.setattr(N, "cuda_device_unavailable_reason", lambda: None)
-    monkeypatch.setattr(N, "native_unavailable_reason", lambda name="_native": None)
+    monkeypatch.setattr(N, "native_unavailable_reason", lambda name="_native", op=None: None)
     monkeypatch.setattr(N, "ensure_registered", lambda: None)
 
     def step(x, b, tpe):
