@@ -17,23 +17,29 @@ import jax
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
+def _mean_ms(fn: Callable[..., Any], arg_sets: Sequence[tuple], calls: int) -> float:
+    """Mean ms per call of ``calls`` back-to-back calls (arg_sets rotated), ended by one block_until_ready."""
+    t0 = time.perf_counter()
+    out = None
+    for i in range(calls):
+        out = fn(*arg_sets[i % len(arg_sets)])
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t0) * 1e3 / calls
+
+
+def _warm(fn: Callable[..., Any], arg_sets: Sequence[tuple], warmup: int) -> None:
+    for i in range(warmup):
+        jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
+
+
 def time_fn(
     fn: Callable[..., Any], arg_sets: Sequence[tuple], *, warmup: int = 2, repeats: int = 5, calls: int = 20
 ) -> float:
     """Median over ``repeats`` of the mean time (ms) of ``calls`` back-to-back calls.
 
     ``arg_sets`` are rotated call by call (give several when one set fits in L2)."""
-    for i in range(warmup):
-        jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = None
-        for i in range(calls):
-            out = fn(*arg_sets[i % len(arg_sets)])
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - t0) * 1e3 / calls)
-    return statistics.median(samples)
+    _warm(fn, arg_sets, warmup)
+    return statistics.median(_mean_ms(fn, arg_sets, calls) for _ in range(repeats))
 
 
 def time_interleaved(
@@ -47,19 +53,12 @@ def time_interleaved(
     Returns each alternative's median ms per call and its per-round samples."""
     names = list(fns)
     for name in names:
-        for i in range(warmup):
-            jax.block_until_ready(fns[name](*arg_sets[i % len(arg_sets)]))
+        _warm(fns[name], arg_sets, warmup)
     samples: dict[str, list[float]] = {n: [] for n in names}
     for r in range(repeats):
         for name in names if r % 2 == 0 else reversed(names):
-            fn = fns[name]
-            jax.block_until_ready(fn(*arg_sets[0]))  # the previous alternative's queue is drained
-            t0 = time.perf_counter()
-            out = None
-            for i in range(calls):
-                out = fn(*arg_sets[i % len(arg_sets)])
-            jax.block_until_ready(out)
-            samples[name].append((time.perf_counter() - t0) * 1e3 / calls)
+            _warm(fns[name], arg_sets, 1)  # untimed: the switch from the other alternative is not timed
+            samples[name].append(_mean_ms(fns[name], arg_sets, calls))
     return {n: statistics.median(v) for n, v in samples.items()}, samples
 
 
