@@ -19,10 +19,7 @@ if "xla_gpu_enable_command_buffer" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
 
 import argparse  # noqa: E402
-import collections  # noqa: E402
-import glob  # noqa: E402
 import sys  # noqa: E402
-import tempfile  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -30,63 +27,9 @@ import jax.numpy as jnp  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _timing  # noqa: E402
 import dense as dense_bench  # noqa: E402
+from _profile import print_profile, profile  # noqa: E402
 
 from te_ops._core import native as _native  # noqa: E402
-
-# Lines of the GPU plane that summarise rather than list kernels.
-_SUMMARY_LINES = ("XLA Modules", "XLA Ops", "XLA TraceMe", "Launch Stats", "Steps", "Source code", "Framework")
-
-
-def kernel_events(trace_dir: str) -> list[tuple[str, float, float]]:
-    """(kernel name, start ns, duration ns) of every activity on the GPU streams of the trace."""
-    paths = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
-    if not paths:
-        raise RuntimeError(f"no xplane.pb under {trace_dir}")
-    data = jax.profiler.ProfileData.from_file(paths[0])
-    out = []
-    for plane in data.planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        for line in plane.lines:
-            if any(line.name.startswith(s) for s in _SUMMARY_LINES):
-                continue
-            for ev in line.events:
-                out.append((ev.name, float(ev.start_ns), float(ev.duration_ns)))
-    return out
-
-
-def profile(fn, args, steps: int) -> dict:
-    for _ in range(3):
-        jax.block_until_ready(fn(*args))
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d):
-            out = None
-            for _ in range(steps):
-                out = fn(*args)
-            jax.block_until_ready(out)
-        events = kernel_events(d)
-    if not events:
-        return {"kernels": [], "busy_ms": None, "span_ms": None}
-    per = collections.defaultdict(lambda: [0, 0.0])
-    for name, _, dur in events:
-        per[name][0] += 1
-        per[name][1] += dur
-    t0 = min(s for _, s, _ in events)
-    t1 = max(s + d for _, s, d in events)
-    kernels = sorted(
-        (
-            {
-                "kernel": name,
-                "calls_per_step": c / steps,
-                "ms_per_step": tot / steps / 1e6,
-                "ms_per_call": tot / c / 1e6,
-            }
-            for name, (c, tot) in per.items()
-        ),
-        key=lambda r: -r["ms_per_step"],
-    )
-    busy = sum(d for _, _, d in events) / steps / 1e6
-    return {"kernels": kernels, "busy_ms": busy, "span_ms": (t1 - t0) / steps / 1e6}
 
 
 def main():
@@ -131,9 +74,7 @@ def main():
         r = profile(fn, a, args.steps)
         r.update(side=side, stage=stage)
         results.append(r)
-        print(f"\n== {side} {stage}: kernels busy {r['busy_ms']:.3f} ms/step, span {r['span_ms']:.3f} ms/step ==")
-        for kr in r["kernels"]:
-            print(f"  {kr['ms_per_step']:8.3f} ms  x{kr['calls_per_step']:.1f}  {kr['kernel'][:150]}")
+        print_profile(f"{side} {stage}", r)
     mod.dense_set_forward_split(False)
     _timing.write_json(
         "dense_profile",
