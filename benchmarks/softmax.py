@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _timing  # noqa: E402
 
 import te_ops  # noqa: E402
+from te_ops.softmax import native as softmax_native  # noqa: E402
 
 TARGETS = {"fwd": 2.5, "fwd+bwd": 1.5}  # issue 1 targets for the causal masked 4x32x4096x4096 case
 
@@ -120,9 +121,8 @@ def sweep(shape, dtype, variant, scale=0.125, xla_fwd_ms=None):
         y_default = jax.block_until_ready(f(x))
         for tpr, nv in SWEEP:
             mod.softmax_set_tuning(tpr, nv)
-            cfg = mod.softmax_config({"float32": 0, "bfloat16": 1, "float16": 2}[jnp.dtype(dtype).name],
-                                     x.size // s_k, s_k, {"masked-causal": 1, "upper-triang": 2}.get(variant, 0),
-                                     scale)
+            mode = {"masked-causal": "mask", "upper-triang": "causal"}.get(variant, "none")
+            cfg = softmax_native.launch_config(dtype, x.size // s_k, s_k, mode, scale)
             kernel = f"{cfg['kernel']} ({cfg['threads_per_row']}x{cfg['vectors_per_thread']})"
             fwd_ms = _timing.time_fn(f, [(x,)])
             rows.append({"variant": variant, "threads_per_row": tpr, "vectors_per_thread": nv,

@@ -11,6 +11,21 @@ from te_ops.softmax.reference import Residuals
 
 _MODE = {"none": 0, "causal": 2}
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+# The native module's codes (csrc/module.cc softmax_config): dtype and forward kernel family.
+_DTYPE_CODE = {"float32": 0, "bfloat16": 1, "float16": 2}
+_CONFIG_MODE = {"none": 0, "mask": 1, "causal": 2}
+
+
+def launch_config(dtype, rows: int, cols: int, mode: str, scale: float = 1.0) -> dict:
+    """The launch the native forward picks for ``rows`` rows of ``cols`` elements of ``dtype``
+    (kernel, threads per row, vectors per thread, grid, block), under the current tuning hook;
+    ``mode`` is "none", "mask" or "causal". A diagnostic for tests and benchmarks."""
+    name = jnp.dtype(dtype).name
+    if name not in _DTYPE_CODE:
+        raise ValueError(f"launch_config: dtype must be one of {sorted(_DTYPE_CODE)}, got {name}")
+    if mode not in _CONFIG_MODE:
+        raise ValueError(f"launch_config: mode must be one of {sorted(_CONFIG_MODE)}, got {mode!r}")
+    return dict(_native.module().softmax_config(_DTYPE_CODE[name], rows, cols, _CONFIG_MODE[mode], scale))
 
 
 def _as_rows(x: jax.Array) -> jax.Array:

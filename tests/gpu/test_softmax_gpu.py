@@ -10,6 +10,7 @@ import pytest
 import te_ops
 from te_ops._core import native
 from te_ops._core import testing as T
+from te_ops.softmax import native as softmax_native
 from tests.gpu.cmdbuf import assert_graph_captured_and_warmed_once, run_under_command_buffers
 
 _WHY = native.native_unavailable_reason("_native", "softmax")
@@ -144,8 +145,7 @@ _V2_PAIR = (128, 4)
 def _chosen_kernel(dtype, rows, cols, mode, scale=1.0):
     """The forward kernel the launch chooser picks (te_ops._native.softmax_config) under the current
     tuning pair; mode is "none", "mask" or "causal"."""
-    dt = {"float32": 0, "bfloat16": 1, "float16": 2}[jnp.dtype(dtype).name]
-    return native.module().softmax_config(dt, rows, cols, {"none": 0, "mask": 1, "causal": 2}[mode], scale)["kernel"]
+    return softmax_native.launch_config(dtype, rows, cols, mode, scale)["kernel"]
 
 
 def _compare_variant(kernel, fn, shape, dtype, handler, tag, seed=0):

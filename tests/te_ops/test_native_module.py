@@ -62,3 +62,21 @@ def test_softmax_tuning_hook_round_trip():
     finally:
         mod.softmax_set_tuning(0, 0)
     assert mod.softmax_config(1, 10, 4096, 2) == default
+
+
+def test_softmax_launch_config_maps_names_to_the_module_codes():
+    """te_ops.softmax.native.launch_config (used by the GPU tests and the benchmark) passes the same
+    codes as the raw module call and rejects unknown dtypes and modes by name."""
+    import jax.numpy as jnp
+
+    from te_ops.softmax import native as softmax_native
+
+    for (dtype, code), (mode, mcode) in zip(
+        [(jnp.float32, 0), (jnp.bfloat16, 1), (jnp.float16, 2)], [("none", 0), ("mask", 1), ("causal", 2)], strict=True
+    ):
+        got = softmax_native.launch_config(dtype, 300, 1000, mode, 0.5)
+        assert got == dict(native.module().softmax_config(code, 300, 1000, mcode, 0.5))
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        softmax_native.launch_config(jnp.int32, 4, 4, "none")
+    with pytest.raises(ValueError, match="mode must be one of.*'upper'"):
+        softmax_native.launch_config(jnp.float32, 4, 4, "upper")
