@@ -33,14 +33,19 @@ def kernel_events(trace_dir: str) -> list[tuple[str, float, float]]:
     return out
 
 
-def profile(fn, args, steps: int) -> dict:
-    for _ in range(3):
-        jax.block_until_ready(fn(*args))
+def profile(fn, args, steps: int, arg_sets=None) -> dict:
+    """Traces ``steps`` back-to-back calls of ``fn`` (after 3 untimed ones): each kernel's mean ms per
+    step, the busy time (sum of kernel durations) and the span (first start to last end) per step;
+    span - busy is the GPU's idle time between kernels. ``arg_sets`` (optional) rotates several
+    argument tuples call by call, as the timing benchmarks do; otherwise every call gets ``args``."""
+    sets = list(arg_sets) if arg_sets else [args]
+    for i in range(3):
+        jax.block_until_ready(fn(*sets[i % len(sets)]))
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
             out = None
-            for _ in range(steps):
-                out = fn(*args)
+            for i in range(steps):
+                out = fn(*sets[i % len(sets)])
             jax.block_until_ready(out)
         events = kernel_events(d)
     if not events:

@@ -38,7 +38,7 @@ CASES = {"mha": ("MHA causal", 4, 4096, 32, 32, 128), "gqa": ("GQA causal", 2, 8
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=20, help="calls per trace (the timing benchmark's window)")
     ap.add_argument("--case", choices=("mha", "gqa", "both"), default="both")
     args = ap.parse_args()
     why = _native.native_unavailable_reason(fa_native.MODULE, "fused_attention")
@@ -48,15 +48,18 @@ def main():
     results = []
     for key in ("mha", "gqa") if args.case == "both" else (args.case,):
         name, b, s, hq, hk, d = CASES[key]
-        ks = jax.random.split(jax.random.key(100), 4)
-        q = jax.random.normal(ks[0], (b, s, hq, d), jnp.float32).astype(jnp.bfloat16)
-        k = jax.random.normal(ks[1], (b, s, hk, d), jnp.float32).astype(jnp.bfloat16)
-        v = jax.random.normal(ks[2], (b, s, hk, d), jnp.float32).astype(jnp.bfloat16)
-        g = jax.random.normal(ks[3], (b, s, hq, d), jnp.float32).astype(jnp.bfloat16)
+        arg_sets = []
+        for i in range(2):  # as benchmarks/attention.py: two input sets, rotated call by call
+            ks = jax.random.split(jax.random.key(100 + i), 4)
+            q = jax.random.normal(ks[0], (b, s, hq, d), jnp.float32).astype(jnp.bfloat16)
+            k = jax.random.normal(ks[1], (b, s, hk, d), jnp.float32).astype(jnp.bfloat16)
+            v = jax.random.normal(ks[2], (b, s, hk, d), jnp.float32).astype(jnp.bfloat16)
+            g = jax.random.normal(ks[3], (b, s, hq, d), jnp.float32).astype(jnp.bfloat16)
+            arg_sets.append((q, k, v, g))
         fns = {side: attention_bench.make_fns(side) for side in ("ours", "cudnn")}
         for stage, idx in (("forward", 0), ("forward+backward", 1)):
             for side in ("ours", "cudnn", "ours", "cudnn"):
-                r = profile(fns[side][idx], (q, k, v, g), args.steps)
+                r = profile(fns[side][idx], None, args.steps, arg_sets=arg_sets)
                 r.update(case=name, side=side, stage=stage)
                 results.append(r)
                 print_profile(f"{name} {side} {stage}", r)
