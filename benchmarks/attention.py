@@ -50,16 +50,21 @@ def _rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / (np.linalg.norm(b) + 1e-30))
 
 
-def bench_case(name, b, s, hq, hk, d, *, xla_fwd=True, xla_bwd=True):
-    dtype = jnp.bfloat16
+def make_inputs(b, s, hq, hk, d, n_sets=2, dtype=jnp.bfloat16):
+    """``n_sets`` random (q, k, v, cotangent) tuples in BSHD layout, rotated call by call by the timing."""
     arg_sets = []
-    for i in range(2):
+    for i in range(n_sets):
         ks = jax.random.split(jax.random.key(100 + i), 4)
         q = jax.random.normal(ks[0], (b, s, hq, d), jnp.float32).astype(dtype)
         k = jax.random.normal(ks[1], (b, s, hk, d), jnp.float32).astype(dtype)
         v = jax.random.normal(ks[2], (b, s, hk, d), jnp.float32).astype(dtype)
         g = jax.random.normal(ks[3], (b, s, hq, d), jnp.float32).astype(dtype)
         arg_sets.append((q, k, v, g))
+    return arg_sets
+
+
+def bench_case(name, b, s, hq, hk, d, *, xla_fwd=True, xla_bwd=True):
+    arg_sets = make_inputs(b, s, hq, hk, d)
     fns = {"ours": make_fns("ours"), "cudnn": make_fns("cudnn")}
     if xla_fwd:
         fns["xla"] = make_fns("xla")

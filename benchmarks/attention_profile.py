@@ -21,9 +21,6 @@ if "xla_gpu_enable_command_buffer" not in os.environ.get("XLA_FLAGS", ""):
 import argparse  # noqa: E402
 import sys  # noqa: E402
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _timing  # noqa: E402
 import attention as attention_bench  # noqa: E402
@@ -48,14 +45,7 @@ def main():
     results = []
     for key in ("mha", "gqa") if args.case == "both" else (args.case,):
         name, b, s, hq, hk, d = CASES[key]
-        arg_sets = []
-        for i in range(2):  # as benchmarks/attention.py: two input sets, rotated call by call
-            ks = jax.random.split(jax.random.key(100 + i), 4)
-            q = jax.random.normal(ks[0], (b, s, hq, d), jnp.float32).astype(jnp.bfloat16)
-            k = jax.random.normal(ks[1], (b, s, hk, d), jnp.float32).astype(jnp.bfloat16)
-            v = jax.random.normal(ks[2], (b, s, hk, d), jnp.float32).astype(jnp.bfloat16)
-            g = jax.random.normal(ks[3], (b, s, hq, d), jnp.float32).astype(jnp.bfloat16)
-            arg_sets.append((q, k, v, g))
+        arg_sets = attention_bench.make_inputs(b, s, hq, hk, d)  # the timing benchmark's inputs
         fns = {side: attention_bench.make_fns(side) for side in ("ours", "cudnn")}
         for stage, idx in (("forward", 0), ("forward+backward", 1)):
             for side in ("ours", "cudnn", "ours", "cudnn"):
