@@ -161,14 +161,11 @@ def ffi_call(
     if getattr(_poison, "on", False):
         import jax.numpy as jnp
 
+        from te_ops._core.validation import poison_value
+
         for i, r in enumerate(results):
             aliases[len(operands)] = i
-            if jnp.issubdtype(r.dtype, jnp.floating):
-                fill = jnp.nan
-            elif r.dtype == jnp.bool_:
-                fill = True
-            else:
-                fill = jnp.iinfo(r.dtype).max
+            fill = poison_value(r.dtype)
             operands.append(jnp.full(r.shape, fill, r.dtype))
     call = jax.ffi.ffi_call(
         target,

@@ -1,13 +1,18 @@
 """Helpers that give an op its sharding rule (Shardy) and its vmap behaviour.
 
-``partitioned(impl, rule=..., specs=...)`` wraps a function of arrays in
-:func:`jax.experimental.custom_partitioning.custom_partitioning`:
+``partitioned(impl, rule=..., specs=... | plan=...)`` wraps a function of arrays in
+:func:`jax.experimental.custom_partitioning.custom_partitioning` (no op calls it directly):
 
 * ``rule(*operand_shapes) -> (einsum_like_rule, kwargs)`` gives Shardy the propagation rule, e.g.
   ``("a b k, a b k -> a b k", {"need_replication_factors": ("k",)})``;
 * ``specs(operand_specs, operand_shapes) -> (operand_specs, result_specs)`` decides, from the
   shardings Shardy chose, which shardings the op really runs with (e.g. gather the softmax axis);
-  the per-shard function is ``impl`` itself, called on local shards.
+  the per-shard function is ``impl`` itself, called on local shards;
+* or ``plan(ShardContext) -> ShardPlan`` when the per-shard function depends on the shardings
+  (it sees the mesh and the result shardings, and returns its own per-shard function, e.g. one that
+  ``psum``s partial sums over a sharded contraction axis).
+
+Each op keeps its rule, specs/plan and vmap fold as top-level functions in ``<op>/sharding.py``.
 
 On one device, or inside ``shard_map`` with every axis manual, ``custom_partitioning`` inlines ``impl``.
 
@@ -18,12 +23,15 @@ own leading axes (``fold(axis_size, in_batched, *args) -> (outputs, out_batched)
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
+
+from te_ops._core.validation import broadcast_batched, sequential_fold  # noqa: F401 (re-exported)
 
 Shape = tuple[int, ...]
 
@@ -38,26 +46,89 @@ def factor_names(rank: int, prefix: str = "d") -> list[str]:
     return [f"{prefix}{i}" for i in range(rank)]
 
 
+@dataclasses.dataclass(frozen=True)
+class ShardContext:
+    """What a partition callback sees: the mesh, and per operand / result its global shape and the
+    sharding Shardy chose (PartitionSpec entries padded to the rank; results whose sharding is not
+    known yet get all-None entries)."""
+
+    mesh: Any
+    arg_shapes: tuple[Shape, ...]
+    arg_specs: tuple[list[Any], ...]
+    result_shapes: tuple[Shape, ...]
+    result_specs: tuple[list[Any], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardPlan:
+    """How an op runs on the chosen shardings: operand specs, result specs (a list per result, or
+    one list for a single result) and the per-shard function (None: the op's own function, called
+    on local shards). A per-shard function adds the collectives the plan needs (e.g. a ``psum`` of
+    partial sums when a contraction axis is sharded)."""
+
+    in_specs: Sequence[Sequence[Any]]
+    out_specs: Any
+    per_shard: Callable[..., Any] | None = None
+
+
+def _to_shapes(avals) -> tuple[Shape, ...]:
+    avals = avals if isinstance(avals, (list, tuple)) else [avals]
+    return tuple(tuple(a.shape) for a in avals)
+
+
+def _to_specs(avals) -> tuple[list[Any], ...]:
+    avals = avals if isinstance(avals, (list, tuple)) else [avals]
+    out = []
+    for a in avals:
+        sharding = getattr(a, "sharding", None)
+        out.append(padded_spec(getattr(sharding, "spec", None), len(a.shape)))
+    return tuple(out)
+
+
 def partitioned(
     impl: Callable[..., Any],
     *,
     rule: Callable[..., tuple[str, dict[str, Any]]],
-    specs: Callable[[Sequence[list[Any]], Sequence[Shape]], tuple[Sequence[Any], Any]],
+    specs: Callable[[Sequence[list[Any]], Sequence[Shape]], tuple[Sequence[Any], Any]] | None = None,
+    plan: Callable[[ShardContext], ShardPlan] | None = None,
 ) -> Callable[..., Any]:
-    """``impl`` with a Shardy sharding rule and a partition function (see module docstring)."""
+    """``impl`` with a Shardy sharding rule and a partition function.
+
+    Give exactly one of:
+
+    * ``specs(operand_specs, operand_shapes) -> (operand_specs, result_specs)``: the per-shard
+      function is ``impl`` itself (ops whose shards need no collective);
+    * ``plan(ctx: ShardContext) -> ShardPlan``: for ops whose per-shard function depends on the
+      shardings (reductions over a sharded axis, shapes that change per shard).
+
+    ``rule(*operand_shapes) -> (einsum_like_rule, kwargs)`` gives Shardy the propagation rule. This
+    is the only place in te_ops that calls ``custom_partitioning``.
+    """
+    if (specs is None) == (plan is None):
+        raise TypeError("partitioned: give exactly one of specs= or plan=")
     cp = custom_partitioning(impl)
 
     def partition(mesh, arg_shapes, result_shape):
-        shapes = [tuple(a.shape) for a in arg_shapes]
-        arg_specs = [padded_spec(a.sharding.spec, len(a.shape)) for a in arg_shapes]
-        in_specs, out_specs = specs(arg_specs, shapes)
-        to_sharding = lambda s: NamedSharding(mesh, PartitionSpec(*s))
-        in_shardings = tuple(to_sharding(s) for s in in_specs)
-        if isinstance(result_shape, (list, tuple)):
-            out_shardings = tuple(to_sharding(s) for s in out_specs)
+        multiple = isinstance(result_shape, (list, tuple))
+        if plan is not None:
+            ctx = ShardContext(
+                mesh=mesh,
+                arg_shapes=_to_shapes(arg_shapes),
+                arg_specs=_to_specs(arg_shapes),
+                result_shapes=_to_shapes(result_shape),
+                result_specs=_to_specs(result_shape),
+            )
+            p = plan(ctx)
         else:
-            out_shardings = to_sharding(out_specs)
-        return mesh, impl, out_shardings, in_shardings
+            in_specs, out_specs = specs(list(_to_specs(arg_shapes)), list(_to_shapes(arg_shapes)))
+            p = ShardPlan(in_specs, out_specs)
+        to_sharding = lambda s: NamedSharding(mesh, PartitionSpec(*s))
+        in_shardings = tuple(to_sharding(s) for s in p.in_specs)
+        if multiple:
+            out_shardings = tuple(to_sharding(s) for s in p.out_specs)
+        else:
+            out_shardings = to_sharding(p.out_specs)
+        return mesh, (p.per_shard or impl), out_shardings, in_shardings
 
     def sharding_rule(mesh, value_types, result_types):
         del mesh, result_types
@@ -74,22 +145,10 @@ def batch_folding(fn: Callable[..., Any], fold: Callable[..., tuple[Any, Any]]) 
     return wrapped
 
 
-def broadcast_batched(axis_size: int, in_batched: Sequence[bool], args: Sequence[jax.Array]) -> list[jax.Array]:
-    """Gives every unbatched argument the leading vmapped axis (custom_vmap puts it at axis 0)."""
-    out = []
-    for a, b in zip(args, in_batched, strict=True):
-        out.append(a if b else jax.numpy.broadcast_to(a, (axis_size, *a.shape)))
-    return out
-
-
 def _varying_axes(a: Any) -> frozenset:
-    """The manual mesh axes ``a`` varies over (jax 0.11: ``typeof(a).manual_axis_type.varying``;
-    older releases: ``typeof(a).vma``)."""
-    t = jax.typeof(a)
-    mat = getattr(t, "manual_axis_type", None)
-    if mat is not None:
-        return frozenset(getattr(mat, "varying", ()) or ())
-    return frozenset(getattr(t, "vma", ()) or ())
+    """The manual mesh axes ``a`` varies over inside ``shard_map``."""
+    mat = getattr(jax.typeof(a), "manual_axis_type", None)
+    return frozenset(getattr(mat, "varying", ()) or ()) if mat is not None else frozenset()
 
 
 def match_vma(*args: Any) -> tuple[Any, ...]:

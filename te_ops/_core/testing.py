@@ -89,10 +89,3 @@ def run_sharded(
     counts = count_collectives(compiled.as_text())
     result = jitted(*sharded_args)
     return result, unsharded, counts
-
-
-def poison_like(x: jax.Array) -> jax.Array:
-    """An array of x's shape and dtype filled with NaN (or the dtype's max for integers)."""
-    if jnp.issubdtype(x.dtype, jnp.floating):
-        return jnp.full(x.shape, jnp.nan, x.dtype)
-    return jnp.full(x.shape, jnp.iinfo(x.dtype).max, x.dtype)

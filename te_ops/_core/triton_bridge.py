@@ -88,10 +88,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src import dispatch
 from jax._src.interpreters import mlir
 from jax.extend import core as jex_core
 
 from te_ops._core import triton_backend
+from te_ops._core.validation import poison_like
 
 REQUIRED_TRITON = (3, 6)
 FFI_TARGET = "triton_kernel_call_ffi"
@@ -509,6 +511,10 @@ def _abstract_eval(*avals, out_avals, **_):
 
 
 triton_call_p.def_abstract_eval(_abstract_eval)
+# Eager (un-jitted) calls: compile the single primitive with XLA and run it, like any jax primitive
+# without a Python implementation. Without this, calling an op with implementation="triton" outside
+# jit fails with "Evaluation rule for 'te_triton_call' not implemented".
+triton_call_p.def_impl(functools.partial(dispatch.apply_primitive, triton_call_p))
 
 
 def _batch_rule(args, dims, **params):
@@ -634,8 +640,7 @@ def triton_call(
         zero = int(np.prod(s.shape)) * jnp.dtype(s.dtype).itemsize if i in zeroed_outputs else 0
         kernel_params.append(("array", zero))
         if poison:
-            fill = jnp.nan if jnp.issubdtype(s.dtype, jnp.floating) else jnp.iinfo(s.dtype).max
-            poison_ops.append((i, jnp.full(s.shape, fill, s.dtype)))
+            poison_ops.append((i, poison_like(s)))
     full_sig = dict(signature)
     sig = tuple((n, full_sig.get(n, "constexpr")) for n in arg_names)
     spec = KernelSpec(
