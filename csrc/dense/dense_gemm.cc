@@ -207,8 +207,8 @@ int TimeCandidates(DeviceState& dev, GemmPlan& plan, const std::vector<cublasLtM
     return 0;
   }
   // Ranking must hold in training, where GEMMs run back to back at the power-limited sustained clock,
-  // not in a short burst at boost clock (short bursts ranked tiles differently: H200, 2026-12-03,
-  // benchmarks/dense_profile.py). So: one probe call per candidate (cuBLASLt may refuse one it
+  // not in a short burst at boost clock (short bursts rank tiles differently; benchmarks/dense_profile.py
+  // shows it). So: one probe call per candidate (cuBLASLt may refuse one it
   // offered), ~100 ms of continuous work to reach the sustained clock, then kRounds rounds in which
   // every candidate runs ~3 ms between its own pair of events, all enqueued back to back with no host
   // synchronisation inside a round (the GPU never idles), the order rotated each round so no
@@ -276,8 +276,8 @@ int TimeCandidates(DeviceState& dev, GemmPlan& plan, const std::vector<cublasLtM
     if (e) cudaEventDestroy(e);
   }
   // Within timing noise, trust cuBLASLt's order: the earliest candidate within kTieMargin of the
-  // fastest wins (near-ties otherwise flip between processes: the GELU_AUX_BIAS MLP plan's first
-  // three candidates time within 1%, yet differ by ~6% in training; H200 runs 14-15).
+  // fastest wins (near-ties otherwise flip between processes: candidates that time within 1% here
+  // can differ by several percent inside a training step).
   constexpr float kTieMargin = 0.02f;
   float fastest = -1.0f;
   for (size_t i = 0; i < nc; ++i) {
@@ -443,8 +443,8 @@ ffi::Error GetPlan(const char* op, int device, DeviceState& dev, const GemmSpec&
   if (st == CUBLAS_STATUS_SUCCESS)
     st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_d, sizeof(al_d));
   // Split-K partial sums only in the compute type (float32): INPLACE and OUTPUT_TYPE reductions add
-  // the parts in the output type (bf16/f16), which breaks the float32-accumulation contract; it was
-  // visible as ReLU masks flipping near zero on small odd shapes (H200, 2026-12-03).
+  // the parts in the output type (bf16/f16), which breaks the float32-accumulation contract (ReLU
+  // masks flip near zero on small odd shapes).
   const uint32_t reduction = kAllowedReductionSchemes;
   if (st == CUBLAS_STATUS_SUCCESS)
     st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &reduction,
@@ -464,8 +464,8 @@ ffi::Error GetPlan(const char* op, int device, DeviceState& dev, const GemmSpec&
     cublasLtMatmulPreferenceDestroy(pref);
     return LtError(op, st, "cublasLtMatmulAlgoGetHeuristic for " + what);
   }
-  // The heuristic offers few tile configurations for fused epilogues (4 for GELU_AUX_BIAS on the MLP
-  // shape, none of them the 256x128 tile it ranks first for BIAS; H200 run 15). So also ask it for
+  // The heuristic offers few tile configurations for fused epilogues (for GELU_AUX_BIAS on a large
+  // MLP shape, a handful, without the tile it ranks first for BIAS). So also ask it for
   // the simpler epilogues this one extends (same shapes and preference) and keep, after cuBLASLt's own
   // list, each new algorithm that cublasLtMatmulAlgoCheck accepts for the real epilogue: the timing
   // below then decides among all of them.

@@ -60,8 +60,8 @@ bool Aligned16(const void* p) { return p == nullptr || (reinterpret_cast<uintptr
 
 template <typename T, int VEC, int ACT>
 cudaError_t FwdTyped(const void* z, const void* bias, void* y, void* z_out, int64_t m, int64_t n, cudaStream_t s) {
-  // 32 x 8 threads, 2-row load batches: the backward sweep's best shape for the same access pattern
-  // (benchmarks/micro/dense_act_bwd.cu, H200 2026-12-03: 4.20 TB/s vs the 4.22 TB/s copy).
+  // 32 x 8 threads, 2-row load batches: the shape the standalone sweep of the backward kernel
+  // (benchmarks/micro/dense_act_bwd.cu) finds fastest for the same access pattern, at the copy ceiling.
   constexpr int kBx = 32, kBy = 8, kU = 2;
   const int64_t chunks = BackwardChunks(m, n, VEC, kBx, 65535);
   const int64_t rows_per_chunk = (m + chunks - 1) / chunks;

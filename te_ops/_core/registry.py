@@ -52,10 +52,8 @@ class Implementation:
       available: ``() -> str | None``: why the implementation cannot run in this process at all
         (extension not built, no GPU, Triton missing), None if it can.
       auto: whether ``implementation=None`` may pick it: a bool, or ``(**call) -> bool`` to pick it
-        only for the calls where it was measured to be the better choice (e.g. large enough GEMMs).
-        GPU implementations that have not yet passed their GPU tests on real hardware are
-        registered with ``auto=False``: they run only when asked for by name, so the default stays
-        correct.
+        only for the calls where it is the better choice (e.g. large enough GEMMs). An
+        implementation registered with ``auto=False`` runs only when asked for by name.
     """
 
     name: str

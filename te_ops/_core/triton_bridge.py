@@ -22,11 +22,11 @@ Design decisions (and why)
   graphs (see "Command buffers" below). It appends the two hidden pointer parameters Triton >= 3.3
   kernels take (global scratch, profile scratch); ``global_scratch_size`` is forwarded from the
   metadata.
-  The seed PR's race lived in the ROCm path (HSACO file read then deleted); the CUDA path takes the
-  PTX by value. So gpu_triton is robust enough for CUDA and we do not add a native launcher; that
-  could be done later without touching the ops (only :func:`_launcher_call` would change).
-  Because the constructor changed between releases, :func:`_make_kernel` feature-detects the
-  keyword signature above and the older 9-argument one, and raises with the signature it found.
+  jaxlib's known loader race is in the ROCm path (an HSACO file read and then deleted); the CUDA
+  path takes the PTX by value. So gpu_triton is robust enough for CUDA and we do not add a native
+  launcher; one could replace it without touching the ops (only :func:`_launcher_call` would change).
+  :func:`_make_kernel` calls the constructor with jaxlib 0.11.2's keyword signature and, if a
+  later release changes it, raises with the signature it found.
   Module loading: jaxlib loads the CUDA module lazily on the first launch in a context
   (``ModuleImage::GetFunctionForContext``); its ``initialize`` stage only builds the cached
   ``KernelCall``. If a command-buffer run ever fails with a capture error from that load, the
@@ -402,7 +402,7 @@ def _make_kernel(mod: Any, compiled: CompiledKernel, backend: triton_backend.Ven
     image = backend.kernel_image(compiled)
     cc = backend.compute_capability(compiled.target)
     ttir = ""  # only used by jaxlib for debugging; keep the opaque attribute small
-    try:  # jaxlib >= 0.7 style (checked against 0.11.2)
+    try:
         return mod.TritonKernel(
             kernel_name=compiled.name,
             num_warps=compiled.num_warps,
@@ -414,25 +414,13 @@ def _make_kernel(mod: Any, compiled: CompiledKernel, backend: triton_backend.Ven
             global_scratch_size=compiled.global_scratch_size or None,
             global_scratch_align=compiled.global_scratch_align if compiled.global_scratch_size else None,
         )
-    except TypeError as first:
-        if compiled.global_scratch_size:
-            raise RuntimeError(
-                f"te_ops triton bridge: kernel {compiled.name} needs a global scratch buffer but "
-                "this jaxlib's "
-                f"TritonKernel cannot take one ({first})"
-            ) from None
-        try:  # older: (name, num_warps, shared_mem_bytes, ptx, ttir, cc, cluster_dim_x, _y, _z)
-            return mod.TritonKernel(
-                compiled.name, compiled.num_warps, compiled.shared, image, ttir, cc, 1, 1, 1
-            )
-        except TypeError:
-            sig = getattr(getattr(mod.TritonKernel, "__init__", None), "__doc__", "?")
-            raise RuntimeError(
-                "te_ops triton bridge: unsupported jaxlib gpu_triton.TritonKernel signature "
-                f"{sig!r}; supported: jaxlib 0.11.x (kernel_name, num_warps, num_ctas, "
-                "shared_mem_bytes, ptx, "
-                "ttir, compute_capability, global_scratch_size, global_scratch_align)"
-            ) from first
+    except TypeError as e:
+        sig = getattr(getattr(mod.TritonKernel, "__init__", None), "__doc__", "?")
+        raise RuntimeError(
+            "te_ops triton bridge: unsupported jaxlib gpu_triton.TritonKernel signature "
+            f"{sig!r}; supported: jaxlib >= 0.11.2 (kernel_name, num_warps, num_ctas, shared_mem_bytes, "
+            "ptx, ttir, compute_capability, global_scratch_size, global_scratch_align)"
+        ) from e
 
 
 _SCALAR_TYPES = {"i1", "i32", "u32", "i64", "u64", "fp32", "fp64"}

@@ -29,7 +29,7 @@ def run_under_command_buffers(builder: str, flags: str = CMDBUF_FLAGS, timeout: 
 def assert_graph_captured_and_warmed_once(report: dict, handlers: dict[str, int]) -> None:
     """Every handler ran inside a CUDA-graph capture and warmed exactly once per key.
 
-    Measured on the H200 (jax 0.11.2, 2026-12-03): with fresh input buffers on every call, XLA runs
+    With fresh input buffers on every call, XLA (jax 0.11.2) runs
     some executions of a command buffer's custom calls eagerly and records others (e.g. 8 executes,
     4 of them under capture, for 4 calls x 2 launches), so we require >= 1 captured execute, not all.
     """
