@@ -14,8 +14,9 @@ emits PTX ISA 8.7 (its bundled ptxas is CUDA 12.8); the CUDA 13 ptxas that jax-c
 accepts it.
 
 ROCm: jaxlib's loader expects a *path* to an HSACO file which it reads and then deletes. Two
-lowerings handing it the same path would race (the second reader finds the file gone), so every call to ``kernel_image`` writes a fresh uniquely named file. This half is written
-from jaxlib's source but has NEVER RUN: there is no AMD GPU in this project's CI or lab machines.
+lowerings handing it the same path would race (the second reader finds the file gone), so every
+call to ``kernel_image`` writes a fresh uniquely named file. This half is written from jaxlib's
+source but has never run: there is no AMD GPU to test it on.
 """
 
 from __future__ import annotations
