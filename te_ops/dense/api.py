@@ -4,22 +4,21 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
 
 import jax
-import jax.numpy as jnp
 
-from te_ops._core import partitioning as P
 from te_ops._core import registry
-from te_ops._core.partitioning import match_vma
+from te_ops._core.partitioning import batch_folding, match_vma, partitioned
+from te_ops._core.validation import check_float, err
 from te_ops.dense import native, reference, sharding
 from te_ops.dense.reference import ACTIVATIONS, SAVES_PRE_ACTIVATION, Residuals
 
 FAMILY = registry.family("dense")
-# implementation=None picks the cuBLASLt handler only for GEMMs where the H200 measured it at or
-# above XLA (2026-12-03: 16384x4096x14336 fwd 1.11x, 8192^3 1.05x) and keeps XLA for small ones:
-# M=256 ran at 0.73x XLA, and for a router-sized N=16 the weight-gradient GEMM (m=16, k=16384) got
-# no cuBLASLt algorithm at all. implementation="native" still takes any shape.
+OP = "dense"
+# implementation=None picks the cuBLASLt handler only for GEMMs large enough for it to be measured at
+# or above XLA's GEMM, and keeps XLA for the others: for few rows (M < 1024) XLA was faster, and for a
+# router-sized N or K (< 128) cuBLASLt may offer no algorithm for the weight-gradient GEMM at all.
+# implementation="native" still takes any shape.
 _AUTO_MIN_M, _AUTO_MIN_NK = 1024, 128
 
 
@@ -35,8 +34,6 @@ FAMILY.register(
         backward=native.backward,
         unsupported_reason=native.unsupported_reason,
         platform="cuda",
-        # Default on CUDA since tests/gpu/test_dense_gpu.py passed 67/67 on the H200 (2026-12-03),
-        # for GEMMs large enough to be measured faster than XLA (see _auto_native).
         auto=_auto_native,
         available=registry.native_available("_native_cublaslt", "dense"),
     )
@@ -50,124 +47,76 @@ FAMILY.register(
     )
 )
 
-_FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-
 
 # ----------------------------------------------------------------------------------------------
 # Validation
 # ----------------------------------------------------------------------------------------------
 
 
-def _as_array(name: str, a: Any) -> jax.Array:
-    if not hasattr(a, "shape") or not hasattr(a, "dtype"):
-        try:
-            a = jnp.asarray(a)
-        except TypeError as e:
-            raise TypeError(f"te_ops.dense: {name} must be an array, got {type(a).__name__}.") from e
-    return a
-
-
 def _check(x, kernel, bias, activation):
-    x = _as_array("x", x)
-    kernel = _as_array("kernel", kernel)
     if activation not in ACTIVATIONS:
         raise ValueError(
-            f"te_ops.dense: activation must be one of {list(ACTIVATIONS)}, got {activation!r}. "
-            "Use activation='gelu' (exact erf GELU), 'gelu_tanh' (jax.nn.gelu's default tanh approximation), "
-            "'relu', 'silu', or None and apply other activations yourself."
+            err(
+                OP,
+                f"activation must be one of {list(ACTIVATIONS)}, got {activation!r}. Use activation='gelu' "
+                "(exact erf GELU), 'gelu_tanh' (jax.nn.gelu's default tanh approximation), 'relu', 'silu', "
+                "or None and apply other activations yourself.",
+            )
         )
+    x = check_float(OP, "x", x)
+    kernel = check_float(OP, "kernel", kernel)
     if x.ndim < 1:
         raise ValueError(
-            f"te_ops.dense: x must have rank >= 1 with the contraction axis last ([..., K]), got a scalar "
-            f"of shape {tuple(x.shape)}. Reshape it, e.g. x.reshape(1, -1)."
+            err(
+                OP,
+                "x must have rank >= 1 with the contraction axis last ([..., K]), got a scalar of shape "
+                f"{tuple(x.shape)}. Reshape it, e.g. x.reshape(1, -1).",
+            )
         )
     if kernel.ndim != 2:
         raise ValueError(
-            f"te_ops.dense: kernel must have rank 2 [K, N], got shape {tuple(kernel.shape)}. "
-            "For a kernel with several output axes, reshape it to [K, N] and the result back."
-        )
-    for name, a in (("x", x), ("kernel", kernel)):
-        if jnp.dtype(a.dtype) not in _FLOAT_DTYPES:
-            raise TypeError(
-                f"te_ops.dense: {name} must be float32, bfloat16 or float16, got dtype {jnp.dtype(a.dtype)}. "
-                f"Cast it first, e.g. {name}.astype(jnp.bfloat16)."
+            err(
+                OP,
+                f"kernel must have rank 2 [K, N], got shape {tuple(kernel.shape)}. For a kernel with several "
+                "output axes, reshape it to [K, N] and the result back.",
             )
+        )
     if kernel.dtype != x.dtype:
         raise TypeError(
-            f"te_ops.dense: x and kernel must have the same dtype (the compute dtype), got x {x.dtype} and "
-            f"kernel {kernel.dtype}. Cast one of them, e.g. kernel.astype(x.dtype)."
+            err(
+                OP,
+                f"x and kernel must have the same dtype (the compute dtype), got x {x.dtype} and kernel "
+                f"{kernel.dtype}. Cast one of them, e.g. kernel.astype(x.dtype).",
+            )
         )
     if x.shape[-1] != kernel.shape[0]:
         raise ValueError(
-            f"te_ops.dense: the last axis of x (K = {x.shape[-1]}, x shape {tuple(x.shape)}) must equal the "
-            f"first axis of kernel (got {kernel.shape[0]}, kernel shape {tuple(kernel.shape)}). "
-            "The kernel is laid out [K, N] (in_features, out_features); transpose it if it is [N, K]."
+            err(
+                OP,
+                f"the last axis of x (K = {x.shape[-1]}, x shape {tuple(x.shape)}) must equal the first axis "
+                f"of kernel (got {kernel.shape[0]}, kernel shape {tuple(kernel.shape)}). The kernel is laid "
+                "out [K, N] (in_features, out_features); transpose it if it is [N, K].",
+            )
         )
     if bias is not None:
-        bias = _as_array("bias", bias)
+        bias = check_float(OP, "bias", bias)
         if bias.dtype != x.dtype:
             raise TypeError(
-                f"te_ops.dense: bias must have the compute dtype {x.dtype}, got {bias.dtype}. "
-                f"Cast it, e.g. bias.astype(x.dtype)."
+                err(
+                    OP,
+                    f"bias must have the compute dtype {x.dtype}, got {bias.dtype}. Cast it, e.g. "
+                    "bias.astype(x.dtype).",
+                )
             )
         if bias.shape != (kernel.shape[1],):
             raise ValueError(
-                f"te_ops.dense: bias must have shape [N] = ({kernel.shape[1]},) (N = kernel.shape[1]), got "
-                f"shape {tuple(bias.shape)}. Pass one value per output feature."
+                err(
+                    OP,
+                    f"bias must have shape [N] = ({kernel.shape[1]},) (N = kernel.shape[1]), got shape "
+                    f"{tuple(bias.shape)}. Pass one value per output feature.",
+                )
             )
     return x, kernel, bias
-
-
-# ----------------------------------------------------------------------------------------------
-# vmap. Forward: the vmapped axis of x is one more leading axis, which dense already handles, so a
-# batched x with an unbatched kernel/bias is one call. A batched kernel or bias (a different weight
-# per vmapped instance) is a batched GEMM: it runs the reference under jax.vmap (XLA's batched dot).
-# Backward: dkernel/dbias are per vmapped instance (a batched GEMM), so the backward under vmap runs
-# the reference under jax.vmap as well.
-# ----------------------------------------------------------------------------------------------
-
-
-def _fwd_fold(call, activation, has_bias, mode, n_results):
-    def outputs(y, res):
-        if n_results == 1:
-            return y
-        return y, res.saved
-
-    def fold(axis_size, in_batched, *args):
-        x_b, k_b = in_batched[0], in_batched[1]
-        b_b = in_batched[2] if has_bias else False
-        if x_b and not k_b and not b_b:
-            out = call(*args)
-            return out, (True,) * n_results if n_results > 1 else True
-
-        def one(x, kernel, *bias):
-            y, res = reference.forward(
-                x, kernel, bias[0] if bias else None, activation=activation, has_bias=has_bias, mode=mode
-            )
-            return outputs(y, res)
-
-        in_axes = tuple(0 if b else None for b in in_batched)
-        out = jax.vmap(one, in_axes=in_axes, axis_size=axis_size)(*args)
-        return out, (True,) * n_results if n_results > 1 else True
-
-    return fold
-
-
-def _bwd_fold(activation, has_bias, has_saved):
-    def fold(axis_size, in_batched, *args):
-        def one(x, kernel, *rest):
-            saved = rest[0] if has_saved else None
-            dy = rest[-1]
-            dx, dk, db = reference.backward(
-                Residuals(x, kernel, saved), dy, activation=activation, has_bias=has_bias
-            )
-            return (dx, dk, db) if has_bias else (dx, dk)
-
-        in_axes = tuple(0 if b else None for b in in_batched)
-        out = jax.vmap(one, in_axes=in_axes, axis_size=axis_size)(*args)
-        return out, (True,) * len(out)
-
-    return fold
 
 
 # ----------------------------------------------------------------------------------------------
@@ -201,25 +150,25 @@ def _build(activation: str | None, has_bias: bool, implementation: str | None):
             y, res = FAMILY.dispatch(implementation, "forward", (x, kernel, b), statics, desc)
             return (y, res.saved) if n_results == 2 else y
 
-        def row_parallel(k_axes, scatter_dim):
+        def partial_sums(x, kernel):
+            desc = _call_desc(x, kernel, None, False, "partial")
             p_statics = dict(activation=None, has_bias=False, mode="partial")
+            z, _ = FAMILY.dispatch(implementation, "forward", (x, kernel, None), p_statics, desc)
+            return z
 
-            def fn(x, kernel, *bias):
-                desc = _call_desc(x, kernel, None, False, "partial")
-                z, _ = FAMILY.dispatch(implementation, "forward", (x, kernel, None), p_statics, desc)
-                if scatter_dim is None:
-                    z = jax.lax.psum(z, k_axes)
-                else:
-                    z = jax.lax.psum_scatter(z, k_axes, scatter_dimension=scatter_dim, tiled=True)
-                y, saved = reference.epilogue(
-                    z, bias[0] if bias else None, activation=activation, dtype=x.dtype, save=n_results == 2
-                )
-                return (y, saved) if n_results == 2 else y
+        def epilogue(z, bias, dtype):
+            y, saved = reference.epilogue(z, bias, activation=activation, dtype=dtype, save=n_results == 2)
+            return (y, saved) if n_results == 2 else y
 
-            return fn
-
-        part = sharding.forward_partitioned(full, row_parallel, has_bias=has_bias, n_results=n_results)
-        return P.batch_folding(part, _fwd_fold(part, activation, has_bias, mode, n_results))
+        part = partitioned(
+            full,
+            rule=functools.partial(sharding.forward_rule, n_results=n_results),
+            plan=functools.partial(
+                sharding.forward_plan, partial=partial_sums, epilogue=epilogue, n_results=n_results
+            ),
+        )
+        fold = sharding.forward_fold(part, activation=activation, has_bias=has_bias, mode=mode, n_results=n_results)
+        return batch_folding(part, fold)
 
     fwd_primal = make_fwd("primal")
     fwd_train = make_fwd("train")
@@ -234,8 +183,14 @@ def _build(activation: str | None, has_bias: bool, implementation: str | None):
         dx, dk, db = FAMILY.dispatch(implementation, "backward", (res, dy), bwd_statics, desc)
         return (dx, dk, db) if has_bias else (dx, dk)
 
-    bwd_part = sharding.backward_partitioned(bwd_full, has_bias=has_bias, has_saved=has_saved)
-    bwd_call = P.batch_folding(bwd_part, _bwd_fold(activation, has_bias, has_saved))
+    bwd_part = partitioned(
+        bwd_full,
+        rule=functools.partial(sharding.backward_rule, has_bias=has_bias),
+        plan=functools.partial(sharding.backward_plan, full=bwd_full, has_bias=has_bias),
+    )
+    bwd_call = batch_folding(
+        bwd_part, sharding.backward_fold(activation=activation, has_bias=has_bias, has_saved=has_saved)
+    )
 
     def fwd_args(x, kernel, bias):
         return (x, kernel, bias) if has_bias else (x, kernel)
@@ -287,6 +242,17 @@ def dense(
     into its epilogue; the backward returns dx, dkernel and dbias. Sharding: the leading axes of x
     (data parallel), N (column parallel) and K (row parallel: one reduction of partial sums, then
     bias and activation) may be sharded.
+
+    Empty axes follow the formula above on every implementation: M = 0 (any leading axis of x of
+    length 0) or N = 0 gives an empty output and zero-sized or zero gradients; K = 0 is an empty
+    sum, so ``y = activation(bias)`` on every row (``activation(0)`` without a bias), dx and
+    dkernel are empty and ``dbias = sum over rows of dy * activation'(bias)``.
+
+    Raises:
+      TypeError: x or kernel missing (None), not float32/bfloat16/float16 (integer, bool, complex,
+        float64), or of different dtypes; bias not of x's dtype.
+      ValueError: a scalar x, a kernel not of rank 2, ``x.shape[-1] != kernel.shape[0]``, a bias not
+        of shape ``[N]``, or an unknown activation.
 
     Args:
       x: ``[..., K]`` float32, bfloat16 or float16.

@@ -32,6 +32,9 @@ Decisions (details in csrc/dense/dense_ffi.cc and dense_gemm.h):
   stream. The workspace is shared by every dense call on a device, which is safe for work on one
   stream (XLA's compute stream); two streams running dense concurrently on one device would race.
 * float32 inputs compute in exact float32 (CUBLAS_COMPUTE_32F, no TF32).
+* Empty operands (M, K or N zero): no GEMM to run, and cuBLASLt refuses zero-sized matrices, so the
+  reference computes the (trivial) result in XLA: an empty output, or for K = 0 the epilogue of an
+  all-zero product (``activation(bias)`` on every row).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from te_ops._core import native as _native
+from te_ops.dense import reference
 from te_ops.dense.reference import SAVES_PRE_ACTIVATION, Residuals
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -65,7 +69,13 @@ def partial_chunks(m: int, n: int, itemsize: int) -> int:
     return int(max(1, min(chunks, 65535)))
 
 
+def _empty(x, kernel) -> bool:
+    return math.prod(x.shape) == 0 or math.prod(kernel.shape) == 0
+
+
 def forward(x, kernel, bias=None, *, activation, has_bias: bool, mode: str = "train"):
+    if _empty(x, kernel):
+        return reference.forward(x, kernel, bias, activation=activation, has_bias=has_bias, mode=mode)
     lead = x.shape[:-1]
     k = x.shape[-1]
     n = kernel.shape[1]
@@ -91,6 +101,8 @@ def forward(x, kernel, bias=None, *, activation, has_bias: bool, mode: str = "tr
 
 def backward(res: Residuals, dy, *, activation, has_bias: bool, **_):
     x, kernel = res.x, res.kernel
+    if _empty(x, kernel):
+        return reference.backward(res, dy, activation=activation, has_bias=has_bias)
     dtype = x.dtype
     k = x.shape[-1]
     n = kernel.shape[1]
@@ -119,15 +131,9 @@ def backward(res: Residuals, dy, *, activation, has_bias: bool, **_):
     return dx.reshape(x.shape), dk, (db if has_bias else None)
 
 
-def unsupported_reason(*, dtype, x_shape, kernel_shape, activation=None, **_) -> str | None:
+def unsupported_reason(*, dtype, activation=None, **_) -> str | None:
     if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
         return f"native dense supports float32, bfloat16 and float16, got {jnp.dtype(dtype)}"
     if activation not in _ACT_CODE:
         return f"unknown activation {activation!r}"
-    m = math.prod(x_shape[:-1])
-    if m == 0 or x_shape[-1] == 0 or kernel_shape[1] == 0:
-        return (
-            "native dense needs non-empty M, K and N, got x "
-            f"{tuple(x_shape)} and kernel {tuple(kernel_shape)}"
-        )
     return None

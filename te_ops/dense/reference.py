@@ -124,11 +124,12 @@ def backward(res: Residuals, dy: jax.Array, *, activation: str | None, has_bias:
     dx = jax.lax.dot_general(
         dz_c, kernel, (((dz_c.ndim - 1,), (1,)), ((), ())), precision=_HI, preferred_element_type=_F32
     ).astype(dtype)
-    x2 = x.reshape(-1, x.shape[-1])
-    dz2 = dz_c.reshape(-1, n)
+    m = math.prod(x.shape[:-1])  # explicit: reshape(-1, ...) is ambiguous for empty arrays
+    x2 = x.reshape(m, x.shape[-1])
+    dz2 = dz_c.reshape(m, n)
     dk = jax.lax.dot_general(x2, dz2, (((0,), (0,)), ((), ())), precision=_HI, preferred_element_type=_F32)
     dk = dk.astype(kernel.dtype)
-    db = dz.reshape(-1, n).sum(axis=0).astype(dtype) if has_bias else None
+    db = dz.reshape(m, n).sum(axis=0).astype(dtype) if has_bias else None
     return dx, dk, db
 
 

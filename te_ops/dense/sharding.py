@@ -1,11 +1,11 @@
-"""Sharding rules of dense (Shardy rule + partition callback).
+"""Sharding rules and vmap folds of dense (used through ``te_ops._core.partitioning.partitioned``).
 
 Factors: the leading axes of x ``b0 b1 ...`` (data parallel), ``k`` (contraction), ``n`` (output
 features). Forward: ``b.. k, k n[, n] -> b.. n[, b.. n]``; backward:
 ``b.. k, k n[, b.. n], b.. n -> b.. k, k n[, n]``.
 
-The per-shard function depends on which factors ended up sharded, so this module builds its own
-``custom_partitioning`` (``te_ops._core.partitioning.partitioned`` runs one fixed function):
+The per-shard function depends on which factors ended up sharded, so both directions use a
+``plan`` (:class:`~te_ops._core.partitioning.ShardPlan`):
 
 * data parallel (``b..`` sharded): no collective in the forward; the backward all-reduces
   dkernel/dbias over those axes (they are sums over the batch).
@@ -20,163 +20,189 @@ The per-shard function depends on which factors ended up sharded, so this module
 
 A mesh axis used by two factors at once is kept on the first of ``k``, ``b..``, ``n`` and dropped
 from the others (those operands are gathered).
+
+vmap (``forward_fold`` / ``backward_fold``): a batched x with an unbatched kernel and bias is one
+call (the vmapped axis is one more leading axis of x). A batched kernel or bias (a different weight
+per vmapped instance) is a batched GEMM, and so is the backward under vmap (dkernel and dbias are
+per instance): those run the reference under ``jax.vmap`` (XLA's batched dot).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-from jax.experimental.custom_partitioning import custom_partitioning
-from jax.sharding import NamedSharding, PartitionSpec
 
-from te_ops._core.partitioning import padded_spec
-
-
-def _axes(entry: Any) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    if isinstance(entry, (tuple, list)):
-        return tuple(entry)
-    return (entry,)
+from te_ops._core.partitioning import ShardContext, ShardPlan
+from te_ops._core.validation import mesh_axes, mesh_size, spec_entry
+from te_ops.dense import reference
+from te_ops.dense.reference import Residuals
 
 
-def _entry(axes: tuple[str, ...]) -> Any:
-    if not axes:
-        return None
-    return axes[0] if len(axes) == 1 else tuple(axes)
-
-
-def _size(mesh, axes: tuple[str, ...]) -> int:
-    n = 1
-    for a in axes:
-        n *= mesh.shape[a]
-    return n
-
-
-def _plan(x_spec: list[Any], k_spec: list[Any]):
-    """Sanitised (batch axes per leading dim, k axes, n axes) from the x and kernel specs."""
-    k_axes = _axes(x_spec[-1])
+def factor_axes(x_spec: Sequence[Any], k_spec: Sequence[Any]):
+    """(mesh axes per leading axis of x, k axes, n axes) from the x and kernel specs, each mesh axis
+    kept on the first factor of ``k``, ``b..``, ``n`` that uses it."""
+    k_axes = mesh_axes(x_spec[-1])
     used = set(k_axes)
     batch = []
     for e in x_spec[:-1]:
-        ax = tuple(a for a in _axes(e) if a not in used)
+        ax = tuple(a for a in mesh_axes(e) if a not in used)
         used.update(ax)
         batch.append(ax)
-    n_axes = tuple(a for a in _axes(k_spec[1]) if a not in used)
+    n_axes = tuple(a for a in mesh_axes(k_spec[1]) if a not in used)
     return batch, k_axes, n_axes
 
 
-def _batch_rule(rank_x: int) -> list[str]:
+def _batch_factors(rank_x: int) -> list[str]:
     return [f"b{i}" for i in range(rank_x - 1)]
 
 
-def forward_partitioned(
-    full: Callable[..., Any],
-    row_parallel: Callable[[tuple[str, ...], int | None], Callable[..., Any]],
-    *,
-    has_bias: bool,
-    n_results: int,
+# ----------------------------------------------------------------------------------------------
+# Forward
+# ----------------------------------------------------------------------------------------------
+
+
+def forward_rule(*shapes, n_results: int):
+    """Shardy rule of the forward ``(x, kernel[, bias]) -> y[, saved]``."""
+    b = _batch_factors(len(shapes[0]))
+    ops = [" ".join(b + ["k"]), "k n"] + (["n"] if len(shapes) == 3 else [])
+    res = [" ".join(b + ["n"])] * n_results
+    return f"{', '.join(ops)} -> {', '.join(res)}", {"reduction_factors": ("k",)}
+
+
+def row_parallel(
+    partial: Callable[..., Any],
+    epilogue: Callable[..., Any],
+    k_axes: tuple[str, ...],
+    scatter_dim: int | None,
 ) -> Callable[..., Any]:
-    """``full(x, kernel[, bias])`` with the dense forward sharding rule.
+    """The per-shard forward when ``k`` is sharded over ``k_axes``: float32 partial sums
+    ``partial(x, kernel)``, one reduction over ``k_axes`` (``psum``, or ``psum_scatter`` along output
+    axis ``scatter_dim``), then ``epilogue(z, bias_or_None, dtype)`` (bias and activation)."""
 
-    ``row_parallel(k_axes, scatter_dim)`` returns the per-shard function used when ``k`` is sharded:
-    it reduces float32 partial sums over ``k_axes`` (``psum``, or ``psum_scatter`` along output axis
-    ``scatter_dim``) and then applies bias and activation.
-    """
-    cp = custom_partitioning(full)
+    def per_shard(x, kernel, *bias):
+        z = partial(x, kernel)
+        if scatter_dim is None:
+            z = jax.lax.psum(z, k_axes)
+        else:
+            z = jax.lax.psum_scatter(z, k_axes, scatter_dimension=scatter_dim, tiled=True)
+        return epilogue(z, bias[0] if bias else None, x.dtype)
 
-    def rule(mesh, value_types, result_types):
-        del mesh, result_types
-        rank_x = len(value_types[0].shape)
-        b = _batch_rule(rank_x)
-        ops = [" ".join(b + ["k"]), "k n"] + (["n"] if has_bias else [])
-        res = [" ".join(b + ["n"])] * n_results
-        return f"{', '.join(ops)} -> {', '.join(res)}", {"reduction_factors": ("k",)}
-
-    def partition(mesh, arg_shapes, result_shape):
-        x_shape = tuple(arg_shapes[0].shape)
-        rank_x = len(x_shape)
-        x_spec = padded_spec(arg_shapes[0].sharding.spec, rank_x)
-        k_spec = padded_spec(arg_shapes[1].sharding.spec, 2)
-        batch, k_axes, n_axes = _plan(x_spec, k_spec)
-        n = arg_shapes[1].shape[1]
-        out_spec = [_entry(a) for a in batch] + [_entry(n_axes)]
-        scatter_dim = None
-        if k_axes:
-            first = result_shape[0] if isinstance(result_shape, (list, tuple)) else result_shape
-            want = padded_spec(first.sharding.spec, rank_x) if first.sharding is not None else [None] * rank_x
-            out_dims = list(x_shape[:-1]) + [n]
-            ksize = _size(mesh, k_axes)
-            for d, e in enumerate(want):
-                if _axes(e) == k_axes and out_spec[d] is None and out_dims[d] % ksize == 0:
-                    scatter_dim = d
-                    out_spec[d] = _entry(k_axes)
-                    break
-        in_specs = [out_spec[:-1] + [_entry(k_axes)], [_entry(k_axes), _entry(n_axes)]]
-        if has_bias:
-            in_specs.append([_entry(n_axes) if scatter_dim != rank_x - 1 else out_spec[-1]])
-        sh = lambda s: NamedSharding(mesh, PartitionSpec(*s))
-        # x's leading specs must not carry the scattered axis (it is a k axis there).
-        if scatter_dim is not None and scatter_dim < rank_x - 1:
-            in_specs[0][scatter_dim] = None
-        in_shardings = tuple(sh(s) for s in in_specs)
-        outs = tuple(sh(out_spec) for _ in range(n_results))
-        lower = row_parallel(k_axes, scatter_dim) if k_axes else full
-        return mesh, lower, (outs if n_results > 1 else outs[0]), in_shardings
-
-    cp.def_partition(partition, sharding_rule=rule)
-    return cp
+    return per_shard
 
 
-def backward_partitioned(full: Callable[..., Any], *, has_bias: bool, has_saved: bool) -> Callable[..., Any]:
-    """``full(x, kernel[, saved], dy) -> (dx, dkernel[, dbias])`` with the dense backward rule."""
+def forward_plan(
+    ctx: ShardContext, *, partial: Callable[..., Any], epilogue: Callable[..., Any], n_results: int
+) -> ShardPlan:
+    """Specs and per-shard function of the forward (the op's own function unless ``k`` is sharded)."""
+    x_shape = ctx.arg_shapes[0]
+    rank_x = len(x_shape)
+    has_bias = len(ctx.arg_shapes) == 3
+    batch, k_axes, n_axes = factor_axes(ctx.arg_specs[0], ctx.arg_specs[1])
+    n = ctx.arg_shapes[1][1]
+    out_spec = [spec_entry(a) for a in batch] + [spec_entry(n_axes)]
+    scatter_dim = None
+    if k_axes:
+        # reduce-scatter when the caller wants the output sharded over exactly the k axes
+        out_dims = list(x_shape[:-1]) + [n]
+        ksize = mesh_size(ctx.mesh, k_axes)
+        for d, e in enumerate(ctx.result_specs[0]):
+            if mesh_axes(e) == k_axes and out_spec[d] is None and out_dims[d] % ksize == 0:
+                scatter_dim = d
+                out_spec[d] = spec_entry(k_axes)
+                break
+    x_in = out_spec[:-1] + [spec_entry(k_axes)]
+    if scatter_dim is not None and scatter_dim < rank_x - 1:
+        x_in[scatter_dim] = None  # the scattered mesh axes shard k in x, not this axis
+    in_specs = [x_in, [spec_entry(k_axes), spec_entry(n_axes)]]
+    if has_bias:
+        in_specs.append([out_spec[-1] if scatter_dim == rank_x - 1 else spec_entry(n_axes)])
+    out_specs = out_spec if n_results == 1 else [out_spec] * n_results
+    per_shard = row_parallel(partial, epilogue, k_axes, scatter_dim) if k_axes else None
+    return ShardPlan(in_specs, out_specs, per_shard)
 
-    def rule(mesh, value_types, result_types):
-        del mesh, result_types
-        rank_x = len(value_types[0].shape)
-        b = _batch_rule(rank_x)
-        bn = " ".join(b + ["n"])
-        ops = [" ".join(b + ["k"]), "k n"] + ([bn] if has_saved else []) + [bn]
-        res = [" ".join(b + ["k"]), "k n"] + (["n"] if has_bias else [])
-        return f"{', '.join(ops)} -> {', '.join(res)}", {}
 
-    def lowered(batch_axes: tuple[str, ...], n_axes: tuple[str, ...]):
-        def fn(*args):
-            outs = list(full(*args))
-            if n_axes:
-                outs[0] = jax.lax.psum(outs[0], n_axes)
-            if batch_axes:
-                outs[1:] = [jax.lax.psum(o, batch_axes) for o in outs[1:]]
-            return tuple(outs)
+def forward_fold(
+    call: Callable[..., Any], *, activation: str | None, has_bias: bool, mode: str, n_results: int
+) -> Callable[..., Any]:
+    """The vmap rule of the forward ``call(x, kernel[, bias])`` (see the module docstring)."""
+    batched_out = (True,) * n_results if n_results > 1 else True
 
-        return fn
-
-    cp = custom_partitioning(full)
-
-    def partition(mesh, arg_shapes, result_shape):
-        del result_shape
-        rank_x = len(arg_shapes[0].shape)
-        x_spec = padded_spec(arg_shapes[0].sharding.spec, rank_x)
-        k_spec = padded_spec(arg_shapes[1].sharding.spec, 2)
-        batch, k_axes, n_axes = _plan(x_spec, k_spec)
-        b = [_entry(a) for a in batch]
-        bn = b + [_entry(n_axes)]
-        in_specs = (
-            [b + [_entry(k_axes)], [_entry(k_axes), _entry(n_axes)]] + ([bn] if has_saved else []) + [bn]
+    def one(x, kernel, *bias):
+        y, res = reference.forward(
+            x, kernel, bias[0] if bias else None, activation=activation, has_bias=has_bias, mode=mode
         )
-        out_specs = [b + [_entry(k_axes)], [_entry(k_axes), _entry(n_axes)]] + (
-            [[_entry(n_axes)]] if has_bias else []
-        )
-        sh = lambda s: NamedSharding(mesh, PartitionSpec(*s))
-        batch_axes = tuple(a for ax in batch for a in ax)
-        return (
-            mesh,
-            lowered(batch_axes, n_axes),
-            tuple(sh(s) for s in out_specs),
-            tuple(sh(s) for s in in_specs),
-        )
+        return y if n_results == 1 else (y, res.saved)
 
-    cp.def_partition(partition, sharding_rule=rule)
-    return cp
+    def fold(axis_size, in_batched, *args):
+        x_b, k_b = in_batched[0], in_batched[1]
+        b_b = in_batched[2] if has_bias else False
+        if x_b and not k_b and not b_b:
+            return call(*args), batched_out
+        in_axes = tuple(0 if b else None for b in in_batched)
+        return jax.vmap(one, in_axes=in_axes, axis_size=axis_size)(*args), batched_out
+
+    return fold
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward
+# ----------------------------------------------------------------------------------------------
+
+
+def backward_rule(*shapes, has_bias: bool):
+    """Shardy rule of the backward ``(x, kernel[, saved], dy) -> (dx, dkernel[, dbias])``."""
+    b = _batch_factors(len(shapes[0]))
+    bn = " ".join(b + ["n"])
+    has_saved = len(shapes) == 4
+    ops = [" ".join(b + ["k"]), "k n"] + ([bn] if has_saved else []) + [bn]
+    res = [" ".join(b + ["k"]), "k n"] + (["n"] if has_bias else [])
+    return f"{', '.join(ops)} -> {', '.join(res)}", {}
+
+
+def reduced_gradients(
+    full: Callable[..., Any], batch_axes: tuple[str, ...], n_axes: tuple[str, ...]
+) -> Callable[..., Any]:
+    """The per-shard backward: ``full``'s local gradients, with dx summed over the ``n`` axes (a
+    contraction over N) and dkernel/dbias summed over the batch axes."""
+
+    def per_shard(*args):
+        outs = list(full(*args))
+        if n_axes:
+            outs[0] = jax.lax.psum(outs[0], n_axes)
+        if batch_axes:
+            outs[1:] = [jax.lax.psum(o, batch_axes) for o in outs[1:]]
+        return tuple(outs)
+
+    return per_shard
+
+
+def backward_plan(ctx: ShardContext, *, full: Callable[..., Any], has_bias: bool) -> ShardPlan:
+    """Specs and per-shard function of the backward (``full`` plus the reductions it needs)."""
+    has_saved = len(ctx.arg_shapes) == 4
+    batch, k_axes, n_axes = factor_axes(ctx.arg_specs[0], ctx.arg_specs[1])
+    b = [spec_entry(a) for a in batch]
+    bk = b + [spec_entry(k_axes)]
+    bn = b + [spec_entry(n_axes)]
+    kn = [spec_entry(k_axes), spec_entry(n_axes)]
+    in_specs = [bk, kn] + ([bn] if has_saved else []) + [bn]
+    out_specs = [bk, kn] + ([[spec_entry(n_axes)]] if has_bias else [])
+    batch_axes = tuple(a for ax in batch for a in ax)
+    return ShardPlan(in_specs, out_specs, reduced_gradients(full, batch_axes, n_axes))
+
+
+def backward_fold(*, activation: str | None, has_bias: bool, has_saved: bool) -> Callable[..., Any]:
+    """The vmap rule of the backward ``(x, kernel[, saved], dy)``: the reference under ``jax.vmap``."""
+
+    def one(x, kernel, *rest):
+        saved = rest[0] if has_saved else None
+        dx, dk, db = reference.backward(Residuals(x, kernel, saved), rest[-1], activation=activation, has_bias=has_bias)
+        return (dx, dk, db) if has_bias else (dx, dk)
+
+    def fold(axis_size, in_batched, *args):
+        in_axes = tuple(0 if b else None for b in in_batched)
+        out = jax.vmap(one, in_axes=in_axes, axis_size=axis_size)(*args)
+        return out, (True,) * len(out)
+
+    return fold

@@ -127,14 +127,28 @@ def test_default_implementation_follows_the_auto_rule(x_shape, n):
 @pytest.mark.parametrize("has_bias", [False, True], ids=["nobias", "bias"])
 def test_native_tall_skinny_router_gate_shape(has_bias):
     """The MoE router gate (x [16384, 1024] @ w [1024, 16]): cuBLASLt only offers algorithms that need
-    a workspace (split-K) for its wgrad (m=16 n=1024 k=16384). Run 6 (2026-12-03) failed here with
-    'no algorithm' because the candidates were timed without a workspace; forced to native so the
-    auto rule cannot hide it."""
+    a workspace (split-K) for its wgrad (m=16 n=1024 k=16384), so candidates timed without a workspace
+    give 'no algorithm'. Forced to native so the auto rule cannot hide it."""
     x, w, b, ct = _inputs((16384, 1024), 16, jnp.bfloat16, has_bias, seed=7)
     with native.poisoned_outputs():
         y, grads = jax.jit(_fwd_bwd("native", None, has_bias))(x, w, b, ct)
     y_ref, grads_ref = jax.jit(_fwd_bwd("reference", None, has_bias))(x, w, b, ct)
     _assert_fwd_bwd_close(y, grads, y_ref, grads_ref, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("x_shape, n", [((0, 64), 32), ((48, 0), 32), ((48, 64), 0), ((2, 0, 16), 8)], ids=str)
+@pytest.mark.parametrize("act", ["gelu_tanh", "relu", None], ids=str)
+def test_native_empty_axes_match_reference(x_shape, n, act):
+    """M, K or N of length 0 through implementation='native' (eager and jit): the reference's result
+    (K = 0: activation(bias) on every row), no handler call for the empty GEMM."""
+    x, w, b, ct = _inputs(x_shape, n, jnp.bfloat16, True, seed=13)
+    y_ref, grads_ref = jax.jit(_fwd_bwd("reference", act, True))(x, w, b, ct)
+    for run in (jax.jit(_fwd_bwd("native", act, True)), _fwd_bwd("native", act, True)):
+        y, grads = run(x, w, b, ct)
+        assert y.shape == y_ref.shape and [g.shape for g in grads] == [g.shape for g in grads_ref]
+        _assert_fwd_bwd_close(y, grads, y_ref, grads_ref, jnp.bfloat16)
+    text = jax.jit(_fwd_bwd("native", act, True)).lower(x, w, b, ct).as_text()
+    assert "te_dense" not in text
 
 
 def test_plan_cache_reports_timed_candidates():

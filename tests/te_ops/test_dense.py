@@ -197,6 +197,77 @@ def test_bad_input_errors(call, exc, match):
         call()
 
 
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        ((None, _W), r"te_ops\.dense: x is required \(an array\), got None"),
+        ((_X, None), r"te_ops\.dense: kernel is required \(an array\), got None"),
+        ((_X.astype(jnp.complex64), _W), r"x must be float32, bfloat16 or float16, got dtype complex64"),
+        ((_X, _W.astype(jnp.int8)), r"kernel must be float32, bfloat16 or float16, got dtype int8"),
+        ((_X > 0, _W), r"x must be float32, bfloat16 or float16, got dtype bool"),
+        ((_X, _W, jnp.ones((6,), jnp.int32)), r"bias must be float32, bfloat16 or float16, got dtype int32"),
+        (("abc", _W), r"x must be an array, got str"),
+    ],
+)
+def test_missing_integer_and_complex_inputs_are_refused(args, match):
+    with pytest.raises(TypeError, match=match):
+        dense(*args)
+
+
+# (x shape, N): M = 0, K = 0, N = 0, a zero-length middle axis, rank-1 x with K = 0
+EMPTY_SHAPES = [((0, 8), 6), ((5, 0), 6), ((5, 8), 0), ((2, 0, 3), 5), ((0,), 4)]
+
+
+@pytest.mark.parametrize("x_shape, n", EMPTY_SHAPES, ids=str)
+@pytest.mark.parametrize("act", ACTS)
+def test_empty_axes_follow_the_formula(x_shape, n, act):
+    """M, K or N of length 0: the result of the jnp formula (K = 0: y = act(bias) on every row, dbias
+    = sum of dy * act'(bias)), forward and gradients, eager and under jit."""
+    x, w, b = inputs(x_shape, n, jnp.float32, seed=40)
+    b = b + 0.5  # away from relu's kink at 0
+    ct = jax.random.normal(jax.random.key(41), (*x_shape[:-1], n), jnp.float32)
+
+    def loss(f):
+        return lambda x, w, b: (f(x, w, b) * ct).sum()
+
+    ours = lambda x, w, b: dense(x, w, b, activation=act)  # noqa: E731
+    theirs = lambda x, w, b: jnp_dense(x, w, b, act)  # noqa: E731
+    y = dense(x, w, b, activation=act)
+    assert y.shape == (*x_shape[:-1], n) and y.dtype == jnp.float32
+    T.assert_close(y, theirs(x, w, b))
+    T.assert_close(jax.jit(ours)(x, w, b), theirs(x, w, b))
+    want = jax.grad(loss(theirs), (0, 1, 2))(x, w, b)
+    for got in (jax.grad(loss(ours), (0, 1, 2))(x, w, b), jax.jit(jax.grad(loss(ours), (0, 1, 2)))(x, w, b)):
+        for a, e in zip(got, want, strict=True):
+            assert a.shape == e.shape
+            T.assert_close(a, e)
+    if x_shape[-1] == 0 and n > 0:  # the defined K = 0 result, spelled out
+        T.assert_close(y, jnp.broadcast_to(_JNP_ACT[act](b), y.shape))
+        assert float(jnp.abs(want[2]).max()) > 0
+
+
+@pytest.mark.parametrize("x_shape, n", EMPTY_SHAPES, ids=str)
+def test_native_glue_computes_empty_axes_without_the_handler(monkeypatch, x_shape, n):
+    """cuBLASLt refuses zero-sized matrices: native.py answers empty calls with the reference and
+    never calls the FFI handler."""
+
+    def no_ffi(*a, **k):
+        raise AssertionError("the FFI handler must not be called for empty operands")
+
+    monkeypatch.setattr(dense_native._native, "ffi_call", no_ffi)
+    assert dense_native.unsupported_reason(dtype=jnp.bfloat16, x_shape=x_shape, kernel_shape=(x_shape[-1], n)) is None
+    x, w, b = inputs(x_shape, n, jnp.bfloat16, seed=42)
+    for act in ACTS:
+        y, res = dense_native.forward(x, w, b, activation=act, has_bias=True, mode="train")
+        y_ref, res_ref = ref.forward(x, w, b, activation=act, has_bias=True, mode="train")
+        T.assert_close(y, y_ref)
+        dy = jax.random.normal(jax.random.key(43), y.shape).astype(jnp.bfloat16)
+        got = dense_native.backward(res, dy, activation=act, has_bias=True)
+        for a, e in zip(got, ref.backward(res_ref, dy, activation=act, has_bias=True), strict=True):
+            assert a.shape == e.shape and a.dtype == e.dtype
+            T.assert_close(a, e)
+
+
 def test_named_native_raises_with_reason_on_cpu():
     with pytest.raises(registry.ImplementationUnavailableError, match="implementation='native'"):
         dense(_X, _W, implementation="native")
@@ -226,7 +297,7 @@ def test_native_unsupported_reason_and_chunks():
     ok = dict(dtype=jnp.bfloat16, x_shape=(4, 8), kernel_shape=(8, 6), activation="gelu")
     assert dense_native.unsupported_reason(**ok) is None
     assert "float64" in dense_native.unsupported_reason(**{**ok, "dtype": jnp.float64})
-    assert "non-empty" in dense_native.unsupported_reason(**{**ok, "x_shape": (0, 8)})
+    assert "unknown activation" in dense_native.unsupported_reason(**{**ok, "activation": "tanh"})
     assert dense_native.partial_chunks(16384, 14336, 2) >= 32
     assert 1 <= dense_native.partial_chunks(1, 5, 4) <= 1
 
@@ -464,11 +535,13 @@ def test_row_parallel_through_native_glue(emulated_native):
 @pytest.mark.parametrize(
     "x_shape, kernel_shape, picked",
     [
-        ((16384, 4096), (4096, 14336), True),  # the issue's MLP: native measured 1.11x XLA
+        ((16384, 4096), (4096, 14336), True),  # a large MLP
         ((8, 1024, 1024), (1024, 4096), True),
-        ((256, 4096), (4096, 14336), False),  # small batch: XLA measured faster
-        ((16384, 1024), (1024, 16), False),  # router-sized N: cuBLASLt had no wgrad algorithm
+        ((256, 4096), (4096, 14336), False),  # few rows: XLA's GEMM
+        ((16384, 1024), (1024, 16), False),  # router-sized N: XLA's GEMM
         ((4096, 64), (64, 4096), False),
+        ((0, 4096), (4096, 4096), False),  # empty: nothing to run
+        ((4096, 0), (0, 4096), False),
     ],
 )
 def test_default_picks_native_only_for_large_gemms(x_shape, kernel_shape, picked):
