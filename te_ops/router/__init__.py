@@ -13,8 +13,9 @@ from te_ops.router.api import (
     compute_routing_scores_for_aux_loss,
     fused_moe_aux_loss,
     fused_topk_with_score_function,
+    pack_routing_map,
+    unpack_routing_map,
 )
-from te_ops.router.reference import pack_routing_map, unpack_routing_map
 
 __all__ = [
     "compute_routing_scores_for_aux_loss",

@@ -7,6 +7,19 @@ order-preserving integer keys plus a ballot (the lowest lane wins ties = the sma
 and the score function, grouped selection, weights, the dense probs and the routing map are
 produced in the same pass. The backward of softmax (without pre-softmax) and sigmoid reads the
 logits and d probs only where the routing map is set. Design notes: ``csrc/router/router_kernels.cuh``.
+
+Non-finite logits (what the kernel code does; the GPU tests check the parts the op documents):
+the selection keys order floats in the IEEE total order (+NaN above +inf, -NaN below -inf, -0 below
++0), as ``lax.top_k`` does on CPU, and exactly ``topk`` experts are chosen per row. Experts of
+dropped groups get key 0, below every allowed expert (-inf and NaN included). One known
+difference from the reference: with softmax without pre-softmax the weights are computed from
+the chosen logits only, so a row whose only NaN is a NEGATIVE-signed NaN that is not chosen gets
+finite weights here, where the reference (and the documented semantics) give NaN at every chosen
+expert of a row containing a NaN. Positive NaN (``jnp.nan``, and the NaN CUDA arithmetic
+produces) ranks first and poisons the row in both. Sigmoid scores pass through ``1 / (1 +
+expf(-x))``, whose NaN result is expected to be the GPU's canonical positive NaN (ranked first; the
+GPU test ``test_nan_rows`` checks it), and pre-softmax / aux scores reduce over the whole row, so
+those modes agree with the reference.
 """
 
 from __future__ import annotations
@@ -186,4 +199,6 @@ def loss_unsupported_reason(*, dtype, shape, **_) -> str | None:
         return f"native aux loss supports float32, bfloat16 and float16 probs, got {jnp.dtype(dtype)}"
     if len(shape) != 2:
         return f"native aux loss needs probs of rank 2 [T, E], got shape {shape}"
+    if shape[1] < 1:
+        return f"native aux loss needs E >= 1 experts, got shape {shape} (the reference returns 0)"
     return None

@@ -1,6 +1,7 @@
 """Pure-JAX MoE router: the specification, the test oracle and the CPU path (fp32 maths).
 
-Follows ../shared/SEMANTICS.md ("Router") exactly. Three op families share this module; their
+Follows docs/semantics.md ("Router") exactly, edge cases included (see the public docstrings in
+:mod:`te_ops.router.api`). Three op families share this module; their
 signatures (every implementation has the same ones, and the same residual layouts)::
 
     topk_forward(logits, expert_bias, *, <TopkStatics>) -> ((probs, routing_map), TopkResiduals)
@@ -53,7 +54,8 @@ class LossResiduals(NamedTuple):
 
 
 def pack_routing_map(routing_map: jax.Array) -> jax.Array:
-    """bool [..., E] -> uint8 [..., ceil(E/8)], expert e in bit e % 8 of byte e // 8."""
+    """bool [..., E] -> uint8 [..., ceil(E/8)], expert e in bit e % 8 of byte e // 8 (unchecked;
+    the public, validating version is :func:`te_ops.router.api.pack_routing_map`)."""
     e = routing_map.shape[-1]
     nb = (e + 7) // 8
     pad = nb * 8 - e
@@ -85,10 +87,17 @@ def _chosen(routing_map: jax.Array, num_experts: int, compact: bool) -> jax.Arra
 
 
 def scores(x: jax.Array, score_function: str, use_pre_softmax: bool) -> jax.Array:
-    """Step 1 of SEMANTICS: fp32 scores from fp32 logits."""
+    """Step 1 (docs/semantics.md, "Router"): fp32 scores from fp32 logits."""
     if score_function == "softmax":
         return jax.nn.softmax(x, axis=-1) if use_pre_softmax else x
     return jax.nn.sigmoid(x)
+
+
+def ordered_key(v: jax.Array) -> jax.Array:
+    """float32 -> int32, monotone in the IEEE total order (-NaN < -inf < ... < -0 < +0 < ... < inf
+    < +NaN): the order ``lax.top_k`` uses on CPU and the native kernels' selection keys use."""
+    b = jax.lax.bitcast_convert_type(v.astype(jnp.float32), jnp.int32)
+    return jnp.where(b < 0, b ^ jnp.int32(0x7FFFFFFF), b)
 
 
 def select(
@@ -97,6 +106,8 @@ def select(
     """Steps 3-4: (indices [T, K] in selection order, chosen bool [T, E]).
 
     Ties: larger value first, then the smaller index (``lax.top_k`` keeps the lower index first).
+    Always exactly ``topk`` distinct experts per row, NaN rows included (where NaN ranks is
+    unspecified by the op; here it is the IEEE total order of ``lax.top_k``).
     """
     t, e = sel.shape
     if group_topk is not None:
@@ -106,8 +117,13 @@ def select(
         _, gidx = jax.lax.top_k(group_scores, group_topk)
         gmask = jnp.any(gidx[..., None] == jnp.arange(num_groups), axis=-2)  # [T, G]
         emask = jnp.repeat(gmask, e // num_groups, axis=-1)
-        sel = jnp.where(emask, sel, -jnp.inf)
-    _, idx = jax.lax.top_k(sel, topk)
+        # Experts of dropped groups rank strictly below every allowed expert, even an allowed -inf
+        # (masking with -inf would tie with it and let the smaller index of a dropped group win).
+        lowest = jnp.iinfo(jnp.int32).min
+        key = jnp.where(emask, jnp.maximum(ordered_key(sel), lowest + 1), lowest)
+        _, idx = jax.lax.top_k(key, topk)
+    else:
+        _, idx = jax.lax.top_k(sel, topk)
     chosen = jnp.any(idx[..., None] == jnp.arange(e), axis=-2)
     return idx, chosen
 
@@ -139,6 +155,9 @@ def topk_forward(
         w = jnp.take_along_axis(s, idx, axis=-1)
         if score_function == "sigmoid" and topk > 1:
             w = w / (jnp.sum(w, axis=-1, keepdims=True) + SIGMOID_EPS)
+    # A NaN anywhere in the row poisons every chosen weight, whichever experts were chosen (the
+    # order of NaN among the scores is unspecified, so the result must not depend on it).
+    w = jnp.where(jnp.any(jnp.isnan(x), axis=-1, keepdims=True), jnp.nan, w)
     probs = jnp.put_along_axis(
         jnp.zeros_like(x), idx, jnp.float32(scaling_factor) * w, axis=-1, inplace=False
     )

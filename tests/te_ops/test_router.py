@@ -370,7 +370,7 @@ def test_errors():
         fused_topk_with_score_function(x, 8, num_groups=4, group_topk=8)
     with pytest.raises(ValueError, match="exceed the group size"):
         fused_topk_with_score_function(x, 6, num_groups=8, group_topk=2)
-    with pytest.raises(ValueError, match="score_function must be 'softmax' or 'sigmoid'"):
+    with pytest.raises(ValueError, match=r"score_function must be one of \['softmax', 'sigmoid'\], got 'relu'"):
         fused_topk_with_score_function(x, 2, score_function="relu")
     with pytest.raises(TypeError, match="topk must be a static Python int"):
         fused_topk_with_score_function(x, 2.0)
