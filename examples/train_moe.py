@@ -1,11 +1,17 @@
 """Train a small decoder-only mixture-of-experts language model with te_layers (Flax Linen) and optax.
 
-Byte-level tokens from a corpus shipped in the repository (examples/data/corpus.txt), so it runs
-with no downloads. Each block: RMSNorm -> te_layers MultiHeadAttention (causal, GQA, RoPE, fused
-attention) -> RMSNorm -> te_layers MoEBlock (top-k router with aux loss, token_dispatch, SwiGLU experts
-on a grouped GEMM, token_combine). Writes a loss-curve PNG and a checkpoint into --out.
+Byte-level language model on real English text with a held-out split, with no downloads: the
+Python documentation and standard-library docstrings of this CPython installation (see
+python_docs_corpus.py; assembled into examples/out/corpus on first run), or your own ``train.txt`` /
+``valid.txt`` in ``--data-dir``. Each block: RMSNorm -> te_layers MultiHeadAttention (causal, GQA, RoPE,
+fused attention) -> RMSNorm -> te_layers MoEBlock (top-k router with aux loss, token_dispatch, SwiGLU
+experts on a grouped GEMM, token_combine). Reports the training loss per step and the validation loss
+(nats and bits per byte) on the held-out split every ``--eval-every`` steps; writes a loss-curve PNG,
+an orbax checkpoint with the model config (restore and sample with examples/sample.py) and
+summary.json into --out.
 
-    python examples/train_moe.py                      # default: a few minutes on a 2-core CPU
+    python examples/train_moe.py                      # default: 1-2 minutes on a 2-core CPU
+    python examples/sample.py --prompt "The import statement"
     python examples/train_moe.py --steps 2000 --batch 64 --seq 256 --d-model 512 --layers 8 \
         --heads 8 --kv-heads 2 --experts 16 --topk 2 --ffn 1024 --dtype bfloat16   # GPU
     python examples/train_moe.py --baseline           # also time the same model in plain flax + jnp
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -29,14 +36,13 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # run from a checkout without installing
+sys.path.insert(0, HERE)  # python_docs_corpus, also when imported from elsewhere
 
 import flax.linen as nn  # noqa: E402
 import optax  # noqa: E402
+import python_docs_corpus  # noqa: E402
 
 from te_layers import linen as tel  # noqa: E402
-
-DEFAULT_CORPUS = os.path.join(HERE, "data", "corpus.txt")
-
 
 # ----------------------------------------------------------------------------------------------
 # Model (te_layers)
@@ -135,25 +141,58 @@ class BaselineBlock(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------
-# Data, training step, checkpoint
+# Data, training step, validation, checkpoint
 # ----------------------------------------------------------------------------------------------
 
 
-def load_corpus(path: str) -> np.ndarray:
-    with open(path, "rb") as f:
-        data = np.frombuffer(f.read(), np.uint8)
-    if data.size < 1024:
-        raise SystemExit(f"corpus {path} is too small ({data.size} bytes)")
-    return data
+def load_data(data_dir: str | None, seq: int):
+    """``(train, valid, info)`` byte arrays of the corpus (python_docs_corpus.load) checked against ``seq``."""
+    train, valid, info = python_docs_corpus.load(data_dir)
+    for name, arr in (("train.txt", train), ("valid.txt", valid)):
+        if arr.size < seq + 2:
+            raise SystemExit(f"train_moe: {name} in {info['dir']} must hold more than --seq + 1 = {seq + 1} bytes, "
+                             f"got {arr.size}; add text or lower --seq")  # fmt: skip
+    return train, valid, info
 
 
 def batches(data: np.ndarray, batch: int, seq: int, seed: int):
+    """Endless ``(inputs, targets)`` batches of ``seq`` bytes from random offsets in ``data``."""
     rng = np.random.default_rng(seed)
     n = data.size - seq - 1
     while True:
         starts = rng.integers(0, n, batch)
         chunk = np.stack([data[s : s + seq + 1] for s in starts]).astype(np.int32)
         yield chunk[:, :-1], chunk[:, 1:]
+
+
+def eval_windows(data: np.ndarray, batch: int, seq: int, max_tokens: int) -> np.ndarray:
+    """``[n_batches, batch, seq + 1]``: consecutive non-overlapping windows from the start of ``data``.
+
+    Covers up to ``max_tokens`` predicted bytes (at least one batch), whole batches only, the same
+    windows at every evaluation, so validation losses are comparable across steps and runs.
+    """
+    n_win = (data.size - 1) // seq
+    n_win = min(n_win, max(max_tokens // seq, batch))
+    n_batches = n_win // batch
+    if n_batches == 0:
+        raise SystemExit(f"train_moe: valid.txt must hold at least --batch x --seq + 1 = {batch * seq + 1} bytes "
+                         f"for one validation batch, got {data.size}; lower --batch or --seq")  # fmt: skip
+    idx = np.arange(n_batches * batch)[:, None] * seq + np.arange(seq + 1)[None, :]
+    return data[idx].astype(np.int32).reshape(n_batches, batch, seq + 1)
+
+
+def make_eval_fn(model, windows: np.ndarray):
+    """``evaluate(params) -> mean cross-entropy (nats/byte)`` over ``windows``, dropout off, no aux loss."""
+
+    @jax.jit
+    def batch_loss(params, w):
+        logits = model.apply({"params": params}, w[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, w[:, 1:]).mean()
+
+    def evaluate(params):
+        return float(np.mean([float(batch_loss(params, w)) for w in windows]))
+
+    return evaluate
 
 
 def make_train_step(model, tx):
@@ -173,56 +212,73 @@ def make_train_step(model, tx):
     return step
 
 
-def save_checkpoint(path: str, params) -> str:
-    params = jax.device_get(params)
-    try:
-        import orbax.checkpoint as ocp
+MODEL_KEYS = ("d_model", "layers", "heads", "kv_heads", "experts", "topk", "ffn", "aux_coeff", "dropout", "dtype")
 
-        target = os.path.abspath(path + "_orbax")
-        if os.path.exists(target):
-            import shutil
 
-            shutil.rmtree(target)
-        ckptr = ocp.StandardCheckpointer()
-        ckptr.save(target, params)
+def model_config(cfg: dict) -> dict:
+    """The JSON-serialisable part of ``cfg`` that rebuilds the model (no mesh: restore picks its own)."""
+    return {k: (jnp.dtype(cfg[k]).name if k == "dtype" else cfg[k]) for k in MODEL_KEYS}
+
+
+def save_checkpoint(ckpt_dir: str, params, meta: dict) -> str:
+    """Writes ``ckpt_dir/params`` (orbax, plain arrays) and ``ckpt_dir/config.json`` (``meta``); returns ckpt_dir.
+
+    Orbax (a dependency of flax) writes each array as a tensorstore file without gathering sharded
+    arrays onto one host; the logical-partitioning boxes are removed so the checkpoint is a plain
+    nested dict that examples/sample.py restores onto any device (CPU by default).
+    """
+    import shutil
+
+    import orbax.checkpoint as ocp
+
+    ckpt_dir = os.path.abspath(ckpt_dir)
+    if os.path.exists(ckpt_dir):
+        shutil.rmtree(ckpt_dir)
+    os.makedirs(ckpt_dir)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(os.path.join(ckpt_dir, "params"), nn.meta.unbox(params))
         ckptr.wait_until_finished()
-        return target
-    except Exception as e:  # orbax missing or unusable here: fall back to msgpack
-        from flax import serialization
-
-        target = path + ".msgpack"
-        with open(target, "wb") as f:
-            f.write(serialization.to_bytes(params))
-        print(f"(orbax unavailable: {type(e).__name__}; wrote msgpack)")
-        return target
+    with open(os.path.join(ckpt_dir, "config.json"), "w") as f:
+        json.dump(meta, f, indent=2)
+    return ckpt_dir
 
 
 class Progress:
-    """tqdm when installed, else a plain line every few steps."""
+    """tqdm when installed, else a plain line every few seconds; ``write`` prints above the bar."""
 
     def __init__(self, total):
-        self.total, self.t0, self.last = total, time.perf_counter(), 0.0
+        self.total, self.last = total, 0.0
         try:
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, dynamic_ncols=True)
         except ImportError:
             self.bar = None
+        self.val = None
 
     def update(self, i, loss, tok_s):
+        post = dict(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}")
+        if self.val is not None:
+            post["val"] = f"{self.val:.3f}"
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}")
+            self.bar.set_postfix(post)
         elif i == self.total - 1 or time.perf_counter() - self.last > 5 or i < 1:
             self.last = time.perf_counter()
             print(f"step {i + 1:5d}/{self.total}  loss {loss:.4f}  {tok_s:,.0f} tokens/s", flush=True)
+
+    def write(self, msg):
+        if self.bar is not None:
+            self.bar.write(msg)
+        else:
+            print(msg, flush=True)
 
     def close(self):
         if self.bar is not None:
             self.bar.close()
 
 
-def plot_losses(path, steps, losses, title):
+def plot_losses(path, steps, losses, val_curve, title):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -233,7 +289,10 @@ def plot_losses(path, steps, losses, title):
     if len(losses) >= 10:
         k = max(1, len(losses) // 25)
         smooth = np.convolve(losses, np.ones(k) / k, mode="valid")
-        ax.plot(steps[k - 1 :], smooth, lw=2, label=f"moving average ({k})")
+        ax.plot(steps[k - 1 :], smooth, lw=2, label=f"train, moving average ({k})")
+    if val_curve:
+        vs, vl = [c[0] for c in val_curve], [c[1] for c in val_curve]
+        ax.plot(vs, vl, "o-", lw=2, label="validation loss (held-out)")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats / byte)")
     ax.set_title(title)
@@ -250,7 +309,7 @@ def time_steps(model, cfg, args, n_steps, label):
     tx = optax.adamw(args.lr)
     opt_state = tx.init(params)
     step = make_train_step(model, tx)
-    it = batches(load_corpus(args.corpus), args.batch, args.seq, args.seed + 1)
+    it = batches(load_data(args.data_dir, args.seq)[0], args.batch, args.seq, args.seed + 1)
     x, y = next(it)
     params, opt_state, ce, _ = step(params, opt_state, x, y, jax.random.key(0))
     jax.block_until_ready(ce)
@@ -268,7 +327,9 @@ def time_steps(model, cfg, args, n_steps, label):
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--corpus", default=DEFAULT_CORPUS)
+    ap.add_argument("--data-dir", default=None,
+                    help="directory with train.txt and valid.txt; when they are missing the Python documentation "
+                         f"corpus is assembled there (default: {python_docs_corpus.default_dir()})")
     ap.add_argument("--out", default=os.path.join(HERE, "out", "train_moe"))
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=16)
@@ -286,6 +347,11 @@ def parse_args(argv=None):
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eval-every", type=int, default=100,
+                    help="validation loss every this many steps (also before the first and after the last step)")
+    ap.add_argument("--eval-tokens", type=int, default=16384,
+                    help="held-out bytes scored per validation (whole batches of --batch x --seq, from the start "
+                         "of valid.txt)")
     ap.add_argument("--expert-parallel", action="store_true",
                     help="shard the experts over all devices (mesh axis 'ep'); experts and tokens must divide")
     ap.add_argument("--baseline", action="store_true",
@@ -294,7 +360,11 @@ def parse_args(argv=None):
     ap.add_argument("--no-checkpoint", action="store_true")
     ap.add_argument("--benchmark-only", action="store_true",
                     help="skip the training run: only the tokens/s comparison with the baseline (implies --baseline)")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    for name in ("steps", "batch", "seq", "eval_every", "eval_tokens"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    return args
 
 
 def main(argv=None):
@@ -309,8 +379,10 @@ def main(argv=None):
     if args.benchmark_only:
         return _compare(args, cfg, {})
     model = MoELM(cfg)
-    data = load_corpus(args.corpus)
-    it = batches(data, args.batch, args.seq, args.seed + 1)
+    train, valid, corpus = load_data(args.data_dir, args.seq)
+    it = batches(train, args.batch, args.seq, args.seed + 1)
+    windows = eval_windows(valid, args.batch, args.seq, args.eval_tokens)
+    evaluate = make_eval_fn(model, windows)
     params = jax.jit(model.init)(jax.random.key(args.seed), jnp.zeros((args.batch, args.seq), jnp.int32))["params"]
     n_params = sum(int(p.size) for p in jax.tree.leaves(params))
     warm = min(args.warmup, max(args.steps // 4, 1))
@@ -321,11 +393,22 @@ def main(argv=None):
     step = make_train_step(model, tx)
     print(f"te_layers MoE LM: {n_params:,} parameters, {cfg['layers']} layers, {cfg['experts']} experts top-"
           f"{cfg['topk']}, batch {args.batch} x seq {args.seq}, {args.dtype}, backend {jax.default_backend()}")
+    print(f"corpus {corpus['dir']}: {corpus['train_bytes']:,} train bytes, {corpus['valid_bytes']:,} held-out bytes "
+          f"({windows.shape[0] * windows.shape[1] * args.seq:,} scored per validation)")
 
     losses, auxes = [], []
     prog = Progress(args.steps)
+
+    def validate(n_done):
+        v = evaluate(params)
+        val_curve.append((n_done, v))
+        prog.val = v
+        prog.write(f"step {n_done:5d}  validation loss {v:.4f} nats/byte ({v / math.log(2):.3f} bits/byte)")
+
+    val_curve = []
+    validate(0)
     t_start = time.perf_counter()
-    t_steady, steady_tokens = None, 0
+    t_steady, steady_tokens, eval_s = None, 0, 0.0
     for i in range(args.steps):
         x, y = next(it)
         params, opt_state, ce, aux = step(params, opt_state, x, y, jax.random.fold_in(jax.random.key(args.seed), i))
@@ -336,39 +419,37 @@ def main(argv=None):
             t_steady = time.perf_counter()  # exclude the compile step from tokens/s
         else:
             steady_tokens += args.batch * args.seq
-        el = time.perf_counter() - t_steady
+        if (i + 1) % args.eval_every == 0 or i + 1 == args.steps:
+            t_eval = time.perf_counter()
+            validate(i + 1)
+            eval_s += time.perf_counter() - t_eval
+        el = time.perf_counter() - t_steady - eval_s
         prog.update(i, ce, steady_tokens / el if el > 0 and steady_tokens else 0.0)
     prog.close()
     total = time.perf_counter() - t_start
-    tok_s = steady_tokens / max(time.perf_counter() - t_steady, 1e-9)
+    tok_s = steady_tokens / max(time.perf_counter() - t_steady - eval_s, 1e-9)
 
     k = max(1, min(20, len(losses) // 5))
     first, last = float(np.mean(losses[:k])), float(np.mean(losses[-k:]))
+    val_first, val_last = val_curve[0][1], val_curve[-1][1]
     png = os.path.join(args.out, "loss.png")
-    plot_losses(png, np.arange(1, len(losses) + 1), np.asarray(losses), "te_layers MoE LM (byte level)")
-    ckpt = None if args.no_checkpoint else save_checkpoint(os.path.join(args.out, "params"), params)
+    plot_losses(png, np.arange(1, len(losses) + 1), np.asarray(losses), val_curve, "te_layers MoE LM (byte level)")
+    summary = dict(first_loss=first, last_loss=last, val_loss_initial=val_first, val_loss=val_last,
+                   val_bits_per_byte=val_last / math.log(2), val_curve=val_curve, steps=args.steps,
+                   epochs=args.steps * args.batch * args.seq / corpus["train_bytes"], tokens_per_s=tok_s,
+                   seconds=total, params=n_params, corpus=corpus, loss_png=png, checkpoint=None)  # fmt: skip
+    if not args.no_checkpoint:
+        meta = dict(model=model_config(cfg), seq=args.seq, step=args.steps, val_loss=val_last,
+                    corpus_dir=corpus["dir"])  # fmt: skip
+        summary["checkpoint"] = save_checkpoint(os.path.join(args.out, "checkpoint"), params, meta)
 
-    # a short greedy sample from the trained model
-    prompt = np.frombuffer(b"In the morning, the ", np.uint8).astype(np.int32)
-    ctx = np.zeros((1, args.seq), np.int32)
-    n0 = min(len(prompt), args.seq - 1)
-    ctx[0, :n0] = prompt[:n0]
-    fwd = jax.jit(lambda p, t: model.apply({"params": p}, t))
-    gen = list(prompt[:n0])
-    for pos in range(n0, min(args.seq, n0 + 40)):
-        nxt = int(jnp.argmax(fwd(params, jnp.asarray(ctx))[0, pos - 1]))
-        ctx[0, pos] = nxt
-        gen.append(nxt)
-    sample = bytes(int(c) for c in gen).decode("ascii", errors="replace")
-
-    summary = dict(first_loss=first, last_loss=last, steps=args.steps, tokens_per_s=tok_s, seconds=total,
-                   params=n_params, loss_png=png, checkpoint=ckpt, sample=sample)  # fmt: skip
-    print(f"loss {first:.4f} -> {last:.4f} (mean of first/last {k} steps) in {total:.1f}s; "
-          f"aux loss {auxes[-1]:.4f}; {tok_s:,.0f} tokens/s")
-    print(f"sample: {sample!r}")
+    print(f"train loss {first:.4f} -> {last:.4f} (mean of first/last {k} steps); validation loss {val_first:.4f} -> "
+          f"{val_last:.4f} nats/byte ({val_last / math.log(2):.3f} bits/byte) on held-out text; {total:.1f}s, "
+          f"{summary['epochs']:.2f} epochs; aux loss {auxes[-1]:.4f}; {tok_s:,.0f} tokens/s")
     print(f"loss curve: {png}")
-    if ckpt:
-        print(f"checkpoint: {ckpt}")
+    if summary["checkpoint"]:
+        print(f"checkpoint: {summary['checkpoint']}  (sample: python examples/sample.py --checkpoint "
+              f"{summary['checkpoint']})")
 
     if args.baseline:
         return _compare(args, cfg, summary)
