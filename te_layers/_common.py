@@ -25,12 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from te_layers import _validation as V
 from te_ops.dense import dense as _te_dense
-
-try:
-    from te_ops.fused_attention import fused_attention
-except ImportError:  # an editable install made before the package existed sees it as a namespace package
-    from te_ops.fused_attention.api import fused_attention
+from te_ops.fused_attention import fused_attention
+from te_ops.grouped_dense import grouped_dense as _te_grouped_dense
 from te_ops.permutation import sort_chunks_by_index, token_combine, token_dispatch
 from te_ops.router import compute_routing_scores_for_aux_loss, fused_moe_aux_loss, fused_topk_with_score_function
 from te_ops.softmax import scaled_masked_softmax, scaled_softmax, scaled_upper_triang_masked_softmax
@@ -39,7 +37,7 @@ from te_ops.softmax import scaled_masked_softmax, scaled_softmax, scaled_upper_t
 # Dense
 # ----------------------------------------------------------------------------------------------
 
-FUSED_ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
+FUSED_ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")  # the ones te_ops.dense fuses into its epilogue
 _NAMED_ACTIVATIONS: dict[str, Callable] = {
     "gelu": lambda z: jax.nn.gelu(z, approximate=False),
     "gelu_tanh": lambda z: jax.nn.gelu(z, approximate=True),
@@ -48,9 +46,11 @@ _NAMED_ACTIVATIONS: dict[str, Callable] = {
     "tanh": jnp.tanh,
     "sigmoid": jax.nn.sigmoid,
 }
+assert tuple(_NAMED_ACTIVATIONS) == V.ACTIVATIONS
 
 
 def activation_fn(activation: str | Callable | None) -> Callable:
+    """The function an activation argument names (None = identity)."""
     if activation is None:
         return lambda z: z
     if callable(activation):
@@ -64,10 +64,8 @@ def activation_fn(activation: str | Callable | None) -> Callable:
 
 
 def compute_dtype(x: jax.Array, dtype: Any) -> Any:
-    """The dtype a layer computes in: ``dtype`` when given, else the input's floating dtype."""
-    if dtype is not None:
-        return jnp.dtype(dtype)
-    return x.dtype if jnp.issubdtype(x.dtype, jnp.floating) else jnp.float32
+    """The dtype a layer computes in: ``dtype`` when given, else the input's dtype."""
+    return jnp.dtype(x.dtype if dtype is None else dtype)
 
 
 def dense_apply(
@@ -91,7 +89,7 @@ def dense_apply(
 # Softmax
 # ----------------------------------------------------------------------------------------------
 
-SOFTMAX_VARIANTS = ("scaled", "masked", "causal")
+SOFTMAX_VARIANTS = V.SOFTMAX_VARIANTS
 
 
 def softmax_apply(x: jax.Array, *, variant: str = "scaled", scale: float = 1.0, mask: jax.Array | None = None):
@@ -160,7 +158,7 @@ def attention_apply(
     """``te_ops.fused_attention`` with dropout turned off when deterministic."""
     rate = 0.0 if deterministic else float(dropout_rate)
     if rate > 0.0 and rng is None:
-        raise ValueError("te_layers attention: dropout_rate > 0 and deterministic=False need a dropout rng/key.")
+        raise ValueError("te_layers.attention_apply: rng is required when dropout_rate > 0 and deterministic=False.")
     if kv_segment_ids is None:
         kv_segment_ids = q_segment_ids if q_segment_ids is not None and q.shape[1] == k.shape[1] else None
     return fused_attention(
@@ -168,15 +166,6 @@ def attention_apply(
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, window_size=window_size, scale=scale,
         dropout_rate=rate, rng=rng if rate > 0.0 else None,
     )  # fmt: skip
-
-
-def check_heads(num_heads: int, num_kv_heads: int | None) -> int:
-    nkv = num_heads if num_kv_heads is None else int(num_kv_heads)
-    if nkv < 1 or num_heads % nkv:
-        raise ValueError(
-            f"te_layers.MultiHeadAttention: num_heads ({num_heads}) must be a multiple of num_kv_heads ({nkv})."
-        )
-    return nkv
 
 
 def split_qkv(qkv: jax.Array, num_heads: int, num_kv_heads: int, head_dim: int):
@@ -213,7 +202,10 @@ def heads_attention(
 
 @dataclasses.dataclass(frozen=True)
 class RouterConfig:
-    """Every option of ``te_ops.router`` plus the aux loss and aux-loss-free bias settings."""
+    """Every option of ``te_ops.router`` plus the aux loss and aux-loss-free bias settings.
+
+    Checked on construction; ``layer`` (not part of equality or hashing) names the layer in the messages.
+    """
 
     num_experts: int
     topk: int
@@ -225,13 +217,18 @@ class RouterConfig:
     aux_loss_coeff: float = 0.0
     use_expert_bias: bool = False
     expert_bias_update_rate: float = 1e-3
+    layer: str = dataclasses.field(default="TopKRouter", compare=False, repr=False)
 
     def __post_init__(self):
-        if self.use_expert_bias and self.score_function != "sigmoid":
-            raise ValueError(
-                "te_layers.TopKRouter: use_expert_bias=True (aux-loss-free balancing) needs "
-                f"score_function='sigmoid', got {self.score_function!r}."
-            )
+        V.check_router(
+            self.layer, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "layer"}
+        )
+
+
+def router_config(layer: str, num_experts: int, topk: int, options: dict[str, Any]) -> RouterConfig:
+    """A checked RouterConfig from keyword router options (unknown names are refused)."""
+    V.check_router_options(layer, options)
+    return RouterConfig(num_experts=num_experts, topk=topk, layer=layer, **options)
 
 
 class RouterOutput(NamedTuple):
@@ -246,6 +243,14 @@ def router_logits(x2d: jax.Array, kernel: jax.Array) -> jax.Array:
     return _te_dense(x2d.astype(jnp.float32), kernel.astype(jnp.float32))
 
 
+def empty_route(num_experts: int) -> RouterOutput:
+    """The routing of zero tokens: empty probs and map, aux loss 0, no tokens per expert."""
+    return RouterOutput(
+        jnp.zeros((0, num_experts), jnp.float32), jnp.zeros((0, num_experts), bool), jnp.zeros((), jnp.float32),
+        jnp.zeros((num_experts,), jnp.int32),
+    )  # fmt: skip
+
+
 def route(
     logits: jax.Array,
     cfg: RouterConfig,
@@ -257,7 +262,11 @@ def route(
 
     Inside ``shard_map`` with tokens split over ``axis_name`` the aux loss and tokens_per_expert are
     the global ones (token counts are summed over the axis and the loss uses the global token count).
+    Zero tokens (outside shard_map) give :func:`empty_route`: the aux loss, a mean over tokens, is
+    defined as 0 there.
     """
+    if logits.shape[0] == 0 and axis_name is None:
+        return empty_route(logits.shape[1])
     probs, rmap = fused_topk_with_score_function(
         logits, cfg.topk, score_function=cfg.score_function, use_pre_softmax=cfg.use_pre_softmax,
         num_groups=cfg.num_groups, group_topk=cfg.group_topk, scaling_factor=cfg.scaling_factor,
@@ -288,27 +297,10 @@ def updated_expert_bias(expert_bias: jax.Array, tokens_per_expert: jax.Array, ra
 
 
 # ----------------------------------------------------------------------------------------------
-# Grouped GEMM (te_ops.grouped_dense when it exists, else jax.lax.ragged_dot)
+# Grouped GEMM (te_ops.grouped_dense or jax.lax.ragged_dot)
 # ----------------------------------------------------------------------------------------------
 
-GROUPED_GEMM_BACKENDS = ("auto", "te_ops", "ragged_dot")
-
-
-@functools.cache
-def _te_grouped_dense():
-    try:  # lazy: the op may land after the layers
-        from te_ops.grouped_dense import grouped_dense
-    except ImportError:
-        try:  # (editable installs made before the package existed see it as a namespace package)
-            from te_ops.grouped_dense.api import grouped_dense
-        except ImportError:
-            return None
-    return grouped_dense
-
-
-def grouped_gemm_available() -> str | None:
-    """None when ``te_ops.grouped_dense`` can be imported, else the reason it cannot."""
-    return None if _te_grouped_dense() is not None else "te_ops.grouped_dense is not available (not landed yet)"
+GROUPED_GEMM_BACKENDS = V.GROUPED_GEMM_BACKENDS
 
 
 def _ragged_grouped_dense(x, kernels, group_sizes, bias=None):
@@ -329,19 +321,18 @@ def grouped_dense(x, kernels, group_sizes, bias=None, *, backend: str = "auto"):
 
     backend: "te_ops" (``te_ops.grouped_dense``; its GPU kernels need K and N multiples of 8, other
     sizes take its reference path), "ragged_dot" (``jax.lax.ragged_dot``), or "auto": te_ops when
-    it is installed and K, N are multiples of 8, else ragged_dot.
+    K and N are multiples of 8, else ragged_dot.
     """
     group_sizes = group_sizes.astype(jnp.int32)
     if backend not in GROUPED_GEMM_BACKENDS:
-        raise ValueError(f"te_layers: grouped_gemm must be one of {GROUPED_GEMM_BACKENDS}, got {backend!r}.")
-    fn = _te_grouped_dense() if backend in ("auto", "te_ops") else None
-    if backend == "te_ops" and fn is None:
-        raise RuntimeError(f"te_layers: grouped_gemm='te_ops' requested but {grouped_gemm_available()}.")
+        raise ValueError(
+            f"te_layers.grouped_dense: grouped_gemm must be one of {list(GROUPED_GEMM_BACKENDS)}, got {backend!r}."
+        )
     aligned = x.shape[-1] % 8 == 0 and kernels.shape[-1] % 8 == 0
-    if fn is None or (backend == "auto" and not aligned):
+    if backend == "ragged_dot" or (backend == "auto" and not aligned):
         return _ragged_grouped_dense(x, kernels, group_sizes, bias)
     kw = {} if aligned else {"implementation": "reference"}
-    return fn(x, kernels, group_sizes, bias, **kw)
+    return _te_grouped_dense(x, kernels, group_sizes, bias, **kw)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -351,12 +342,21 @@ def grouped_dense(x, kernels, group_sizes, bias=None, *, backend: str = "auto"):
 
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
+    """The MoE block's routing and expert-FFN configuration, checked on construction (messages name
+    ``router.layer``)."""
+
     router: RouterConfig
     ffn_dim: int
-    activation: str = "silu"  # "silu" (SwiGLU when gated) or "gelu"/"gelu_tanh" (GeGLU) or "relu"
+    activation: str | Callable = "silu"  # "silu" (SwiGLU when gated), "gelu"/"gelu_tanh" (GeGLU), ...
     gated: bool = True
     expert_axis: str | None = None  # mesh axis the experts (and tokens) are split over
     grouped_gemm: str = "auto"
+
+    def __post_init__(self):
+        if not isinstance(self.router, RouterConfig):
+            raise TypeError(f"te_layers.MoEConfig: router must be a RouterConfig, got {type(self.router).__name__}.")
+        V.check_moe_ffn(self.router.layer, ffn_dim=self.ffn_dim, activation_=self.activation, gated=self.gated,
+                        expert_axis=self.expert_axis, grouped_gemm=self.grouped_gemm)  # fmt: skip
 
 
 class MoEOutput(NamedTuple):
@@ -403,10 +403,7 @@ def _expert_parallel_ffn(rows, tpe, wi_local, wo_local, ffn, axis_name):
     exchange exact (no token dropping) with static shapes.
     """
     p = jax.lax.psum(1, axis_name)
-    e = tpe.shape[0]
     el = wi_local.shape[0]
-    if el * p != e:
-        raise ValueError(f"te_layers.MoEBlock: {e} experts do not split over {p} expert-parallel shards.")
     n, h = rows.shape
     counts = tpe.reshape(p, el)  # rows for shard j's local experts
     send_sizes = counts.sum(1)
@@ -431,15 +428,15 @@ def _expert_parallel_ffn(rows, tpe, wi_local, wo_local, ffn, axis_name):
     return ret.reshape(p * n, h)[owner * n + (ar - starts[owner])]
 
 
-def _current_mesh(mesh):
+def _current_mesh(layer, mesh):
     if mesh is not None:
         return mesh
     m = jax.sharding.get_abstract_mesh()
     if m is None or m.empty:
         raise ValueError(
-            "te_layers.MoEBlock: expert_axis is set but no mesh was given; pass mesh= or enter "
-            "`with jax.set_mesh(mesh):`."
-        )
+            V.err(layer, "mesh is required with expert_axis: pass mesh= or call the layer inside "
+                         "`with jax.set_mesh(mesh):`.")
+        )  # fmt: skip
     return m
 
 
@@ -457,27 +454,29 @@ def moe_apply(
     """MoE block: router -> token_dispatch -> grouped expert FFN -> token_combine.
 
     With ``cfg.expert_axis`` the experts (dimension 0 of wi/wo) and the tokens are split over that mesh
-    axis inside ``shard_map``; tokens are exchanged with two all-to-alls.
+    axis inside ``shard_map``; tokens are exchanged with two all-to-alls. Zero tokens give an empty
+    output of x's shape, aux loss 0 and no tokens per expert.
     """
+    layer = cfg.router.layer
     dt = compute_dtype(x, dtype)
     lead, hdim = x.shape[:-1], x.shape[-1]
     x2d = x.reshape(-1, hdim).astype(dt)
     wi, wo = wi.astype(dt), wo.astype(dt)
+    if x2d.shape[0] == 0:
+        r = empty_route(cfg.router.num_experts)
+        return MoEOutput(jnp.zeros(x.shape, dt), r.aux_loss, r.tokens_per_expert)
     if cfg.expert_axis is None:
         out, aux, tpe = _moe_local(x2d, router_kernel, expert_bias, wi, wo, cfg, None)
     else:
         ax = cfg.expert_axis
-        m = _current_mesh(mesh)
-        if cfg.router.num_experts % m.shape[ax]:
-            raise ValueError(
-                f"te_layers.MoEBlock: {cfg.router.num_experts} experts do not split over the {m.shape[ax]} "
-                f"shards of mesh axis {ax!r}; use a multiple of {m.shape[ax]} experts."
-            )
+        m = _current_mesh(layer, mesh)
+        V.check_expert_mesh(layer, m, ax, cfg.router.num_experts)
         if x2d.shape[0] % m.shape[ax]:
             raise ValueError(
-                f"te_layers.MoEBlock: {x2d.shape[0]} tokens do not split over the {m.shape[ax]} shards of "
-                f"mesh axis {ax!r}."
-            )
+                V.err(layer, f"x must hold a number of tokens (the product of its leading dimensions) divisible by "
+                             f"the {m.shape[ax]} shards of mesh axis {ax!r} (expert_axis), got shape {tuple(x.shape)} "
+                             f"({x2d.shape[0]} tokens).")
+            )  # fmt: skip
         eb = expert_bias if expert_bias is not None else jnp.zeros((cfg.router.num_experts,), jnp.float32)
 
         def body(xs, rk, ebias, wis, wos):

@@ -9,6 +9,9 @@ return the aux loss alongside the output (``(out, MoEAux(aux_loss, tokens_per_ex
 aux-loss-free balancing is functional: ``block = block.update_expert_bias(aux.tokens_per_expert)``.
 Partitioning metadata: every parameter has logical axis names; :func:`logical_axes` returns a pytree
 of ``PartitionSpec`` (logical names) shaped like the model.
+
+Configuration is checked in ``__init__`` (``__check_init__`` for the field-only modules) and inputs when a
+module is called, with the same messages as the Linen and NNX modules (``te_layers.<Layer>: ...``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from te_layers import _common as C
+from te_layers import _validation as V
 
 Initializer = Callable[..., jax.Array]
 Axes = Sequence[str | None] | None
@@ -49,6 +53,9 @@ class Dense(eqx.Module):
                  activation: str | Callable | None = None, dtype: Any = None, param_dtype: Any = jnp.float32,
                  kernel_init: Initializer = _lecun, bias_init: Initializer = _zeros, kernel_axes: Axes = None,
                  bias_axes: Axes = None, key: jax.Array):  # fmt: skip
+        V.check_dense("Dense", sizes={"in_features": in_features, "out_features": out_features}, use_bias=use_bias,
+                      activation_=activation, dtype=dtype, param_dtype=param_dtype, kernel_axes=kernel_axes,
+                      bias_axes=bias_axes)  # fmt: skip
         kk, bk = jax.random.split(key)
         self.kernel = kernel_init(kk, (in_features, out_features), param_dtype)
         self.bias = bias_init(bk, (out_features,), param_dtype) if use_bias else None
@@ -58,6 +65,7 @@ class Dense(eqx.Module):
         self.param_axes = {"kernel": _axes(kernel_axes), "bias": _axes(bias_axes)}
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        x = V.dense_input("Dense", x, self.dtype, self.kernel.shape[0])
         return C.dense_apply(x, self.kernel, self.bias, activation=self.activation, dtype=self.dtype)
 
 
@@ -67,7 +75,11 @@ class Softmax(eqx.Module):
     variant: str = eqx.field(static=True, default="scaled")
     scale: float = eqx.field(static=True, default=1.0)
 
+    def __check_init__(self):
+        V.check_softmax("Softmax", variant=self.variant, scale=self.scale)
+
     def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+        x, mask = V.softmax_inputs("Softmax", x, mask, self.variant)
         return C.softmax_apply(x, variant=self.variant, scale=self.scale, mask=mask)
 
 
@@ -75,9 +87,8 @@ def _dropout_key(name, rate, inference, key):
     if inference or rate <= 0:
         return None
     if key is None:
-        raise ValueError(
-            f"te_layers.eqx.{name}: dropout_rate > 0 needs key= at call time (or inference=True)."
-        )
+        raise ValueError(V.err(name, "key is required for dropout (dropout_rate > 0): pass key= at call time, or "
+                                     "inference=True."))  # fmt: skip
     return key
 
 
@@ -90,8 +101,14 @@ class DotProductAttention(eqx.Module):
     dropout_rate: float = eqx.field(static=True, default=0.0)
     inference: bool = False
 
+    def __check_init__(self):
+        V.check_attention("DotProductAttention", mask_type=self.mask_type, window_size=self.window_size,
+                          scale=self.scale, dropout_rate=self.dropout_rate)  # fmt: skip
+        V.flag("DotProductAttention", "inference", self.inference)
+
     def __call__(self, q, k, v, *, bias=None, q_seqlens=None, kv_seqlens=None, q_segment_ids=None,
                  kv_segment_ids=None, key=None, inference: bool | None = None):  # fmt: skip
+        q, k, v = V.attention_inputs("DotProductAttention", q, k, v)
         inf = self.inference if inference is None else inference
         return C.attention_apply(
             q, k, v, mask_type=self.mask_type, bias=bias, q_seqlens=q_seqlens, kv_seqlens=kv_seqlens,
@@ -130,7 +147,14 @@ class MultiHeadAttention(eqx.Module):
                  dtype: Any = None, param_dtype: Any = jnp.float32, kernel_init: Initializer = _lecun,
                  bias_init: Initializer = _zeros, kernel_axes: Axes = ("embed", "heads"),
                  out_kernel_axes: Axes = ("heads", "embed"), key: jax.Array):  # fmt: skip
-        nkv = C.check_heads(num_heads, num_kv_heads)
+        nkv = V.check_mha(
+            "MultiHeadAttention", in_features=in_features, num_heads=num_heads, head_dim=head_dim,
+            num_kv_heads=num_kv_heads, out_features=out_features, fused_qkv=fused_qkv, use_bias=use_bias,
+            mask_type=mask_type, window_size=window_size, use_rope=use_rope, rope_theta=rope_theta,
+            dropout_rate=dropout_rate, dtype=dtype, param_dtype=param_dtype, kernel_axes=kernel_axes,
+            out_kernel_axes=out_kernel_axes,
+        )  # fmt: skip
+        V.flag("MultiHeadAttention", "inference", inference)
         keys = iter(jax.random.split(key, 5))
 
         def proj(fin, n, axes):
@@ -150,13 +174,16 @@ class MultiHeadAttention(eqx.Module):
 
     def __call__(self, x, inputs_kv=None, *, segment_ids=None, seqlens=None, positions=None, bias=None,
                  key=None, inference: bool | None = None):  # fmt: skip
+        in_features = (self.qkv if self.qkv is not None else self.query).kernel.shape[0]
+        x, inputs_kv = V.mha_inputs(
+            "MultiHeadAttention", x, inputs_kv, dtype=self.out.dtype, in_features=in_features,
+            kv_features=in_features, fused_qkv=self.qkv is not None, use_rope=self.use_rope,
+            mask_type=self.mask_type, segment_ids=segment_ids, seqlens=seqlens, positions=positions,
+        )  # fmt: skip
         inf = self.inference if inference is None else inference
         nq, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         b, s = x.shape[:2]
         if self.qkv is not None:
-            if inputs_kv is not None:
-                raise ValueError("te_layers.eqx.MultiHeadAttention: fused_qkv=True is self-attention only; "
-                                 "construct with fused_qkv=False for cross-attention.")
             q, k, v = C.split_qkv(self.qkv(x), nq, nkv, d)
         else:
             kv_in = x if inputs_kv is None else inputs_kv
@@ -196,12 +223,14 @@ class TopKRouter(eqx.Module):
                  kernel_init: Initializer = _lecun, kernel_axes: Axes = ("embed", None), key: jax.Array,
                  **router_options):  # fmt: skip
         router_options.setdefault("aux_loss_coeff", 0.0)
-        self.cfg = C.RouterConfig(num_experts=num_experts, topk=topk, **router_options)
+        self.cfg = C.router_config("TopKRouter", num_experts, topk, router_options)
+        V.check_router_params("TopKRouter", in_features=in_features, param_dtype=param_dtype, kernel_axes=kernel_axes)
         self.kernel = kernel_init(key, (in_features, num_experts), param_dtype)
         self.expert_bias = jnp.zeros((num_experts,), jnp.float32) if self.cfg.use_expert_bias else None
         self.param_axes = {"kernel": _axes(kernel_axes), "expert_bias": (None,)}
 
     def __call__(self, x: jax.Array) -> C.RouterOutput:
+        x = V.token_input("TopKRouter", x, None, self.kernel.shape[0], router=True)
         logits = C.router_logits(x.reshape(-1, x.shape[-1]), self.kernel)
         bias = None if self.expert_bias is None else jax.lax.stop_gradient(self.expert_bias)
         return C.route(logits, self.cfg, bias)
@@ -238,18 +267,26 @@ class MoEBlock(eqx.Module):
                  router_kernel_init: Initializer = _lecun, router_kernel_axes: Axes = ("embed", None),
                  wi_axes: Axes = ("expert", "embed", "mlp"), wo_axes: Axes = ("expert", "mlp", "embed"),
                  key: jax.Array, **router_options):  # fmt: skip
-        rk, ik, ok = jax.random.split(key, 3)
+        rc = C.router_config("MoEBlock", num_experts, topk, dict(router_options, aux_loss_coeff=aux_loss_coeff))
+        cfg = C.MoEConfig(rc, ffn_dim, activation, gated, expert_axis, grouped_gemm)
+        V.check_moe_params(
+            "MoEBlock", in_features=in_features, num_experts=num_experts, expert_axis=expert_axis, mesh=mesh,
+            dtype=dtype, param_dtype=param_dtype, router_param_dtype=router_param_dtype,
+            router_kernel_axes=router_kernel_axes, wi_axes=wi_axes, wo_axes=wo_axes,
+        )  # fmt: skip
+        rk, ik, ok = jax.random.split(key, 3)  # (checked above, so errors name MoEBlock, not TopKRouter)
         self.router = TopKRouter(in_features, num_experts, topk, param_dtype=router_param_dtype,
                                  kernel_init=router_kernel_init, kernel_axes=router_kernel_axes, key=rk,
                                  aux_loss_coeff=aux_loss_coeff, **router_options)  # fmt: skip
         f2 = ffn_dim * (2 if gated else 1)
         self.wi = kernel_init(ik, (num_experts, in_features, f2), param_dtype)
         self.wo = kernel_init(ok, (num_experts, ffn_dim, in_features), param_dtype)
-        self.cfg = C.MoEConfig(self.router.cfg, ffn_dim, activation, gated, expert_axis, grouped_gemm)
+        self.cfg = cfg
         self.mesh, self.dtype = mesh, dtype
         self.param_axes = {"wi": _axes(wi_axes), "wo": _axes(wo_axes)}
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEAux]:
+        x = V.token_input("MoEBlock", x, self.dtype, self.wi.shape[1])
         bias = None if self.router.expert_bias is None else jax.lax.stop_gradient(self.router.expert_bias)
         r = C.moe_apply(x, self.router.kernel, self.wi, self.wo, self.cfg, bias, dtype=self.dtype, mesh=self.mesh)
         return r.out, MoEAux(r.aux_loss, r.tokens_per_expert)

@@ -7,6 +7,9 @@ Conventions: dataclass fields for configuration, ``self.param`` wrapped in
 losses are sown into the ``"intermediates"`` collection under ``"aux_loss"`` (sum them with
 :func:`collect_aux_loss`); the aux-loss-free expert bias lives in the ``"router_state"`` collection
 and is updated when that collection is mutable and ``deterministic=False``.
+
+Configuration is checked when a module is constructed (``__post_init__``) and inputs when it is called,
+with the same messages as the NNX and Equinox modules (``te_layers.<Layer>: ...``).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from te_layers import _common as C
+from te_layers import _validation as V
 
 Initializer = Callable[..., jax.Array]
 Axes = Sequence[str | None] | None
@@ -28,6 +32,17 @@ def _param(mod: nn.Module, name: str, init: Initializer, shape, dtype, axes: Axe
     if axes is not None:
         init = nn.with_logical_partitioning(init, tuple(axes))
     return mod.param(name, init, tuple(shape), dtype)
+
+
+def _stored_dim(mod: nn.Module, path: Sequence[str], axis: int) -> int | None:
+    """Size of ``axis`` of the parameter at ``path`` under this module when it already exists (apply, or a
+    second call during init), else None: the input features the parameters were created for."""
+    node = mod.variables.get("params", {})
+    for key in path:
+        if not hasattr(node, "get") or key not in node:
+            return None
+        node = node[key]
+    return nn.meta.unbox(node).shape[axis]
 
 
 class Dense(nn.Module):
@@ -43,8 +58,15 @@ class Dense(nn.Module):
     kernel_axes: Axes = None
     bias_axes: Axes = None
 
+    def __post_init__(self):
+        V.check_dense("Dense", sizes={"features": self.features}, use_bias=self.use_bias,
+                      activation_=self.activation, dtype=self.dtype, param_dtype=self.param_dtype,
+                      kernel_axes=self.kernel_axes, bias_axes=self.bias_axes)  # fmt: skip
+        super().__post_init__()
+
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
+        x = V.dense_input("Dense", x, self.dtype, _stored_dim(self, ("kernel",), 0))
         kernel = _param(self, "kernel", self.kernel_init, (x.shape[-1], self.features), self.param_dtype,
                         self.kernel_axes)  # fmt: skip
         bias = None
@@ -61,7 +83,12 @@ class Softmax(nn.Module):
     variant: str = "scaled"
     scale: float = 1.0
 
+    def __post_init__(self):
+        V.check_softmax("Softmax", variant=self.variant, scale=self.scale)
+        super().__post_init__()
+
     def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+        x, mask = V.softmax_inputs("Softmax", x, mask, self.variant)
         return C.softmax_apply(x, variant=self.variant, scale=self.scale, mask=mask)
 
 
@@ -74,8 +101,17 @@ class DotProductAttention(nn.Module):
     dropout_rate: float = 0.0
     dropout_rng: str = "dropout"
 
+    def __post_init__(self):
+        V.check_attention("DotProductAttention", mask_type=self.mask_type, window_size=self.window_size,
+                          scale=self.scale, dropout_rate=self.dropout_rate)  # fmt: skip
+        if not isinstance(self.dropout_rng, str):
+            raise TypeError(V.err("DotProductAttention", f"dropout_rng must be an RNG stream name (str), got "
+                                                         f"{self.dropout_rng!r}."))  # fmt: skip
+        super().__post_init__()
+
     def __call__(self, q, k, v, *, bias=None, q_seqlens=None, kv_seqlens=None, q_segment_ids=None,
                  kv_segment_ids=None, deterministic: bool = True):  # fmt: skip
+        q, k, v = V.attention_inputs("DotProductAttention", q, k, v)
         rng = self.make_rng(self.dropout_rng) if (self.dropout_rate > 0 and not deterministic) else None
         return C.attention_apply(
             q, k, v, mask_type=self.mask_type, bias=bias, q_seqlens=q_seqlens, kv_seqlens=kv_seqlens,
@@ -109,19 +145,34 @@ class MultiHeadAttention(nn.Module):
     kernel_axes: Axes = ("embed", "heads")
     out_kernel_axes: Axes = ("heads", "embed")
 
+    def __post_init__(self):
+        self._check()
+        super().__post_init__()
+
+    def _check(self) -> int:
+        return V.check_mha(
+            "MultiHeadAttention", num_heads=self.num_heads, head_dim=self.head_dim, num_kv_heads=self.num_kv_heads,
+            out_features=self.out_features, fused_qkv=self.fused_qkv, use_bias=self.use_bias,
+            mask_type=self.mask_type, window_size=self.window_size, use_rope=self.use_rope,
+            rope_theta=self.rope_theta, dropout_rate=self.dropout_rate, dtype=self.dtype,
+            param_dtype=self.param_dtype, kernel_axes=self.kernel_axes, out_kernel_axes=self.out_kernel_axes,
+        )  # fmt: skip
+
     @nn.compact
     def __call__(self, x, inputs_kv=None, *, segment_ids=None, seqlens=None, positions=None, bias=None,
                  deterministic: bool = True):  # fmt: skip
-        nq, d = self.num_heads, self.head_dim
-        nkv = C.check_heads(nq, self.num_kv_heads)
+        nq, d, nkv = self.num_heads, self.head_dim, self._check()
+        first = "qkv" if self.fused_qkv else "query"
+        x, inputs_kv = V.mha_inputs(
+            "MultiHeadAttention", x, inputs_kv, dtype=self.dtype, in_features=_stored_dim(self, (first, "kernel"), 0),
+            kv_features=_stored_dim(self, ("key", "kernel"), 0), fused_qkv=self.fused_qkv, use_rope=self.use_rope,
+            mask_type=self.mask_type, segment_ids=segment_ids, seqlens=seqlens, positions=positions,
+        )  # fmt: skip
         proj = lambda n, name: Dense(  # noqa: E731
             n, use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype, kernel_init=self.kernel_init,
             bias_init=self.bias_init, kernel_axes=self.kernel_axes, name=name)  # fmt: skip
         b, s = x.shape[:2]
         if self.fused_qkv:
-            if inputs_kv is not None:
-                raise ValueError("te_layers.MultiHeadAttention: fused_qkv=True is self-attention only; "
-                                 "set fused_qkv=False for cross-attention.")
             q, k, v = C.split_qkv(proj((nq + 2 * nkv) * d, "qkv")(x), nq, nkv, d)
         else:
             kv_in = x if inputs_kv is None else inputs_kv
@@ -142,12 +193,12 @@ class MultiHeadAttention(nn.Module):
         )(o)  # fmt: skip
 
 
-def _router_config(m) -> C.RouterConfig:
+def _router_config(m, layer: str) -> C.RouterConfig:
     return C.RouterConfig(
         num_experts=m.num_experts, topk=m.topk, score_function=m.score_function, use_pre_softmax=m.use_pre_softmax,
         num_groups=m.num_groups, group_topk=m.group_topk, scaling_factor=m.scaling_factor,
         aux_loss_coeff=m.aux_loss_coeff, use_expert_bias=m.use_expert_bias,
-        expert_bias_update_rate=m.expert_bias_update_rate,
+        expert_bias_update_rate=m.expert_bias_update_rate, layer=layer,
     )  # fmt: skip
 
 
@@ -188,9 +239,15 @@ class TopKRouter(nn.Module):
     kernel_init: Initializer = nn.initializers.lecun_normal()
     kernel_axes: Axes = ("embed", None)
 
+    def __post_init__(self):
+        _router_config(self, "TopKRouter")
+        V.check_router_params("TopKRouter", param_dtype=self.param_dtype, kernel_axes=self.kernel_axes)
+        super().__post_init__()
+
     @nn.compact
     def __call__(self, x: jax.Array, *, deterministic: bool = True) -> C.RouterOutput:
-        cfg = _router_config(self)
+        cfg = _router_config(self, "TopKRouter")
+        x = V.token_input("TopKRouter", x, None, _stored_dim(self, ("kernel",), 0), router=True)
         kernel, bias = _router_params(self, x.shape[-1])
         logits = C.router_logits(x.reshape(-1, x.shape[-1]), kernel)
         r = C.route(logits, cfg, bias)
@@ -252,8 +309,23 @@ class MoEBlock(nn.Module):
     wi_axes: Axes = ("expert", "embed", "mlp")
     wo_axes: Axes = ("expert", "mlp", "embed")
 
+    def __post_init__(self):
+        self._config()
+        V.check_moe_params(
+            "MoEBlock", num_experts=self.num_experts, expert_axis=self.expert_axis, mesh=self.mesh, dtype=self.dtype,
+            param_dtype=self.param_dtype, router_param_dtype=self.router_param_dtype,
+            router_kernel_axes=self.router_kernel_axes, wi_axes=self.wi_axes, wo_axes=self.wo_axes,
+        )  # fmt: skip
+        super().__post_init__()
+
+    def _config(self) -> C.MoEConfig:
+        return C.MoEConfig(_router_config(self, "MoEBlock"), self.ffn_dim, self.activation, self.gated,
+                           self.expert_axis, self.grouped_gemm)  # fmt: skip
+
     @nn.compact
     def __call__(self, x: jax.Array, *, deterministic: bool = True) -> jax.Array:
+        cfg = self._config()
+        x = V.token_input("MoEBlock", x, self.dtype, _stored_dim(self, ("wi",), 1))
         hdim = x.shape[-1]
         router = _RouterParams(self.num_experts, self.use_expert_bias, self.router_param_dtype,
                                self.router_kernel_init, self.router_kernel_axes, name="router")
@@ -262,8 +334,6 @@ class MoEBlock(nn.Module):
         wi = _param(self, "wi", self.kernel_init, (self.num_experts, hdim, f2), self.param_dtype, self.wi_axes)
         wo = _param(self, "wo", self.kernel_init, (self.num_experts, self.ffn_dim, hdim), self.param_dtype,
                     self.wo_axes)  # fmt: skip
-        cfg = C.MoEConfig(_router_config(self), self.ffn_dim, self.activation, self.gated, self.expert_axis,
-                          self.grouped_gemm)  # fmt: skip
         r = C.moe_apply(x, rkernel, wi, wo, cfg, bias, dtype=self.dtype,
                         mesh=self.mesh)  # fmt: skip
         self.sow("intermediates", "aux_loss", r.aux_loss)

@@ -8,9 +8,12 @@ dropout keys from a forked ``rngs.dropout`` stream, ``deterministic`` as an attr
 ``model.train()`` / ``model.eval()`` (or overridden per call). MoE aux losses are sown as
 :class:`AuxLoss` (an ``nnx.Intermediate``): capture them with
 ``nnx.capture(fn, te_layers.nnx.AuxLoss)`` and sum the captured state with :func:`collect_aux_loss`
-(which also pops them from a module when sown outside ``nnx.capture``, the older idiom). The
+(which also pops them from a module they were sown into outside ``nnx.capture``). The
 aux-loss-free expert bias is an :class:`ExpertBias` variable (not an ``nnx.Param``, so optimisers
 skip it) updated in place on training calls.
+
+Configuration is checked in ``__init__`` and inputs when a module is called, with the same messages as
+the Linen and Equinox modules (``te_layers.<Layer>: ...``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from te_layers import _common as C
+from te_layers import _validation as V
 
 Initializer = Callable[..., jax.Array]
 Axes = Sequence[str | None] | None
@@ -66,6 +70,9 @@ class Dense(nnx.Module):
                  activation: str | Callable | None = None, dtype: Any = None, param_dtype: Any = jnp.float32,
                  kernel_init: Initializer = _lecun, bias_init: Initializer = _zeros, kernel_axes: Axes = None,
                  bias_axes: Axes = None, rngs: nnx.Rngs):  # fmt: skip
+        V.check_dense("Dense", sizes={"in_features": in_features, "out_features": out_features}, use_bias=use_bias,
+                      activation_=activation, dtype=dtype, param_dtype=param_dtype, kernel_axes=kernel_axes,
+                      bias_axes=bias_axes)  # fmt: skip
         self.in_features, self.out_features = in_features, out_features
         self.activation, self.dtype = activation, dtype
         self.kernel = _param(rngs, kernel_init, (in_features, out_features), param_dtype, kernel_axes)
@@ -74,6 +81,7 @@ class Dense(nnx.Module):
         self.bias = _param(rngs, bias_init, (out_features,), param_dtype, bias_axes) if use_bias else nnx.data(None)
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        x = V.dense_input("Dense", x, self.dtype, self.in_features)
         bias = None if self.bias is None else self.bias[...]
         return C.dense_apply(x, self.kernel[...], bias, activation=self.activation, dtype=self.dtype)
 
@@ -82,11 +90,11 @@ class Softmax(nnx.Module):
     """te_ops softmax: ``variant`` "scaled", "masked" (call with ``mask``, True = masked out) or "causal"."""
 
     def __init__(self, variant: str = "scaled", scale: float = 1.0):
-        if variant not in C.SOFTMAX_VARIANTS:
-            raise ValueError(f"te_layers.nnx.Softmax: variant must be one of {C.SOFTMAX_VARIANTS}, got {variant!r}.")
+        V.check_softmax("Softmax", variant=variant, scale=scale)
         self.variant, self.scale = variant, scale
 
     def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+        x, mask = V.softmax_inputs("Softmax", x, mask, self.variant)
         return C.softmax_apply(x, variant=self.variant, scale=self.scale, mask=mask)
 
 
@@ -96,12 +104,16 @@ class DotProductAttention(nnx.Module):
     def __init__(self, *, mask_type: str = "none", window_size: tuple[int, int] | None = None,
                  scale: float | None = None, dropout_rate: float = 0.0, deterministic: bool = False,
                  rngs: nnx.Rngs | None = None):  # fmt: skip
+        V.check_attention("DotProductAttention", mask_type=mask_type, window_size=window_size, scale=scale,
+                          dropout_rate=dropout_rate)  # fmt: skip
+        V.flag("DotProductAttention", "deterministic", deterministic)
         self.mask_type, self.window_size, self.scale = mask_type, window_size, scale
         self.dropout_rate, self.deterministic = dropout_rate, deterministic
         self.rngs = _dropout_stream(rngs, dropout_rate)
 
     def __call__(self, q, k, v, *, bias=None, q_seqlens=None, kv_seqlens=None, q_segment_ids=None,
                  kv_segment_ids=None, deterministic: bool | None = None, rngs=None):  # fmt: skip
+        q, k, v = V.attention_inputs("DotProductAttention", q, k, v)
         det = self.deterministic if deterministic is None else deterministic
         return C.attention_apply(
             q, k, v, mask_type=self.mask_type, bias=bias, q_seqlens=q_seqlens, kv_seqlens=kv_seqlens,
@@ -116,9 +128,9 @@ def _dropout_key(mod, rngs, deterministic):
     stream = rngs if rngs is not None else mod.rngs
     if stream is None:
         raise ValueError(
-            f"te_layers.nnx.{type(mod).__name__}: dropout needs rngs (pass rngs= at construction or call), "
-            "or call with deterministic=True / model.eval()."
-        )
+            V.err(type(mod).__name__, "rngs is required for dropout (pass rngs= at construction or call), or call "
+                                      "with deterministic=True / model.eval().")
+        )  # fmt: skip
     if isinstance(stream, nnx.Rngs):
         return stream.dropout()
     return stream() if isinstance(stream, nnx.RngStream) else stream
@@ -138,7 +150,15 @@ class MultiHeadAttention(nnx.Module):
                  dtype: Any = None, param_dtype: Any = jnp.float32, kernel_init: Initializer = _lecun,
                  bias_init: Initializer = _zeros, kernel_axes: Axes = ("embed", "heads"),
                  out_kernel_axes: Axes = ("heads", "embed"), rngs: nnx.Rngs):  # fmt: skip
-        nkv = C.check_heads(num_heads, num_kv_heads)
+        nkv = V.check_mha(
+            "MultiHeadAttention", in_features=in_features, num_heads=num_heads, head_dim=head_dim,
+            num_kv_heads=num_kv_heads, out_features=out_features, fused_qkv=fused_qkv, use_bias=use_bias,
+            mask_type=mask_type, window_size=window_size, use_rope=use_rope, rope_theta=rope_theta,
+            dropout_rate=dropout_rate, dtype=dtype, param_dtype=param_dtype, kernel_axes=kernel_axes,
+            out_kernel_axes=out_kernel_axes,
+        )  # fmt: skip
+        V.flag("MultiHeadAttention", "deterministic", deterministic)
+        self.in_features, self.dtype = in_features, dtype
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, nkv, head_dim
         self.fused_qkv, self.mask_type, self.window_size = fused_qkv, mask_type, window_size
         self.use_rope, self.rope_theta = use_rope, rope_theta
@@ -160,13 +180,15 @@ class MultiHeadAttention(nnx.Module):
 
     def __call__(self, x, inputs_kv=None, *, segment_ids=None, seqlens=None, positions=None, bias=None,
                  deterministic: bool | None = None, rngs=None):  # fmt: skip
+        x, inputs_kv = V.mha_inputs(
+            "MultiHeadAttention", x, inputs_kv, dtype=self.dtype, in_features=self.in_features,
+            kv_features=self.in_features, fused_qkv=self.fused_qkv, use_rope=self.use_rope, mask_type=self.mask_type,
+            segment_ids=segment_ids, seqlens=seqlens, positions=positions,
+        )  # fmt: skip
         det = self.deterministic if deterministic is None else deterministic
         nq, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         b, s = x.shape[:2]
         if self.fused_qkv:
-            if inputs_kv is not None:
-                raise ValueError("te_layers.nnx.MultiHeadAttention: fused_qkv=True is self-attention only; "
-                                 "construct with fused_qkv=False for cross-attention.")
             q, k, v = C.split_qkv(self.qkv(x), nq, nkv, d)
         else:
             kv_in = x if inputs_kv is None else inputs_kv
@@ -182,10 +204,6 @@ class MultiHeadAttention(nnx.Module):
             deterministic=det,
         )  # fmt: skip
         return self.out(o)
-
-
-def _router_config(num_experts, topk, kw) -> C.RouterConfig:
-    return C.RouterConfig(num_experts=num_experts, topk=topk, **kw)
 
 
 class _RouterParams(nnx.Module):
@@ -216,13 +234,15 @@ class TopKRouter(nnx.Module):
                  kernel_init: Initializer = _lecun, kernel_axes: Axes = ("embed", None),
                  deterministic: bool = False, rngs: nnx.Rngs, **router_options):  # fmt: skip
         router_options.setdefault("aux_loss_coeff", 0.0)
-        self.cfg = nnx.static(_router_config(num_experts, topk, router_options))
-        self.deterministic = deterministic
+        self.cfg = nnx.static(C.router_config("TopKRouter", num_experts, topk, router_options))
+        V.check_router_params("TopKRouter", in_features=in_features, param_dtype=param_dtype, kernel_axes=kernel_axes)
+        self.in_features, self.deterministic = in_features, V.flag("TopKRouter", "deterministic", deterministic)
         p = _RouterParams(in_features, num_experts, self.cfg.use_expert_bias, param_dtype, kernel_init,
                           kernel_axes, rngs)  # fmt: skip
         self.kernel, self.expert_bias = p.kernel, p.expert_bias
 
     def __call__(self, x: jax.Array, *, deterministic: bool | None = None) -> C.RouterOutput:
+        x = V.token_input("TopKRouter", x, None, self.in_features, router=True)
         det = self.deterministic if deterministic is None else deterministic
         bias = None if self.expert_bias is None else self.expert_bias[...]
         logits = C.router_logits(x.reshape(-1, x.shape[-1]), self.kernel[...])
@@ -250,10 +270,16 @@ class MoEBlock(nnx.Module):
                  router_kernel_init: Initializer = _lecun, router_kernel_axes: Axes = ("embed", None),
                  wi_axes: Axes = ("expert", "embed", "mlp"), wo_axes: Axes = ("expert", "mlp", "embed"),
                  deterministic: bool = False, rngs: nnx.Rngs, **router_options):  # fmt: skip
-        rc = _router_config(num_experts, topk, dict(router_options, aux_loss_coeff=aux_loss_coeff))
+        rc = C.router_config("MoEBlock", num_experts, topk, dict(router_options, aux_loss_coeff=aux_loss_coeff))
         self.cfg = nnx.static(C.MoEConfig(rc, ffn_dim, activation, gated, expert_axis, grouped_gemm))
+        V.check_moe_params(
+            "MoEBlock", in_features=in_features, num_experts=num_experts, expert_axis=expert_axis, mesh=mesh,
+            dtype=dtype, param_dtype=param_dtype, router_param_dtype=router_param_dtype,
+            router_kernel_axes=router_kernel_axes, wi_axes=wi_axes, wo_axes=wo_axes,
+        )  # fmt: skip
         self.mesh = nnx.static(mesh)
-        self.dtype, self.deterministic = dtype, deterministic
+        self.in_features, self.dtype = in_features, dtype
+        self.deterministic = V.flag("MoEBlock", "deterministic", deterministic)
         self.router = _RouterParams(in_features, num_experts, rc.use_expert_bias, router_param_dtype,
                                     router_kernel_init, router_kernel_axes, rngs)  # fmt: skip
         f2 = ffn_dim * (2 if gated else 1)
@@ -261,6 +287,7 @@ class MoEBlock(nnx.Module):
         self.wo = _param(rngs, kernel_init, (num_experts, ffn_dim, in_features), param_dtype, wo_axes)
 
     def __call__(self, x: jax.Array, *, deterministic: bool | None = None) -> jax.Array:
+        x = V.token_input("MoEBlock", x, self.dtype, self.in_features)
         det = self.deterministic if deterministic is None else deterministic
         r = C.moe_apply(x, self.router.kernel[...], self.wi[...], self.wo[...], self.cfg, self.router.bias_value(),
                         dtype=self.dtype, mesh=self.mesh)  # fmt: skip

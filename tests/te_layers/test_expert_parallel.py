@@ -71,9 +71,16 @@ def test_expert_parallel_eqx_with_context_mesh():
 
 def test_expert_parallel_errors():
     mesh = _mesh()
-    block = te_eqx.MoEBlock(H, 12, K, F, expert_axis="ep", mesh=mesh, key=jax.random.key(0))
-    with pytest.raises(ValueError, match="experts do not split over the 8"):
-        block(jnp.ones((8, H)))
+    with pytest.raises(ValueError, match=r"^te_layers\.MoEBlock: num_experts must be a multiple of the 8 shards"):
+        te_eqx.MoEBlock(H, 12, K, F, expert_axis="ep", mesh=mesh, key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"^te_layers\.MoEBlock: expert_axis must be an axis of the mesh \['ep'\]"):
+        te_eqx.MoEBlock(H, E, K, F, expert_axis="tp", mesh=mesh, key=jax.random.key(0))
+    block = te_eqx.MoEBlock(H, 12, K, F, expert_axis="ep", key=jax.random.key(0))
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"^te_layers\.MoEBlock: num_experts must be a multiple"):
+        block(jnp.ones((8, H)))  # the context mesh is checked at call time
+    block = te_eqx.MoEBlock(H, E, K, F, expert_axis="ep", mesh=mesh, key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"^te_layers\.MoEBlock: x must hold a number of tokens .* divisible by the 8"):
+        block(jnp.ones((4, H)))
     block = te_eqx.MoEBlock(H, E, K, F, expert_axis="ep", key=jax.random.key(0))
-    with pytest.raises(ValueError, match="no mesh"):
+    with pytest.raises(ValueError, match=r"^te_layers\.MoEBlock: mesh is required with expert_axis"):
         block(jnp.ones((8, H)))

@@ -108,7 +108,7 @@ def test_router_options_and_errors():
     assert float(r.aux_loss) > 0
     with pytest.raises(ValueError, match="needs score_function='sigmoid'"):
         te_eqx.TopKRouter(16, 8, 2, use_expert_bias=True, key=jax.random.key(0))
-    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+    with pytest.raises(ValueError, match="num_kv_heads must divide num_heads=4"):
         te_eqx.MultiHeadAttention(16, 4, 8, num_kv_heads=3, key=jax.random.key(0))
     with pytest.raises(ValueError, match="variant must be one of"):
         te_nnx.Softmax("upper")
