@@ -5,11 +5,13 @@ Signatures shared by every grouped_dense implementation::
     forward(x, kernels, group_sizes, bias, *, has_bias) -> (y, Residuals)
     backward(res: Residuals, dy, *, has_bias) -> (dx, dkernels, dbias)
 
-Semantics (../shared/SEMANTICS.md, "Grouped GEMM"): the rows of ``x[M, K]`` come in ``G``
-consecutive groups of ``group_sizes[g]`` rows (int32, on the device); group ``g`` is multiplied by
-``kernels[g]`` (``[K, N]``) and gets ``bias[g]``; rows past ``sum(group_sizes)`` are zero (and get a
-zero ``dx``). Sizes are clamped to be >= 0 and the groups are clipped at row M (so a sum > M just
-loses the rows that do not exist). A group with no rows gets a zero ``dkernels[g]`` and ``dbias[g]``.
+Semantics (docs/semantics.md, "Grouped GEMM"): the rows of ``x[M, K]`` come in ``G`` consecutive
+groups (int32 sizes, on the device); group ``g`` is multiplied by ``kernels[g]`` (``[K, N]``) and
+gets ``bias[g]``; rows of no group are zero (and get a zero ``dx``). Group ``g`` is the rows
+``[end[g-1], end[g])`` with ``end[g] = min(S[g], M)`` and ``S`` the exact prefix sum of the sizes
+clamped to >= 0 (:func:`group_bounds`): a negative size counts as 0, a sum past M loses the rows
+that do not exist, and the prefix sum never wraps around in int32. A group with no rows gets a zero
+``dkernels[g]`` and ``dbias[g]``.
 
 Everything here is jit-compatible with device-side sizes: ``jax.lax.ragged_dot`` (a dense expansion
 on GPU, fine for an oracle) plus an explicit per-row validity mask from the cumulative sizes.
@@ -32,9 +34,15 @@ class Residuals(NamedTuple):
 
 
 def group_bounds(group_sizes: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
-    """(start, end) int32 [G] row ranges of the groups: sizes clamped >= 0, ends clipped at m."""
-    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
-    end = jnp.minimum(jnp.cumsum(sizes), m)
+    """(start, end) int32 [G] row ranges of the groups: ``end[g] = min(S[g], m)`` with ``S`` the exact
+    prefix sum of the sizes clamped >= 0, ``start[g] = end[g-1]``.
+
+    A plain int32 cumsum wraps around for large sizes (e.g. two sizes of 2**31 - 1), so the ends come
+    from a saturating scan, ``a (+) b = min(a + b, m)``: associative for values in [0, m], exact, and
+    in uint32 ``a + b <= 2m`` cannot overflow (m < 2**31)."""
+    cap = jnp.uint32(m)
+    sizes = jnp.clip(group_sizes.astype(jnp.int32), 0, m).astype(jnp.uint32)
+    end = jax.lax.associative_scan(lambda a, b: jnp.minimum(a + b, cap), sizes).astype(jnp.int32)
     start = jnp.concatenate([jnp.zeros((1,), jnp.int32), end[:-1]])
     return start, end
 

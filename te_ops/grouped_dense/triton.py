@@ -11,12 +11,12 @@ Why this engine
   On Hopper ``tl.dot`` lowers to wgmma with a num_stages-deep cp.async pipeline.
 * **CUTLASS grouped GEMM** (device-side problem sizes) is not used: CUTLASS is not on the GPU image
   and the project builds csrc/ without it.
-* **cuBLASLt grouped GEMM**: assumed not usable here. The grouped/batched-pointer-array APIs of the
-  cuBLAS releases we could rely on take the per-group problem sizes on the host (a device->host copy
-  of group_sizes per call breaks graph capture and stalls the stream), and a device-size grouped GEMM
-  in cuBLASLt is not something we could confirm in the CUDA version on the image (we could not read
-  its docs from here). If a later CUDA offers it, it would slot in as a ``native`` implementation.
-* ``jax.lax.ragged_dot`` is a dense expansion on the H200 (9 TFLOP/s, ../shared/ANCHORS.md).
+* **cuBLASLt grouped GEMM**: not used. The grouped/batched-pointer-array APIs of the cuBLAS
+  releases we can rely on take the per-group problem sizes on the host (a device->host copy of
+  group_sizes per call breaks graph capture and stalls the stream). A cuBLASLt grouped GEMM with
+  device-side sizes would slot in as a ``native`` implementation.
+* ``jax.lax.ragged_dot`` lowers to a dense expansion on GPU (every row times every group's kernel),
+  far below the tensor cores' rate: fine for the reference, not as the engine.
 
 Backward: dx is the same persistent kernel with the kernels read transposed (strides, no copy);
 dkernels is ``grouped_wgrad_kernel`` (one program per (g, K-tile, N-tile), M reduction inside the

@@ -33,13 +33,16 @@ def _group_table(gs_ptr, G, M, BLOCK_G: tl.constexpr):
     reference.group_bounds: start[g] = end[g-1]). The start is the clipped *exclusive* prefix sum,
     not ``end - size``: once the sum passes M the end is clipped, and ``end - size`` would reach back
     into the previous group (sizes [300, 300, 300] at M=640 would give group 2 rows [340, 640),
-    overlapping group 1, whose output rows and dkernels then depend on which tile is written last)."""
+    overlapping group 1, whose output rows and dkernels then depend on which tile is written last).
+    The prefix sum runs in int64: G <= 1024 sizes below 2**31 cannot overflow it, where an int32
+    cumsum wraps around (sizes [2**31 - 1, 2**31 - 1, ...] would give negative ends and leave output
+    rows unwritten)."""
     gi = tl.arange(0, BLOCK_G)
     sizes = tl.load(gs_ptr + gi, mask=gi < G, other=0)
-    sizes = tl.maximum(sizes, 0)
+    sizes = tl.maximum(sizes, 0).to(tl.int64)
     cum = tl.cumsum(sizes, axis=0)
-    end = tl.minimum(cum, M)
-    start = tl.minimum(cum - sizes, M)
+    end = tl.minimum(cum, M).to(tl.int32)
+    start = tl.minimum(cum - sizes, M).to(tl.int32)
     return gi, start, end
 
 

@@ -61,7 +61,7 @@ def check(got, want, dtype, names=("y", "dx", "dkernels", "dbias")):
     for name, a, e in zip(names, got, want, strict=False):
         a32 = np.asarray(jnp.asarray(a, jnp.float32))
         assert not np.isnan(a32).any(), f"{name}: unwritten (NaN-poisoned) element"
-        scale = float(np.abs(np.asarray(jnp.asarray(e, jnp.float32))).max()) + 1e-6
+        scale = float(np.abs(np.asarray(jnp.asarray(e, jnp.float32))).max(initial=0.0)) + 1e-6
         T.assert_close(a, e, dtype, scale=max(1.0, scale), err_msg=name)
 
 
@@ -131,6 +131,78 @@ def test_edge_sizes_one_executable():
         except AssertionError as e:
             failures.append(f"sizes={sizes}: {str(e).strip()[:600]}")
     assert not failures, "\n\n".join(failures)
+
+
+_BIG = 2**31 - 1
+
+
+@needs_triton
+def test_sizes_out_of_range_match_reference():
+    """Sizes that cannot be checked at trace time (negative, summing past M, int32 prefix sums that
+    would wrap around) give the reference's defined result: one executable, poisoned outputs."""
+    m, k, n, g = 640, 128, 256, 6
+    x, w, b, dy = make(11, m, k, n, g, jnp.bfloat16)
+
+    def step(impl):
+        def f(x, w, s, b, dy):
+            y, vjp = jax.vjp(lambda x, w, b: grouped_dense(x, w, s, b, implementation=impl), x, w, b)
+            return (y, *vjp(dy))
+
+        return f
+
+    with native.poisoned_outputs():
+        fn = jax.jit(step("triton")).lower(x, w, jnp.zeros((g,), jnp.int32), b, dy).compile()
+    ref = jax.jit(step("reference"))
+    all_sizes = (
+        [100, -50, 300, -1, 200, 100],  # negative sizes count as 0; group 4 cut at row 640
+        [_BIG, _BIG, 5, 0, 0, 0],  # group 0 owns every row; int32 cumsum wraps at group 1
+        [10, _BIG, _BIG, 7, -_BIG, 1],
+        [-5, 2**30, 2**30, 2**30, 3, 2],
+        [700, 0, 0, 0, 0, 0],
+    )
+    failures = []
+    for sizes in all_sizes:
+        s = jnp.asarray(sizes, jnp.int32)
+        try:
+            check(fn(x, w, s, b, dy), ref(x, w, s, b, dy), jnp.bfloat16)
+        except AssertionError as e:
+            failures.append(f"sizes={sizes}: {str(e).strip()[:600]}")
+    assert not failures, "\n\n".join(failures)
+
+
+@needs_triton
+def test_triton_eager_and_jit():
+    """implementation="triton" called eagerly (no jit: each primitive runs on its own) and under jit,
+    forward and gradients, against the reference."""
+    m, k, n, g = 512, 64, 128, 4
+    x, w, b, dy = make(12, m, k, n, g, jnp.bfloat16)
+    s = jnp.array([100, 0, 250, 90], jnp.int32)
+
+    def step(impl):
+        def f(x, w, s, b, dy):
+            y, vjp = jax.vjp(lambda x, w, b: grouped_dense(x, w, s, b, implementation=impl), x, w, b)
+            return (y, *vjp(dy))
+
+        return f
+
+    want = jax.jit(step("reference"))(x, w, s, b, dy)
+    check(step("triton")(x, w, s, b, dy), want, jnp.bfloat16)
+    check(jax.jit(step("triton"))(x, w, s, b, dy), want, jnp.bfloat16)
+    y = grouped_dense(x, w, s, implementation="triton")  # eager forward alone, no bias
+    check((y,), (grouped_dense(x, w, s, implementation="reference"),), jnp.bfloat16)
+
+
+@needs_triton
+@pytest.mark.parametrize("m,k,n", [(0, 64, 128), (300, 0, 128), (300, 64, 0)])
+def test_empty_axes_match_reference(m, k, n):
+    """M, K or N of length 0 through the Triton path (K = 0: bias[g] on group g's rows)."""
+    g = 3
+    x, w, b, dy = make(13, m, k, n, g, jnp.bfloat16)
+    s = jnp.array([100, 0, 150], jnp.int32)
+    got = run("triton", x, w, s, b, dy)
+    want = run("reference", x, w, s, b, dy)
+    assert [a.shape for a in got] == [a.shape for a in want]
+    check(got, want, jnp.bfloat16)
 
 
 _CMD_BUFFER_SCRIPT = textwrap.dedent("""

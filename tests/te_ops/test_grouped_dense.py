@@ -159,15 +159,118 @@ def test_errors():
         grouped_dense(x.astype(jnp.int32), w.astype(jnp.int32), s)
     with pytest.raises(ValueError, match="bias must have shape"):
         grouped_dense(x, w, s, jnp.ones((2, 8)))
-    with pytest.raises(ValueError, match="multiples of 8"):
-        grouped_dense(jnp.ones((16, 12)), jnp.ones((2, 12, 16)), s)
-    with pytest.raises(ValueError, match="multiples of 8"):
-        grouped_dense(x, jnp.ones((2, 8, 20)), s)
-    # the pure-JAX path takes any K and N
-    out = grouped_dense(jnp.ones((16, 12)), jnp.ones((2, 12, 20)), s, implementation="reference")
-    assert out.shape == (16, 20)
+    with pytest.raises(ValueError, match=r"at least one group \(G >= 1\)"):
+        grouped_dense(x, jnp.ones((0, 8, 16)), jnp.zeros((0,), jnp.int32))
     with pytest.raises(ValueError, match="unknown implementation"):
         grouped_dense(x, w, s, implementation="cutlass")
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        ((None, "w", "s"), r"te_ops\.grouped_dense: x is required \(an array\), got None"),
+        (("x", None, "s"), r"kernels is required"),
+        (("x", "w", None), r"group_sizes is required"),
+        (("xc", "w", "s"), r"x must be float32, bfloat16 or float16, got dtype complex64"),
+        (("x", "wi", "s"), r"kernels must be float32, bfloat16 or float16, got dtype int32"),
+        (("x", "w", "sb"), r"group_sizes must be int32, got dtype bool"),
+        (("x", "w", "s", "bi"), r"bias must be float32, bfloat16 or float16, got dtype int32"),
+    ],
+)
+def test_missing_integer_and_complex_inputs_are_refused(args, match):
+    vals = {
+        "x": jnp.ones((16, 8)),
+        "xc": jnp.ones((16, 8), jnp.complex64),
+        "w": jnp.ones((2, 8, 16)),
+        "wi": jnp.ones((2, 8, 16), jnp.int32),
+        "s": jnp.array([8, 8], jnp.int32),
+        "sb": jnp.array([True, False]),
+        "bi": jnp.ones((2, 16), jnp.int32),
+        None: None,
+    }
+    with pytest.raises(TypeError, match=match):
+        grouped_dense(*[vals[a] for a in args])
+
+
+def test_k_and_n_not_multiples_of_8():
+    """The Triton kernels need K and N multiples of 8; implementation=None then runs the reference
+    (also on CUDA), a named "triton" is refused with that reason."""
+    from te_ops.grouped_dense import triton as tri
+
+    rng = np.random.default_rng(12)
+    x, w, s, b = make(rng, 30, 12, 20, 3)
+    assert_close(grouped_dense(x, w, s, b), direct(x, w, s, b), jnp.float32, scale=4)
+    why = tri.unsupported_reason(dtype=jnp.bfloat16, kernels_dtype=jnp.bfloat16, m=30, k=12, n=20, g=3)
+    assert "multiples of 8" in why and "K=12, N=20" in why
+    assert tri.unsupported_reason(dtype=jnp.bfloat16, kernels_dtype=jnp.bfloat16, m=30, k=16, n=24, g=3) is None
+
+
+@pytest.mark.parametrize("m,k,n", [(0, 8, 16), (40, 0, 16), (40, 8, 0), (0, 0, 0)])
+def test_empty_axes_follow_the_definition(m, k, n):
+    """M, K or N of length 0: the per-group formula (K = 0: bias[g] on group g's rows), forward and
+    gradients, eager and under jit, and under vmap."""
+    rng = np.random.default_rng(13)
+    x, w, _, b = make(rng, m, k, n, 4)
+    sizes = jnp.array([7, 0, 20, 5], jnp.int32)
+    dy = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
+    y = grouped_dense(x, w, sizes, b)
+    assert y.shape == (m, n) and y.dtype == jnp.float32
+    assert_close(y, direct(x, w, sizes, b), jnp.float32, scale=4)
+    assert_close(jax.jit(grouped_dense)(x, w, sizes, b), direct(x, w, sizes, b), jnp.float32, scale=4)
+    if k == 0 and m and n:  # the defined K = 0 result, spelled out
+        want = np.zeros((m, n), np.float32)
+        want[:7], want[7:27], want[27:32] = b[0], b[2], b[3]
+        np.testing.assert_array_equal(np.asarray(y), want)
+
+    def loss(f):
+        return lambda x, w, b: jnp.sum(f(x, w, sizes, b) * dy)
+
+    want = jax.grad(loss(direct), argnums=(0, 1, 2))(x, w, b)
+    for got in (
+        jax.grad(loss(grouped_dense), argnums=(0, 1, 2))(x, w, b),
+        jax.jit(jax.grad(loss(grouped_dense), argnums=(0, 1, 2)))(x, w, b),
+    ):
+        for a, e in zip(got, want, strict=True):
+            assert a.shape == e.shape
+            assert_close(a, e, jnp.float32, scale=8)
+    yv = jax.vmap(lambda x: grouped_dense(x, w, sizes, b))(jnp.stack([x, x]))
+    assert yv.shape == (2, m, n)
+
+
+# sizes that cannot be checked at trace time: negative, summing past M, and large enough that an
+# int32 prefix sum would wrap around (2 * (2**31 - 1) and 3 * 2**30 overflow int32)
+_BIG = 2**31 - 1
+_RUNTIME_SIZES = [
+    [10, -5, 30, 0],
+    [_BIG, _BIG, 5, 0],
+    [10, _BIG, _BIG, 7],
+    [-_BIG, 2**30, 2**30, 2**30],
+    [3, -1, _BIG, -_BIG],
+]
+
+
+@pytest.mark.parametrize("sizes", _RUNTIME_SIZES, ids=str)
+def test_sizes_out_of_range_have_the_defined_result(sizes):
+    """Negative sizes count as 0; the group crossing row M is cut there, later groups are empty
+    (zero dkernels and dbias); the prefix sum does not wrap around in int32. `direct` computes this
+    with Python integers."""
+    rng = np.random.default_rng(14)
+    x, w, _, b = make(rng, 48, 16, 8, 4)
+    s = jnp.asarray(sizes, jnp.int32)
+    dy = jnp.asarray(rng.standard_normal((48, 8)), jnp.float32)
+    fn = jax.jit(lambda x, w, s, b: grouped_dense(x, w, s, b))
+    assert_close(fn(x, w, s, b), direct(x, w, s, b), jnp.float32, scale=4)
+    got = jax.jit(jax.grad(lambda x, w, b: jnp.sum(grouped_dense(x, w, s, b) * dy), argnums=(0, 1, 2)))(x, w, b)
+    want = jax.grad(lambda x, w, b: jnp.sum(direct(x, w, s, b) * dy), argnums=(0, 1, 2))(x, w, b)
+    for a, e in zip(got, want, strict=True):
+        assert_close(a, e, jnp.float32, scale=8)
+    ends = np.minimum(np.cumsum(np.maximum(np.asarray(sizes, np.int64), 0)), 48)
+    starts = np.concatenate([[0], ends[:-1]])
+    from te_ops.grouped_dense.reference import group_bounds
+
+    start, end = group_bounds(s, 48)
+    np.testing.assert_array_equal(np.asarray(start), starts)
+    np.testing.assert_array_equal(np.asarray(end), ends)
 
 
 def test_dispatch_reference_on_cpu_and_triton_refused_without_gpu():
@@ -302,7 +405,8 @@ def test_triton_kernels_edge_sizes_under_interpreter():
     row, all groups empty, sizes summing past M (a group clipped at M, groups starting at or past M),
     tiny groups, groups ending mid-tile; plus a negative size (clamped to 0). Regression: the kernels'
     group table once put a clipped group's start at ``end - size`` (not the previous group's end), so
-    it overlapped the group before it (y, dx and dkernels wrong for [300, 300, 300, ...] at M=640)."""
+    it overlapped the group before it (y, dx and dkernels wrong for [300, 300, 300, ...] at M=640);
+    and sizes whose int32 prefix sum wraps around left output rows unwritten."""
     _run_interpreter("--interpret-edge")
 
 
@@ -385,6 +489,10 @@ _EDGE_CASES = [
     (40, 16, 16, [9, 7, 8, 1, 0, 15]),
     (40, 16, 16, [10, 25, 7, 5, 0, 3]),  # groups 3 and 5 start past M (empty after clipping)
     (40, 16, 16, [5, -3, 20, 30, 0, 1]),  # negative size -> 0; group 3 clipped
+    # an int32 prefix sum of these wraps around; the kernels' int64 one does not
+    (40, 16, 16, [2**31 - 1, 2**31 - 1, 5, 0, 0, 0]),
+    (40, 16, 16, [10, 2**31 - 1, 2**31 - 1, 7, -(2**31 - 1), 1]),
+    (40, 16, 16, [-5, 2**30, 2**30, 2**30, 3, 2]),
 ]
 
 
