@@ -347,7 +347,7 @@ def parse_args(argv=None):
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--eval-every", type=int, default=100,
+    ap.add_argument("--eval-every", type=int, default=50,
                     help="validation loss every this many steps (also before the first and after the last step)")
     ap.add_argument("--eval-tokens", type=int, default=16384,
                     help="held-out bytes scored per validation (whole batches of --batch x --seq, from the start "
