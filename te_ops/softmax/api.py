@@ -1,18 +1,20 @@
-"""Public softmax ops: validation, custom VJP, sharding, vmap and implementation dispatch."""
+"""Public softmax ops: validation, custom VJP, registration and implementation dispatch.
+
+Sharding rule and vmap fold: :mod:`te_ops.softmax.sharding`. The exact semantics, non-finite
+inputs included: the docstrings below, ``reference.py`` and docs/semantics.md ("Softmax").
+"""
 
 from __future__ import annotations
 
 import functools
-import numbers
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
-from te_ops._core import partitioning as P
 from te_ops._core import registry
-from te_ops.softmax import native, reference
+from te_ops._core.partitioning import match_vma
+from te_ops._core.validation import check_bool, check_float, err, static_float
+from te_ops.softmax import native, reference, sharding
 from te_ops.softmax.reference import Residuals
 
 FAMILY = registry.family("softmax")
@@ -30,125 +32,37 @@ FAMILY.register(
     registry.Implementation(name=registry.REFERENCE, forward=reference.forward, backward=reference.backward)
 )
 
-_FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-
-
 # ----------------------------------------------------------------------------------------------
 # Validation
 # ----------------------------------------------------------------------------------------------
 
+_SCALE_WHY = (
+    "The scale is compiled into the kernel; pass a number such as scale=1 / math.sqrt(head_dim), not a traced array."
+)
 
-def _check_x(op: str, x: Any, min_rank: int) -> jax.Array:
-    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        x = jnp.asarray(x)
-    if jnp.dtype(x.dtype) not in _FLOAT_DTYPES:
-        raise TypeError(
-            f"te_ops.{op}: x must be float32, bfloat16 or float16, got dtype {jnp.dtype(x.dtype)}. "
-            f"Cast it first, e.g. x.astype(jnp.float32)."
-        )
+
+def _check_x(op: str, x: Any, min_rank: int, layout: str) -> jax.Array:
+    x = check_float(op, "x", x)
     if x.ndim < min_rank:
-        raise ValueError(f"te_ops.{op}: x must have rank >= {min_rank}, got shape {tuple(x.shape)}.")
+        raise ValueError(err(op, f"x must have rank >= {min_rank} {layout}, got shape {tuple(x.shape)}."))
     return x
 
 
-def _check_scale(op: str, scale: Any) -> float:
-    if isinstance(scale, (jax.Array, jax.core.Tracer)) or isinstance(scale, bool):
-        raise TypeError(
-            f"te_ops.{op}: scale must be a static Python float, got {type(scale).__name__}. The scale is "
-            "compiled into the kernel; pass a number such as scale=1 / math.sqrt(head_dim), not a traced array."
-        )
-    if not isinstance(scale, (numbers.Real, np.floating, np.integer)):
-        raise TypeError(f"te_ops.{op}: scale must be a static Python float, got {scale!r}.")
-    scale = float(scale)
-    if not np.isfinite(scale):
-        raise ValueError(f"te_ops.{op}: scale must be finite, got {scale}.")
-    return scale
-
-
 def _check_mask(op: str, mask: Any, x: jax.Array) -> jax.Array:
-    if not hasattr(mask, "dtype"):
-        mask = jnp.asarray(mask)
-    if mask.dtype != jnp.bool_:
-        raise TypeError(
-            f"te_ops.{op}: mask must be a bool array (True = masked out), got dtype {mask.dtype}. "
-            "Convert it, e.g. mask = (mask != 0)."
-        )
+    mask = check_bool(op, "mask", mask, hint="True means masked out; convert it, e.g. mask = (mask != 0).")
     if mask.ndim > 4:
-        raise ValueError(f"te_ops.{op}: mask must have rank <= 4, got shape {tuple(mask.shape)}.")
+        raise ValueError(err(op, f"mask must have rank <= 4 [B|1, N|1, Sq|1, Sk], got shape {tuple(mask.shape)}."))
     mask = mask.reshape((1,) * (4 - mask.ndim) + tuple(mask.shape))
     ok = mask.shape[3] == x.shape[3] and all(m in (1, d) for m, d in zip(mask.shape[:3], x.shape[:3], strict=True))
     if not ok:
         raise ValueError(
-            f"te_ops.{op}: mask of shape {tuple(mask.shape)} is not broadcastable as [B or 1, N or 1, Sq or 1, Sk] "
-            f"to x of shape {tuple(x.shape)}."
+            err(
+                op,
+                f"mask of shape {tuple(mask.shape)} is not broadcastable as [B or 1, N or 1, Sq or 1, Sk] to x of "
+                f"shape {tuple(x.shape)}. Give the mask x's last axis and size 1 or x's size on the others.",
+            )
         )
     return mask
-
-
-# ----------------------------------------------------------------------------------------------
-# Sharding: batch, head and query axes may be sharded; the softmax axis is gathered. In causal mode
-# the query axis is gathered too (the kernel reads the query position from the local row index).
-# ----------------------------------------------------------------------------------------------
-
-
-def _factors(x_shape, mask_shape, mode):
-    xf = P.factor_names(len(x_shape))
-    mf = None
-    if mask_shape is not None:
-        mf = [xf[i] if (mask_shape[i] == x_shape[i]) else f"m{i}" for i in range(4)]
-    replicate = [xf[-1]] + ([xf[-2]] if mode == "causal" else [])
-    return xf, mf, replicate
-
-
-def _rule(mode, n_x_like):
-    def rule(*shapes):
-        x_shape = shapes[0]
-        mask_shape = shapes[n_x_like] if len(shapes) > n_x_like else None
-        xf, mf, replicate = _factors(x_shape, mask_shape, mode)
-        operands = [" ".join(xf)] * n_x_like + ([" ".join(mf)] if mf else [])
-        return f"{', '.join(operands)} -> {' '.join(xf)}", {"need_replication_factors": tuple(sorted(set(replicate)))}
-
-    return rule
-
-
-def _specs(mode, n_x_like):
-    def specs(arg_specs, shapes):
-        x_shape = shapes[0]
-        x_spec = list(arg_specs[0])
-        x_spec[-1] = None
-        if mode == "causal":
-            x_spec[-2] = None
-        in_specs = [x_spec] * n_x_like
-        if len(shapes) > n_x_like:
-            m_shape = shapes[n_x_like]
-            in_specs.append([x_spec[i] if m_shape[i] == x_shape[i] else None for i in range(3)] + [None])
-        return in_specs, x_spec
-
-    return specs
-
-
-# ----------------------------------------------------------------------------------------------
-# vmap: fold the vmapped axis into the leading axes the kernels already handle.
-# ----------------------------------------------------------------------------------------------
-
-
-def _fold(n_x_like, has_mask):
-    def fold(axis_size, in_batched, *args):
-        fn = fold.fn
-        xs = P.broadcast_batched(axis_size, in_batched[:n_x_like], args[:n_x_like])
-        if not has_mask:
-            return fn(*xs), True
-        mask, mask_batched = args[n_x_like], in_batched[n_x_like]
-        lead = xs[0].shape[:2]  # (V, B)
-        folded = [a.reshape(lead[0] * lead[1], *a.shape[2:]) for a in xs]
-        if mask_batched:
-            mask = jnp.broadcast_to(mask, (*lead, *mask.shape[2:])).reshape(lead[0] * lead[1], *mask.shape[2:])
-        elif mask.shape[0] != 1:
-            mask = jnp.tile(mask, (axis_size, 1, 1, 1))
-        out = fn(*folded, mask)
-        return out.reshape(*lead, *out.shape[1:]), True
-
-    return fold
 
 
 # ----------------------------------------------------------------------------------------------
@@ -169,7 +83,6 @@ def _call_desc(x, mask, mode, scale):
 @functools.cache
 def _build(mode: str, scale: float, implementation: str | None, has_mask: bool):
     statics = dict(mode=mode, scale=scale)
-    n_fwd, n_bwd = 1, 2
 
     def fwd_impl(x, *mask):
         m = mask[0] if mask else None
@@ -181,12 +94,8 @@ def _build(mode: str, scale: float, implementation: str | None, has_mask: bool):
         res = Residuals(y, m)
         return FAMILY.dispatch(implementation, "backward", (res, dy), statics, _call_desc(y, m, mode, scale))
 
-    fwd_part = P.partitioned(fwd_impl, rule=_rule(mode, n_fwd), specs=_specs(mode, n_fwd))
-    bwd_part = P.partitioned(bwd_impl, rule=_rule(mode, n_bwd), specs=_specs(mode, n_bwd))
-    fold_f, fold_b = _fold(n_fwd, has_mask), _fold(n_bwd, has_mask)
-    fold_f.fn, fold_b.fn = fwd_part, bwd_part
-    fwd_call = P.batch_folding(fwd_part, fold_f)
-    bwd_call = P.batch_folding(bwd_part, fold_b)
+    fwd_call = sharding.sharded(fwd_impl, mode, n_x_like=1, has_mask=has_mask)
+    bwd_call = sharding.sharded(bwd_impl, mode, n_x_like=2, has_mask=has_mask)
 
     if has_mask:
 
@@ -229,19 +138,28 @@ def scaled_softmax(x: jax.Array, scale: float = 1.0, *, implementation: str | No
     Equivalent to::
 
         jax.nn.softmax(scale * x.astype(jnp.float32), axis=-1).astype(x.dtype)
+        # except: a row that is all -inf gives zeros (jax.nn.softmax gives NaN)
+
+    Non-finite inputs, per row, with ``z = scale * float32(x)``: NaN or +inf in an unmasked ``z``
+    makes every unmasked position of the row NaN (a diverging input is not hidden); -inf in an
+    unmasked ``z`` is probability 0, like a masked position; a row with no finite unmasked ``z``
+    (all masked, or all -inf) is all zeros with a zero gradient. Masked positions are exactly 0
+    whatever x holds there, NaN rows included. Backward: positions where the output is 0 get a
+    zero gradient and take no part in the row sum, whatever ``dy`` holds there; elsewhere
+    ``dx = scale * y * (dy - sum(y * dy))``.
 
     Args:
-      x: ``[..., S]`` float32, bfloat16 or float16.
-      scale: static Python float.
+      x: ``[..., S]`` float32, bfloat16 or float16, rank >= 1.
+      scale: static Python float (finite; 0 is allowed and gives a uniform row, or NaN where x is +-inf).
       implementation: None (best available), "native" or "reference".
 
     Returns:
       ``[..., S]`` array of x's dtype.
     """
     op = "scaled_softmax"
-    x = _check_x(op, x, 1)
-    scale = _check_scale(op, scale)
-    return _build("none", scale, implementation, False)(*P.match_vma(x))
+    x = _check_x(op, x, 1, "[..., S]")
+    scale = static_float(op, "scale", scale, why=_SCALE_WHY)
+    return _build("none", scale, implementation, False)(*match_vma(x))
 
 
 def scaled_masked_softmax(
@@ -254,23 +172,34 @@ def scaled_masked_softmax(
 
     Equivalent to::
 
-        z = jnp.where(mask, -jnp.inf, scale * x.astype(jnp.float32))
-        y = jax.nn.softmax(z, axis=-1)          # then rows that are all -inf -> 0
-        y = jnp.where(mask.all(-1, keepdims=True), 0.0, y).astype(x.dtype)
+        keep = ~mask
+        z = scale * x.astype(jnp.float32)
+        y = jax.nn.softmax(z, axis=-1, where=keep)           # masked positions -> 0
+        empty = ~jnp.any(keep & (z > -jnp.inf), axis=-1, keepdims=True)
+        y = jnp.where(empty, 0.0, y).astype(x.dtype)          # no finite unmasked element -> 0
+
+    Non-finite inputs, per row, with ``z = scale * float32(x)``: NaN or +inf in an unmasked ``z``
+    makes every unmasked position of the row NaN (a diverging input is not hidden); -inf in an
+    unmasked ``z`` is probability 0, like a masked position; a row with no finite unmasked ``z``
+    (all masked, or all -inf) is all zeros with a zero gradient. Masked positions are exactly 0
+    whatever x holds there, NaN rows included. Backward: positions where the output is 0 get a
+    zero gradient and take no part in the row sum, whatever ``dy`` holds there; elsewhere
+    ``dx = scale * y * (dy - sum(y * dy))``.
 
     Args:
       x: ``[B, N, Sq, Sk]`` float32, bfloat16 or float16.
       mask: bool, broadcastable as ``[B or 1, N or 1, Sq or 1, Sk]`` (lower rank is left-padded).
       scale: static Python float.
       implementation: None (best available), "native" or "reference".
+
+    Returns:
+      ``[B, N, Sq, Sk]`` array of x's dtype.
     """
     op = "scaled_masked_softmax"
-    x = _check_x(op, x, 0)
-    if x.ndim != 4:
-        raise ValueError(f"te_ops.{op}: x must have rank 4 [B, N, Sq, Sk], got shape {tuple(x.shape)}.")
+    x = check_float(op, "x", x, rank=4, layout="[B, N, Sq, Sk]")
     mask = _check_mask(op, mask, x)
-    scale = _check_scale(op, scale)
-    return _build("mask", scale, implementation, True)(*P.match_vma(x, mask))
+    scale = static_float(op, "scale", scale, why=_SCALE_WHY)
+    return _build("mask", scale, implementation, True)(*match_vma(x, mask))
 
 
 def scaled_upper_triang_masked_softmax(
@@ -281,18 +210,33 @@ def scaled_upper_triang_masked_softmax(
     Equivalent to::
 
         causal = jnp.tril(jnp.ones((S, S), bool))
-        jax.nn.softmax(scale * x.astype(jnp.float32), axis=-1, where=causal).astype(x.dtype)
+        z = scale * x.astype(jnp.float32)
+        y = jax.nn.softmax(z, axis=-1, where=causal)
+        empty = ~jnp.any(causal & (z > -jnp.inf), axis=-1, keepdims=True)
+        y = jnp.where(empty, 0.0, y).astype(x.dtype)
+
+    Non-finite inputs, per row, with ``z = scale * float32(x)``: NaN or +inf in an unmasked ``z``
+    makes every unmasked position of the row NaN (a diverging input is not hidden); -inf in an
+    unmasked ``z`` is probability 0, like a masked position; a row with no finite unmasked ``z``
+    (all masked, or all -inf) is all zeros with a zero gradient. Masked positions are exactly 0
+    whatever x holds there, NaN rows included. Backward: positions where the output is 0 get a
+    zero gradient and take no part in the row sum, whatever ``dy`` holds there; elsewhere
+    ``dx = scale * y * (dy - sum(y * dy))``.
 
     Args:
       x: ``[..., S, S]`` float32, bfloat16 or float16.
       scale: static Python float.
       implementation: None (best available), "native" or "reference".
+
+    Returns:
+      ``[..., S, S]`` array of x's dtype.
     """
     op = "scaled_upper_triang_masked_softmax"
-    x = _check_x(op, x, 2)
+    x = _check_x(op, x, 2, "[..., S, S]")
     if x.shape[-1] != x.shape[-2]:
         raise ValueError(
-            f"te_ops.{op}: the last two axes must be equal (a square [S, S] score block), got shape {tuple(x.shape)}."
+            err(op, f"the last two axes of x must be equal (a square [S, S] score block), got shape {tuple(x.shape)}.")
         )
-    scale = _check_scale(op, scale)
-    return _build("causal", scale, implementation, False)(*P.match_vma(x))
+    scale = static_float(op, "scale", scale, why=_SCALE_WHY)
+    return _build("causal", scale, implementation, False)(*match_vma(x))
+

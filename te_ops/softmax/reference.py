@@ -6,8 +6,22 @@ Signatures shared by every softmax implementation::
     backward(res: Residuals, dy, *, mode, scale) -> dx
 
 ``mode`` is "none", "mask" (``mask`` is a bool array broadcastable to x, True = masked out) or
-"causal" (position j > i of the trailing [S, S] block is masked). Masked positions get probability
-exactly 0; a row masked everywhere gives zeros and a zero gradient.
+"causal" (position j > i of the trailing [S, S] block is masked).
+
+Semantics of one row, with ``z = scale * float32(x)`` and U the unmasked positions of the row:
+
+* masked positions get exactly 0, whatever x holds there (NaN included);
+* if some ``z[j]``, j in U, is NaN or +inf, every position in U gets NaN (as in
+  ``jax.nn.softmax``): a diverging input is not hidden;
+* otherwise, if no ``z[j]``, j in U, is finite (U empty, or all -inf), the row is all zeros;
+* otherwise ``y[j] = exp(z[j] - m) / sum_{k in U} exp(z[k] - m)`` on U, with m the row maximum;
+  a -inf ``z[j]`` gets exactly 0, like a masked position.
+
+Backward, with y the forward output (in x's dtype): positions where ``y == 0`` (masked, -inf,
+underflowed, or a row without a finite element) get ``dx = 0`` and take no part in the row sum,
+whatever ``dy`` holds there; elsewhere ``dx = scale * y * (dy - sum_{k: y[k] != 0} y[k] * dy[k])``.
+For finite ``dy`` this is exactly ``scale * y * (dy - sum(dy * y))``. A NaN row of y gives a NaN
+gradient on its unmasked positions.
 """
 
 from __future__ import annotations
@@ -38,17 +52,24 @@ def forward(x: jax.Array, mask: jax.Array | None = None, *, mode: str, scale: fl
     masked = masked_positions(x.shape, mask, mode)
     if masked is not None:
         z = jnp.where(masked, -jnp.inf, z)
+    # zmax is NaN for a row holding a NaN and +inf for one holding +inf: exp() below then gives NaN
+    # at that position and the NaN sum makes the whole row NaN. A row with no finite element has
+    # zmax = -inf: shifting by 0 instead gives exp(-inf) = 0 everywhere and a zero sum.
     zmax = jnp.max(z, axis=-1, keepdims=True)
-    zmax = jnp.where(jnp.isneginf(zmax), 0.0, zmax)  # fully masked row: exp(-inf - 0) = 0 below
+    zmax = jnp.where(jnp.isneginf(zmax), 0.0, zmax)
     e = jnp.exp(z - zmax)
     total = jnp.sum(e, axis=-1, keepdims=True)
-    y = jnp.where(total > 0, e / jnp.where(total > 0, total, 1.0), 0.0).astype(x.dtype)
+    y = e / jnp.where(total == 0, 1.0, total)
+    if masked is not None:
+        y = jnp.where(masked, 0.0, y)  # exactly 0, also in a NaN row
+    y = y.astype(x.dtype)
     return y, Residuals(y, mask if mode == "mask" else None)
 
 
 def backward(res: Residuals, dy: jax.Array, *, mode: str, scale: float) -> jax.Array:
-    del mode
+    del mode  # masked positions have y == 0, which the rule below covers
     y = res.y.astype(jnp.float32)
     g = dy.astype(jnp.float32)
-    dot = jnp.sum(y * g, axis=-1, keepdims=True)
-    return (jnp.float32(scale) * y * (g - dot)).astype(res.y.dtype)
+    live = y != 0  # NaN is live: a NaN row stays NaN
+    dot = jnp.sum(jnp.where(live, y * g, 0.0), axis=-1, keepdims=True)
+    return jnp.where(live, jnp.float32(scale) * y * (g - dot), 0.0).astype(res.y.dtype)
