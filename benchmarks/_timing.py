@@ -1,13 +1,24 @@
 """Shared benchmark helpers: timing (warm-up, block_until_ready, median of repeats), rotation of
-inputs larger than L2, a printed table and a JSON record under benchmarks/results/."""
+inputs larger than L2, a printed table and a JSON record per op and device.
+
+Results live in ``benchmarks/results/<device>/<op>.json`` (``<device>`` from the GPU name, e.g.
+``h200``), one file per op, overwritten by each run; each carries the date, the commit and the
+versions it was measured with. ``$TE_BENCH_OUT`` (a folder) overrides the location.
+``scripts/perf_table.py`` turns these files into the performance table of README.md and the docs.
+"""
 
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
 import json
 import os
 import platform
+import re
+import shutil
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -62,17 +73,76 @@ def time_interleaved(
     return {n: statistics.median(v) for n, v in samples.items()}, samples
 
 
+def device_folder(device_kind: str) -> str:
+    """The results folder name of a device: its name without the vendor and the memory / form-factor
+    words, lower case, e.g. "NVIDIA H200" -> "h200", "NVIDIA H100 80GB HBM3" -> "h100", "cpu" -> "cpu"."""
+    words = [w for w in re.split(r"[^0-9a-z]+", device_kind.lower()) if w]
+    skip = re.compile(r"^(nvidia|amd|\d+gb|hbm\d*e?|pcie|sxm\d*|nvl)$")
+    kept = [w for w in words if not skip.match(w)]
+    return "-".join(kept) or "unknown"
+
+
+def _package_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _command_output(cmd: list[str], cwd: str | None = None) -> str | None:
+    if shutil.which(cmd[0]) is None:
+        return None
+    try:
+        out = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=20, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.strip().splitlines()[0].strip() if out.strip() else None
+
+
+def commit() -> str | None:
+    """The commit being measured: ``$TE_BENCH_COMMIT`` when set (a copied tree without ``.git``),
+    else ``git rev-parse --short HEAD`` of this checkout, with ``+dirty`` when tracked files differ."""
+    if os.environ.get("TE_BENCH_COMMIT"):
+        return os.environ["TE_BENCH_COMMIT"]
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    head = _command_output(["git", "rev-parse", "--short", "HEAD"], cwd=repo)
+    if head is None:
+        return None
+    dirty = _command_output(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo)
+    return head + ("+dirty" if dirty else "")
+
+
 def environment() -> dict[str, Any]:
+    """Date, commit, device and versions of this process (the header of every results file)."""
     dev = jax.devices()[0]
+    kind = getattr(dev, "device_kind", str(dev))
+    driver = None
+    if dev.platform == "gpu":
+        driver = _command_output(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
     return {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "device": getattr(dev, "device_kind", str(dev)),
+        "commit": commit(),
+        "device": kind,
+        "versions": {
+            "python": platform.python_version(),
+            "jax": jax.__version__,
+            "jaxlib": _package_version("jaxlib"),
+            "triton": _package_version("triton"),
+            "torch": _package_version("torch"),
+            "cuda_driver": driver,
+            "platform_version": getattr(dev.client, "platform_version", None),
+        },
         "platform": dev.platform,
-        "jax": jax.__version__,
-        "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__") else None,
-        "python": platform.python_version(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
+
+
+def results_dir() -> str:
+    """``$TE_BENCH_OUT`` when set, else ``benchmarks/results/<device folder>``."""
+    if os.environ.get("TE_BENCH_OUT"):
+        return os.environ["TE_BENCH_OUT"]
+    dev = jax.devices()[0]
+    return os.path.join(RESULTS_DIR, device_folder(getattr(dev, "device_kind", dev.platform)))
 
 
 def print_table(title: str, rows: list[dict[str, Any]], columns: Sequence[str]) -> None:
@@ -92,10 +162,15 @@ def _fmt(v: Any) -> str:
 
 
 def write_json(name: str, payload: dict[str, Any], out_dir: str | None = None) -> str:
-    out_dir = out_dir or os.environ.get("TE_BENCH_OUT") or RESULTS_DIR
+    """Writes ``<out_dir>/<name>.json`` (default :func:`results_dir`), replacing an earlier run's file:
+    ``{"op", "date", "commit", "device", "versions", "platform", "xla_flags", "source", **payload}``."""
+    out_dir = out_dir or results_dir()
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"{name}.json")
+    script = os.path.relpath(os.path.abspath(sys.argv[0]), os.path.dirname(os.path.dirname(RESULTS_DIR)))
+    record = {"op": name, **environment(), "source": " ".join(["python", script, *sys.argv[1:]]), **payload}
     with open(path, "w") as f:
-        json.dump({"environment": environment(), **payload}, f, indent=2, default=str)
+        json.dump(record, f, indent=2, default=str)
+        f.write("\n")
     print(f"wrote {path}")
     return path

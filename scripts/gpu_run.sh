@@ -6,12 +6,17 @@
 #   OPS="softmax" STEPS="test:test_softmax_gpu bench:softmax" BENCH_ARGS_softmax=--target-only \
 #     bash scripts/gpu_run.sh
 #
-# Outputs: $OUT/run.log (all output), $OUT/results.tar.gz (benchmark JSON + junit XML).
+# Outputs: $OUT/run.log (all output) and $OUT/results.tar.gz holding results/: build.log, the junit XML
+# of each test file, and results/<device>/<op>.json, a copy of every benchmark results file this run
+# wrote into benchmarks/results/<device>/ (copy those over the checkout's to publish them; logs and XML
+# are never committed). A benchmark named again writes results/repeat<k>/<op>.json instead.
+# TE_BENCH_COMMIT=<sha> records the commit in the results files where the tree has no .git.
 # Wheels for packages missing on the GPU image (e.g. nvidia-cudnn-frontend) are taken from .whl/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT/results"
+touch "$OUT/.started"  # benchmark results files newer than this were written by this run
 LOG="$OUT/run.log"
 exec > >(tee -a "$LOG") 2>&1
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -92,10 +97,11 @@ for step in $STEPS; do
     OUT="$OUT/results" TE_OPS_ONLY="${OPS:-}" TE_OPS_EXCLUDE="$EXCLUDE" timeout $(( left - 15 )) \
       bash "scripts/diag/$name.sh" || stamp "diag $name rc=$?"
   elif [ -f "benchmarks/$name.py" ]; then
-    # A benchmark named again (a fresh process: plans are timed anew) writes its JSON under
-    # results/repeat<k>/ and takes BENCH_ARGS_<name>_repeat when that is set.
+    # The first run of a benchmark writes benchmarks/results/<device>/<name>.json in this tree (or
+    # $TE_BENCH_OUT when set); a benchmark named again (a fresh process: plans are timed anew) writes
+    # its JSON under $OUT/results/repeat<k>/ and takes BENCH_ARGS_<name>_repeat when that is set.
     runs=$(( $(eval echo "\${RUNS_$name:-0}") + 1 )); eval "RUNS_$name=$runs"
-    dir="$OUT/results"; args=$(eval echo "\${BENCH_ARGS_$name:-}")
+    dir="${TE_BENCH_OUT:-}"; args=$(eval echo "\${BENCH_ARGS_$name:-}")
     if [ "$runs" -gt 1 ]; then
       dir="$OUT/results/repeat$runs"
       args=$(eval echo "\${BENCH_ARGS_${name}_repeat:-$args}")
@@ -106,6 +112,11 @@ for step in $STEPS; do
   fi
 done
 [ -n "$SKIPPED_STEPS" ] && stamp "SKIPPED (deadline ${DEADLINE}s):$SKIPPED_STEPS"
+# Bring back the results files this run wrote, laid out like benchmarks/results/ (<device>/<op>.json).
+while IFS= read -r f; do
+  dev=$(basename "$(dirname "$f")"); mkdir -p "$OUT/results/$dev" && cp "$f" "$OUT/results/$dev/"
+  stamp "results file: $f -> results/$dev/"
+done < <(find benchmarks/results -mindepth 2 -maxdepth 2 -name '*.json' -newer "$OUT/.started" 2>/dev/null)
 tar -czf "$OUT/results.tar.gz" -C "$OUT" results && rm -rf "$OUT/results"
 stamp "done (tests rc=$test_rc)"
 exit $test_rc
