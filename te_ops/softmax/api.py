@@ -175,7 +175,7 @@ def scaled_masked_softmax(
         keep = ~mask
         z = scale * x.astype(jnp.float32)
         y = jax.nn.softmax(z, axis=-1, where=keep)           # masked positions -> 0
-        empty = ~jnp.any(keep & (z > -jnp.inf), axis=-1, keepdims=True)
+        empty = ~jnp.any(keep & ~jnp.isneginf(z), axis=-1, keepdims=True)
         y = jnp.where(empty, 0.0, y).astype(x.dtype)          # no finite unmasked element -> 0
 
     Non-finite inputs, per row, with ``z = scale * float32(x)``: NaN or +inf in an unmasked ``z``
@@ -212,7 +212,7 @@ def scaled_upper_triang_masked_softmax(
         causal = jnp.tril(jnp.ones((S, S), bool))
         z = scale * x.astype(jnp.float32)
         y = jax.nn.softmax(z, axis=-1, where=causal)
-        empty = ~jnp.any(causal & (z > -jnp.inf), axis=-1, keepdims=True)
+        empty = ~jnp.any(causal & ~jnp.isneginf(z), axis=-1, keepdims=True)
         y = jnp.where(empty, 0.0, y).astype(x.dtype)
 
     Non-finite inputs, per row, with ``z = scale * float32(x)``: NaN or +inf in an unmasked ``z``

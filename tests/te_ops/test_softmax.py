@@ -313,3 +313,110 @@ def test_default_forward_kernel_rule(mode):
         c = mod.softmax_config(dtype, 1000, cols, mode, scale)
         assert c["kernel"] == want, (dtype, cols, scale, c)
         assert c["threads_per_row"] * c["vectors_per_thread"] * c["vec"] >= cols or c["threads_per_row"] == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# Non-finite inputs (the semantics every implementation shares; tests/gpu checks the kernels)
+# ------------------------------------------------------------------------------------------------
+
+
+def _sprinkle(x, seed, scale, frac=0.02):
+    """x with NaN, +inf and -inf at random positions, plus rows 0..3 of the flattened [rows, S]
+    view set so that z = scale * x is: all -inf, one NaN among -infs, one +inf, one -inf."""
+    rows = x.reshape(-1, x.shape[-1])
+    ka, kb, kc = jax.random.split(_key(seed), 3)
+    hit = jax.random.bernoulli(ka, frac, rows.shape)
+    vals = jnp.array([jnp.nan, jnp.inf, -jnp.inf], rows.dtype)[jax.random.randint(kb, rows.shape, 0, 3)]
+    rows = jnp.where(hit, vals, rows)
+    col = int(jax.random.randint(kc, (), 0, x.shape[-1]))
+    low = -jnp.inf if scale > 0 else jnp.inf  # the x whose z is -inf
+    rows = rows.at[0].set(low)
+    rows = rows.at[1].set(low).at[1, col].set(jnp.nan)
+    rows = rows.at[2, col].set(-low)
+    rows = rows.at[3, col].set(low)
+    return rows.reshape(x.shape)
+
+
+def _expected_nonfinite(x, scale, keep=None):
+    """The documented rule, written with jax.nn.softmax(where=...): NaN/+inf on a kept position
+    -> NaN on every kept position, masked -> 0, no finite kept element -> zeros."""
+    z = x.astype(jnp.float32) * jnp.float32(scale)
+    keep = jnp.ones(z.shape, bool) if keep is None else jnp.broadcast_to(keep, z.shape)
+    y = jnp.where(keep, jax.nn.softmax(z, axis=-1, where=keep), 0.0)
+    empty = ~jnp.any(keep & ~jnp.isneginf(z), axis=-1, keepdims=True)
+    return jnp.where(empty, 0.0, y)
+
+
+def _grad_rule(y, dy, scale):
+    """dx = scale*y*(dy - sum over y != 0 of y*dy) where y != 0, else 0 (float64)."""
+    y, dy = np.asarray(y, np.float64), np.asarray(dy, np.float64)
+    live = y != 0
+    dot = np.where(live, y * dy, 0.0).sum(-1, keepdims=True)
+    return np.where(live, scale * y * (dy - dot), 0.0)
+
+
+def _assert_same_with_nan(got, want, dtype, msg=""):
+    g = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
+    w = np.asarray(jnp.asarray(want, jnp.float32), np.float64)
+    np.testing.assert_array_equal(np.isnan(g), np.isnan(w), err_msg=f"NaN positions differ {msg}")
+    np.testing.assert_allclose(g, w, equal_nan=True, err_msg=msg, **T.tolerance(dtype))
+
+
+def _nonfinite_case(variant, dtype, scale, seed):
+    x = _sprinkle(_x(seed, (2, 3, 12, 24), dtype), seed + 1, scale)
+    if variant == "plain":
+        return x, (lambda x: te_ops.scaled_softmax(x, scale)), None
+    if variant == "causal":
+        x = _sprinkle(_x(seed, (2, 3, 24, 24), dtype), seed + 1, scale)
+        return x, (lambda x: te_ops.scaled_upper_triang_masked_softmax(x, scale)), _causal_keep(24)
+    mask = jax.random.bernoulli(_key(seed + 2), 0.3, (2, 1, 12, 24)).at[0, 0, 5].set(True)  # one row all masked
+    mask = mask.at[0, 0, 6].set(True).at[0, 0, 6, 3].set(False)  # one visible element
+    return x, (lambda x: te_ops.scaled_masked_softmax(x, mask, scale)), ~mask
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("variant", ["plain", "masked", "causal"])
+@pytest.mark.parametrize("scale", [0.7, -1.3])
+def test_nonfinite_inputs_forward_and_backward(variant, dtype, scale):
+    x, fn, keep = _nonfinite_case(variant, dtype, scale, seed=40)
+    dy = _cotangent(41, x.shape).at[..., ::5].set(jnp.nan)  # NaN cotangents, some at zero-probability spots
+    y, vjp = jax.jit(lambda x: jax.vjp(fn, x))(x)
+    (dx,) = vjp(dy.astype(dtype))
+    want = _expected_nonfinite(x, scale, keep)
+    assert bool(jnp.isnan(want).any()) and bool((want == 0).all(-1).any()), "the case must hold NaN and zero rows"
+    _assert_same_with_nan(y, want, dtype, variant)
+    _assert_same_with_nan(dx, _grad_rule(y.astype(jnp.float32), dy.astype(dtype).astype(jnp.float32), scale),
+                          dtype, variant)
+
+
+def test_nonfinite_rules_row_by_row():
+    x = jnp.array([
+        [1.0, jnp.nan, 2.0, 3.0],            # NaN -> whole row NaN
+        [1.0, jnp.inf, 2.0, 3.0],            # +inf -> whole row NaN
+        [-jnp.inf, 0.0, -jnp.inf, 0.0],      # -inf -> probability 0
+        [-jnp.inf] * 4,                      # nothing finite -> zeros
+        [-jnp.inf, jnp.nan, -jnp.inf, -jnp.inf],  # NaN wins over "nothing finite"
+    ])
+    y = np.asarray(te_ops.scaled_softmax(x, 1.0))
+    assert np.isnan(y[0]).all() and np.isnan(y[1]).all()
+    np.testing.assert_array_equal(y[2], [0.0, 0.5, 0.0, 0.5])
+    np.testing.assert_array_equal(y[3], 0.0)
+    assert np.isnan(y[4]).all()
+    # masked positions stay exactly 0 in a NaN row; a masked NaN does not matter
+    mask = jnp.array([False, False, True, False])
+    ym = np.asarray(te_ops.scaled_masked_softmax(x[None, None], mask, 1.0))[0, 0]
+    assert np.isnan(ym[0, [0, 1, 3]]).all() and ym[0, 2] == 0
+    xm = x[2:3].at[0, 2].set(jnp.nan)  # NaN at the masked position
+    np.testing.assert_array_equal(np.asarray(te_ops.scaled_masked_softmax(xm[None, None], mask, 1.0))[0, 0, 0],
+                                  [0.0, 0.5, 0.0, 0.5])
+    # zero gradient on rows without a finite element, whatever dy holds
+    g = jax.grad(lambda x: jnp.sum(te_ops.scaled_softmax(x, 1.0) * jnp.array([1.0, jnp.nan, 2.0, 3.0])))(x[3:4])
+    np.testing.assert_array_equal(np.asarray(g), 0.0)
+
+
+def test_zero_scale_with_infinities_is_nan():
+    """z = scale * x: 0 * inf is NaN, so scale 0 turns an infinite x into a NaN row."""
+    x = _x(42, (3, 10), jnp.float32).at[1, 4].set(jnp.inf)
+    y = np.asarray(te_ops.scaled_softmax(x, 0.0))
+    np.testing.assert_allclose(y[[0, 2]], 0.1, rtol=1e-6)
+    assert np.isnan(y[1]).all()
