@@ -96,7 +96,7 @@ def bench_workload(t, h, e, k, impls, quick):
         (x, probs, g, rm),
     )
 
-    row_id_map = jax.jit(lambda x, rm: token_dispatch(x, rm, n, implementation="reference")[2])(x, rm)
+    row_id_map = jax.jit(lambda x, rm: token_dispatch(x, rm, n, implementation="reference").row_id_map)(x, rm)
     for impl in impls:
         fns[(impl, "dispatch_fwd")] = (
             jax.jit(lambda x, rm, p, impl=impl: token_dispatch(x, rm, n, probs=p, implementation=impl)[:3]),
@@ -108,7 +108,8 @@ def bench_workload(t, h, e, k, impls, quick):
         )
 
         def both(x, p, rm, impl=impl):
-            out, _, m, _, _ = token_dispatch(x, rm, n, probs=p, implementation=impl)
+            d = token_dispatch(x, rm, n, probs=p, implementation=impl)
+            out, m = d.out, d.row_id_map
             return token_combine(out, m, merging_probs=p, implementation=impl)
 
         fns[(impl, "dispatch_combine_fwd_bwd")] = (

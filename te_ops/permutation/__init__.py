@@ -8,6 +8,6 @@ gather kernel. Implementations: ``reference`` (pure JAX, the CPU path), ``triton
 CUDA) and ``gluon`` (Hopper data-movement kernels; dispatch and combine only).
 """
 
-from te_ops.permutation.api import sort_chunks_by_index, token_combine, token_dispatch
+from te_ops.permutation.api import TokenDispatchResult, sort_chunks_by_index, token_combine, token_dispatch
 
-__all__ = ["sort_chunks_by_index", "token_combine", "token_dispatch"]
+__all__ = ["TokenDispatchResult", "sort_chunks_by_index", "token_combine", "token_dispatch"]

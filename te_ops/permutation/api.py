@@ -1,39 +1,45 @@
-"""Public permutation ops: validation, custom VJP, sharding, vmap and implementation dispatch.
+"""Public permutation ops: token_dispatch, token_combine, sort_chunks_by_index.
 
-Sharding (Shardy rules + partition callbacks through ``te_ops._core.partitioning.partitioned``):
-
-* token_dispatch / token_combine are **data parallel over tokens**: when the token axis of the
-  inputs is sharded, each shard routes its own tokens (``num_out_tokens / shards`` rows each), so
-  ``out``, ``permuted_probs`` and ``row_id_map`` are the concatenation of the per-shard results and
-  row_id_map values are shard-local rows. ``tokens_per_expert`` and ``pad_offsets`` keep their
-  global meaning (computed from the whole routing map). token_combine must see the same token
-  sharding as the token_dispatch that made its row_id_map (the natural case inside one
-  data-parallel region). With ``align_size`` the per-shard padded sizes would not add up to the
-  global N, so padded dispatch gathers the tokens instead (exact, not scaled out).
-* sort_chunks_by_index gathers its row axis (chunks are global) and keeps a sharded hidden axis.
-
-vmap: every vmapped call runs the op once per batch element (``lax.map``), because each batch
-element routes its own tokens.
+Each public function validates its arguments, then calls one ``jax.custom_vjp`` built per static
+configuration, whose forward and backward dispatch to an implementation (``reference``, ``triton``,
+``gluon``) through the registry. Sharding rules, partition plans and vmap rules live in
+``sharding.py``; the row layout and the capacity rule in ``reference.py``.
 """
 
 from __future__ import annotations
 
 import functools
-import numbers
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from te_ops._core import partitioning as P
 from te_ops._core import registry
 from te_ops._core import triton_bridge as tb
 from te_ops._core.partitioning import match_vma
+from te_ops._core.validation import (
+    FLOAT_DTYPES_WITH_F64,
+    check_bool,
+    check_float,
+    check_int_array,
+    check_rank,
+    err,
+    static_int,
+)
 from te_ops.permutation import reference as ref
+from te_ops.permutation import sharding as S
 from te_ops.permutation import triton as tri
 
-_FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float64))
+
+class TokenDispatchResult(NamedTuple):
+    """What :func:`token_dispatch` returns (a NamedTuple: unpack it or use the fields)."""
+
+    out: jax.Array  # [N, H], x's dtype
+    permuted_probs: jax.Array | None  # [N], probs' dtype; None without probs
+    row_id_map: jax.Array  # int32 [T, 2E + 1], the input of token_combine
+    pad_offsets: jax.Array | None  # int32 [E]; None without align_size
+    tokens_per_expert: jax.Array  # int32 [E], rows of each expert's block in out (kept, padded)
+    num_dropped: jax.Array  # int32 [], routed (token, expert) pairs that did not fit in out
 
 
 def _gluon_available() -> str | None:
@@ -60,7 +66,7 @@ def _dispatch_fwd(mod, **kw):
         outs, _ = mod.dispatch_forward(
             x, routing_map, probs, num_out_tokens=num_out_tokens, align_size=align_size, **kw
         )
-        return outs[0], outs[1], outs[2]
+        return outs
 
     return fwd
 
@@ -126,96 +132,16 @@ SORT.register(
 SORT.register(registry.Implementation(registry.REFERENCE, _sort_fwd(ref), _sort_bwd(ref)))
 
 
-# ----------------------------------------------------------------------------------------------
-# Validation
-# ----------------------------------------------------------------------------------------------
+def _chosen(implementation: str | None, *sizes: int) -> str | None:
+    """The implementation to run: the reference when any size is zero (there is nothing for a
+    kernel to do, and every output is defined by the reference), else the requested one."""
+    return registry.REFERENCE if min(sizes) == 0 else implementation
 
 
-def _arr(x: Any) -> jax.Array:
-    return x if hasattr(x, "shape") and hasattr(x, "dtype") else jnp.asarray(x)
-
-
-def _check_rows(op: str, name: str, x: Any) -> jax.Array:
-    x = _arr(x)
-    if x.ndim != 2:
-        raise ValueError(
-            f"te_ops.{op}: {name} must have rank 2 [rows, hidden], got shape {tuple(x.shape)}. "
-            f"Reshape it first, e.g. {name}.reshape(-1, {name}.shape[-1])."
-        )
-    if jnp.dtype(x.dtype) not in _FLOATS:
-        raise TypeError(
-            f"te_ops.{op}: {name} must be a floating-point array, got dtype {jnp.dtype(x.dtype)}. "
-            f"Cast it first, e.g. {name}.astype(jnp.bfloat16)."
-        )
-    return x
-
-
-def _check_static_int(op: str, name: str, v: Any, minimum: int, allow_none: bool = False) -> int | None:
-    if v is None and allow_none:
-        return None
-    if isinstance(v, bool) or not isinstance(v, (numbers.Integral, np.integer)):
-        raise TypeError(
-            f"te_ops.{op}: {name} must be a static Python int, got {type(v).__name__} {v!r}. It sets an "
-            f"output shape, so it cannot be a traced value; pass e.g. {name}=T * topk."
-        )
-    if int(v) < minimum:
-        raise ValueError(f"te_ops.{op}: {name} must be >= {minimum}, got {v}.")
-    return int(v)
-
-
-def _check_probs(op: str, name: str, p: Any, shape: tuple[int, int]) -> jax.Array | None:
-    if p is None:
-        return None
-    p = _arr(p)
-    if tuple(p.shape) != tuple(shape):
-        raise ValueError(
-            f"te_ops.{op}: {name} must have shape {tuple(shape)} [tokens, experts] like routing_map, got "
-            f"{tuple(p.shape)}."
-        )
-    if jnp.dtype(p.dtype) not in _FLOATS:
-        raise TypeError(
-            f"te_ops.{op}: {name} must be floating point, got dtype {jnp.dtype(p.dtype)}; cast it with "
-            f"{name}.astype(jnp.float32)."
-        )
-    return p
-
-
-def _check_int_vector(op: str, name: str, v: Any, length: int | None = None) -> jax.Array:
-    v = _arr(v)
-    if v.ndim != 1 or not jnp.issubdtype(v.dtype, jnp.integer):
-        raise TypeError(
-            f"te_ops.{op}: {name} must be a 1-D integer array, got shape {tuple(v.shape)} dtype "
-            f"{jnp.dtype(v.dtype)}. Build it with jnp.asarray(..., jnp.int32)."
-        )
-    if length is not None and v.shape[0] != length:
-        raise ValueError(f"te_ops.{op}: {name} must have {length} entries, got {v.shape[0]}.")
-    return v.astype(jnp.int32)
-
-
-# ----------------------------------------------------------------------------------------------
-# Sharding rules and vmap
-# ----------------------------------------------------------------------------------------------
-
-
-def _map_fold(fn):
-    def fold(axis_size, in_batched, *args):
-        present = [a is not None for a in args]
-        real = [a for a in args if a is not None]
-        flags = [b for a, b in zip(args, in_batched, strict=True) if a is not None]
-        xs = P.broadcast_batched(axis_size, flags, real)
-
-        def body(xs):
-            it = iter(xs)
-            return fn(*[next(it) if p else None for p in present])
-
-        out = jax.lax.map(body, tuple(xs))
-        return out, jax.tree.map(lambda _: True, out)
-
-    return fold
-
-
-def _vmapped(fn):
-    return P.batch_folding(fn, _map_fold(fn))
+def _call(dtype, num_tokens, num_experts, probs_dtype, num_rows) -> dict[str, Any]:
+    return dict(
+        dtype=dtype, num_tokens=num_tokens, num_experts=num_experts, probs_dtype=probs_dtype, num_rows=num_rows
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -223,112 +149,63 @@ def _vmapped(fn):
 # ----------------------------------------------------------------------------------------------
 
 
-def _global_counts(routing_map, align_size):
-    counts = routing_map.astype(jnp.int32).sum(0, dtype=jnp.int32)
-    a = align_size or 1
-    padded = (counts + a - 1) // a * a
-    pad = padded - counts
-    return padded, (jnp.cumsum(pad, dtype=jnp.int32) - pad) if align_size else None
-
-
 @functools.cache
 def _build_dispatch(
     num_out_tokens: int, align_size: int | None, implementation: str | None, has_probs: bool, num_tokens: int
 ):
-    statics_for = lambda t_local: dict(  # noqa: E731
-        num_out_tokens=_local_out_tokens(num_out_tokens, t_local, num_tokens), align_size=align_size
-    )
+    has_pad = align_size is not None
 
-    def desc(x, rm, probs, n):
-        return dict(
-            dtype=x.dtype,
-            num_tokens=x.shape[0],
-            num_experts=rm.shape[1],
-            probs_dtype=None if probs is None else probs.dtype,
-            num_rows=n,
-        )
+    def statics_for(t_local):
+        return dict(num_out_tokens=S.local_out_tokens(num_out_tokens, t_local, num_tokens), align_size=align_size)
 
     def fwd_impl(x, rm, *probs):
         p = probs[0] if probs else None
         st = statics_for(x.shape[0])
-        n = ref.out_rows(st["num_out_tokens"], rm.shape[1], align_size)
-        out, pp, row_id_map = DISPATCH.dispatch(implementation, "forward", (x, rm, p), st, desc(x, rm, p, n))
-        return (out, pp, row_id_map) if has_probs else (out, row_id_map)
+        t_, h = x.shape
+        e_ = rm.shape[1]
+        n = ref.out_rows(st["num_out_tokens"], e_, align_size)
+        call = _call(x.dtype, t_, e_, None if p is None else p.dtype, n)
+        impl = _chosen(implementation, t_, e_, h, n)
+        out, pp, row_id_map, pad, tpe, dropped = DISPATCH.dispatch(impl, "forward", (x, rm, p), st, call)
+        return (out, *([pp] if has_probs else []), row_id_map, tpe, dropped, *([pad] if has_pad else []))
 
     def bwd_impl(row_id_map, g_out, *g_pp):
         gp = g_pp[0] if g_pp else None
-        st = statics_for(row_id_map.shape[0])
+        t_ = row_id_map.shape[0]
         e_ = (row_id_map.shape[1] - 1) // 2
-        call = dict(
-            dtype=g_out.dtype,
-            num_tokens=row_id_map.shape[0],
-            num_experts=e_,
-            probs_dtype=None if gp is None else gp.dtype,
-            num_rows=g_out.shape[0],
-        )
-        dx, dprobs = DISPATCH.dispatch(implementation, "backward", (row_id_map, g_out, gp), st, call)
+        n, h = g_out.shape
+        call = _call(g_out.dtype, t_, e_, None if gp is None else gp.dtype, n)
+        impl = _chosen(implementation, t_, e_, h, n)
+        dx, dprobs = DISPATCH.dispatch(impl, "backward", (row_id_map, g_out, gp), statics_for(t_), call)
         return (dx, dprobs) if has_probs else dx
 
-    def fwd_specs(arg_specs, shapes):
-        t_ax = None if align_size else arg_specs[0][0]
-        in_specs = [[t_ax, None], [t_ax, None]] + ([[t_ax, None]] if has_probs else [])
-        outs = [[t_ax, None]] + ([[t_ax]] if has_probs else []) + [[t_ax, None]]
-        return in_specs, outs
-
-    def bwd_specs(arg_specs, shapes):
-        t_ax = None if align_size else arg_specs[0][0]
-        in_specs = [[t_ax, None], [t_ax, None]] + ([[t_ax]] if has_probs else [])
-        outs = [[t_ax, None], [t_ax, None]] if has_probs else [t_ax, None]
-        return in_specs, outs
-
-    def fwd_rule(*shapes):
-        ops = "t h, t e" + (", t e" if has_probs else "")
-        res = "n h" + (", n" if has_probs else "") + ", t r"
-        return f"{ops} -> {res}", {}
-
-    def bwd_rule(*shapes):
-        ops = "t r, n h" + (", n" if has_probs else "")
-        res = "t h" + (", t e" if has_probs else "")
-        return f"{ops} -> {res}", {}
-
-    fwd_call = _vmapped(P.partitioned(fwd_impl, rule=fwd_rule, specs=fwd_specs))
-    bwd_call = _vmapped(P.partitioned(bwd_impl, rule=bwd_rule, specs=bwd_specs))
+    fwd_call = S.partitioned_dispatch_forward(fwd_impl, has_probs=has_probs, has_pad=has_pad)
+    bwd_call = S.partitioned_dispatch_backward(bwd_impl, has_probs=has_probs, has_pad=has_pad)
 
     def run(x, rm, probs):
-        outs = fwd_call(x, rm, *([probs] if has_probs else []))
-        out, pp, row_id_map = outs if has_probs else (outs[0], None, outs[1])
-        tpe, pad = _global_counts(rm, align_size)
-        return (out, pp, row_id_map, pad, tpe)
+        outs = list(fwd_call(x, rm, *([probs] if has_probs else [])))
+        out = outs.pop(0)
+        pp = outs.pop(0) if has_probs else None
+        row_id_map, tpe, dropped = outs[:3]
+        pad = outs[3] if has_pad else None
+        return TokenDispatchResult(out, pp, row_id_map, pad, tpe, dropped)
 
     @jax.custom_vjp
     def op(x, rm, probs):
         return run(x, rm, probs)
 
     def op_fwd(x, rm, probs):
-        outs = run(x, rm, probs)
-        return outs, outs[2]
+        res = run(x, rm, probs)
+        return res, res.row_id_map
 
     def op_bwd(row_id_map, cts):
-        g_out, g_pp = cts[0], cts[1]
         if has_probs:
-            dx, dprobs = bwd_call(row_id_map, g_out, g_pp)
+            dx, dprobs = bwd_call(row_id_map, cts.out, cts.permuted_probs)
             return dx, None, dprobs
-        return bwd_call(row_id_map, g_out), None, None
+        return bwd_call(row_id_map, cts.out), None, None
 
     op.defvjp(op_fwd, op_bwd)
     return op
-
-
-def _local_out_tokens(num_out_tokens: int, t_local: int, t_global: int) -> int:
-    if t_local == t_global:
-        return num_out_tokens
-    if (num_out_tokens * t_local) % t_global:
-        raise ValueError(
-            f"te_ops.token_dispatch: with tokens sharded into {t_global // max(t_local, 1)} shards, "
-            f"num_out_tokens ({num_out_tokens}) must split evenly over the shards; use a multiple of the "
-            "shard count (e.g. T * topk)."
-        )
-    return num_out_tokens * t_local // t_global
 
 
 def token_dispatch(
@@ -339,53 +216,86 @@ def token_dispatch(
     probs: jax.Array | None = None,
     align_size: int | None = None,
     implementation: str | None = None,
-):
-    """Permutes token rows into expert-major order (MoE dispatch).
+) -> TokenDispatchResult:
+    """Permutes token rows into expert-major order (MoE dispatch), with a fixed capacity.
 
-    Output rows hold all tokens routed to expert 0 (ascending token order), then expert 1, ...;
-    with ``align_size`` each expert's block is padded with zero rows to a multiple of it. Rows past
-    the routed count are zero. The row_id_map layout is documented in
-    ``te_ops/permutation/reference.py``.
+    Every routed (token, expert) pair gets a row: all tokens routed to expert 0 in ascending token
+    order, then expert 1, ...; with ``align_size`` A each expert's block is padded with zero rows
+    to a multiple of A. The buffer has a fixed number of rows N (``num_out_tokens``, or
+    ``((num_out_tokens + E * (A - 1)) // A) * A`` with A). Pairs whose row would be ``>= N`` are
+    DROPPED: with more routed pairs than rows, these are the last pairs of the expert-major order
+    (the highest-numbered tokens of the last non-empty experts). A dropped pair has no row, is not
+    counted in ``tokens_per_expert``, contributes nothing to :func:`token_combine` and gets zero
+    gradient (for x and for probs); ``num_dropped`` counts them. Dropping neither raises nor warns,
+    also for concrete inputs (capacity-limited MoE drops on purpose): check ``num_dropped``.
 
-    Equivalent to (without padding, all pairs fitting in num_out_tokens)::
+    ``tokens_per_expert[e]`` is the number of rows of expert e's block in ``out`` (kept pairs, plus
+    the block's padding with A, cut at N), so the blocks tile rows ``[0, sum(tokens_per_expert))``,
+    ``sum(tokens_per_expert) <= N``, and a grouped GEMM over ``tokens_per_expert`` sees exactly the
+    kept rows. Every row that holds no kept pair (padding, the unused tail) is zero, also in
+    ``permuted_probs``. ``pad_offsets[e]`` (with A) is the number of padding rows before expert e's
+    block. Exact formulas and the row_id_map layout: ``te_ops/permutation/reference.py``.
 
-        t_idx, e_idx = jnp.nonzero(routing_map.T)[::-1]          # expert-major, tokens ascending
-        out = jnp.zeros((num_out_tokens, H), x.dtype).at[:len(t_idx)].set(x[t_idx])
-        permuted_probs = ... probs[t_idx, e_idx] ...
-        tokens_per_expert = routing_map.sum(0)
+    Edge cases: T = 0, E = 0, H = 0 or N = 0 are allowed (zero-filled outputs of the stated shapes;
+    with N = 0 every routed pair is dropped). Under token sharding (see ``sharding.py``) each shard
+    has its own buffer of ``num_out_tokens / shards`` rows; ``tokens_per_expert`` and
+    ``num_dropped`` are summed over the shards.
+
+    Equivalent to (without align_size)::
+
+        t_idx, e_idx = jnp.nonzero(routing_map.T)[::-1]           # expert-major, tokens ascending
+        keep = jnp.arange(len(t_idx)) < num_out_tokens               # the tail does not fit
+        out = jnp.zeros((num_out_tokens, H), x.dtype).at[:keep.sum()].set(x[t_idx[keep]])
+        permuted_probs = jnp.zeros((num_out_tokens,), probs.dtype).at[:keep.sum()].set(
+            probs[t_idx[keep], e_idx[keep]])
+        tokens_per_expert = jnp.bincount(e_idx[keep], length=E)
+        num_dropped = len(t_idx) - keep.sum()
 
     Args:
-      x: ``[T, H]`` float rows.
-      routing_map: ``[T, E]`` bool (True = token routed to expert).
-      num_out_tokens: static int, normally ``T * topk``.
-      probs: optional ``[T, E]`` routing probabilities, permuted alongside.
-      align_size: optional static int A: pad each expert block to a multiple of A.
+      x: ``[T, H]`` float rows (float32, bfloat16, float16; float64 on the reference path).
+      routing_map: ``[T, E]`` bool, True where a token is routed to an expert (any number per token).
+      num_out_tokens: static int >= 0, the capacity; normally ``T * topk`` (nothing dropped).
+      probs: optional ``[T, E]`` float routing probabilities, permuted alongside x.
+      align_size: optional static int A >= 1: pad each expert block to a multiple of A.
       implementation: None (best available), "triton", "gluon" or "reference".
 
     Returns:
-      ``(out[N, H], permuted_probs[N] or None, row_id_map int32[T, 2E+1], pad_offsets int32[E] or None,
-      tokens_per_expert int32[E])`` with N = num_out_tokens, or
-      ``((num_out_tokens + E * (A - 1)) // A) * A`` with padding.
+      A :class:`TokenDispatchResult` ``(out[N, H], permuted_probs[N] or None, row_id_map int32[T, 2E+1],
+      pad_offsets int32[E] or None, tokens_per_expert int32[E], num_dropped int32[])``.
+
+    Raises:
+      TypeError / ValueError naming the argument for wrong types, shapes or statics. Values (that
+      probs is zero where routing_map is False, for instance) are not checked.
     """
     op = "token_dispatch"
-    x = _check_rows(op, "x", x)
-    routing_map = _arr(routing_map)
-    if routing_map.ndim != 2 or routing_map.shape[0] != x.shape[0]:
+    x = check_float(op, "x", x, FLOAT_DTYPES_WITH_F64, rank=2, layout="[T, H]")
+    routing_map = check_bool(
+        op, "routing_map", routing_map, hint="Convert it, e.g. routing_map = (routing_map != 0)."
+    )
+    check_rank(op, "routing_map", routing_map, 2, "[T, E]")
+    if routing_map.shape[0] != x.shape[0]:
         raise ValueError(
-            f"te_ops.{op}: routing_map must have shape [T, E] with T = x.shape[0] = {x.shape[0]}, got "
-            f"{tuple(routing_map.shape)}."
+            err(op, f"routing_map must have shape [T, E] with T = x.shape[0] = {x.shape[0]}, got "
+                    f"{tuple(routing_map.shape)}.")
         )
-    if routing_map.dtype != jnp.bool_:
-        raise TypeError(
-            f"te_ops.{op}: routing_map must be bool, got dtype {routing_map.dtype}; convert it with "
-            "routing_map != 0."
-        )
-    num_out_tokens = _check_static_int(op, "num_out_tokens", num_out_tokens, 0)
-    align_size = _check_static_int(op, "align_size", align_size, 1, allow_none=True)
-    probs = _check_probs(op, "probs", probs, routing_map.shape)
+    why = "It sets the output shape, so it cannot be a traced value; pass e.g. num_out_tokens=T * topk."
+    num_out_tokens = static_int(op, "num_out_tokens", num_out_tokens, minimum=0, why=why)
+    align_size = static_int(
+        op, "align_size", align_size, minimum=1, allow_none=True, why="It sets the output shape."
+    )
+    if probs is not None:
+        probs = _check_probs(op, "probs", probs, routing_map.shape)
     return _build_dispatch(num_out_tokens, align_size, implementation, probs is not None, x.shape[0])(
         *match_vma(x, routing_map, probs)
     )
+
+
+def _check_probs(op: str, name: str, p: Any, shape: tuple[int, int]) -> jax.Array:
+    p = check_float(op, name, p, FLOAT_DTYPES_WITH_F64, rank=2, layout="[T, E]")
+    if tuple(p.shape) != tuple(shape):
+        raise ValueError(err(op, f"{name} must have shape {tuple(shape)} [T, E] like the routing, got "
+                                 f"{tuple(p.shape)}."))
+    return p
 
 
 # ----------------------------------------------------------------------------------------------
@@ -397,50 +307,26 @@ def token_dispatch(
 def _build_combine(implementation: str | None, has_probs: bool, num_rows: int, num_tokens: int):
     def fwd_impl(y, row_id_map, *mp):
         m = mp[0] if mp else None
-        call = dict(
-            dtype=y.dtype,
-            num_tokens=row_id_map.shape[0],
-            num_experts=(row_id_map.shape[1] - 1) // 2,
-            probs_dtype=None if m is None else m.dtype,
-            num_rows=y.shape[0],
-        )
-        return COMBINE.dispatch(implementation, "forward", (y, row_id_map, m), {}, call)
+        t_ = row_id_map.shape[0]
+        e_ = (row_id_map.shape[1] - 1) // 2
+        n, h = y.shape
+        call = _call(y.dtype, t_, e_, None if m is None else m.dtype, n)
+        impl = _chosen(implementation, t_, e_, h, n)
+        return COMBINE.dispatch(impl, "forward", (y, row_id_map, m), {}, call)
 
     def bwd_impl(row_id_map, g, *ymp):
         y, m = (ymp[0], ymp[1]) if ymp else (None, None)
+        t_ = row_id_map.shape[0]
+        e_ = (row_id_map.shape[1] - 1) // 2
         # rows of y in this shard: N scaled like the tokens
-        n = num_rows * row_id_map.shape[0] // max(num_tokens, 1)
-        call = dict(
-            dtype=g.dtype,
-            num_tokens=row_id_map.shape[0],
-            num_experts=(row_id_map.shape[1] - 1) // 2,
-            probs_dtype=None if m is None else m.dtype,
-            num_rows=n,
-        )
-        dy, dmp = COMBINE.dispatch(implementation, "backward", (row_id_map, g, y, m), dict(num_rows=n), call)
+        n = num_rows * t_ // max(num_tokens, 1) if t_ != num_tokens else num_rows
+        call = _call(g.dtype, t_, e_, None if m is None else m.dtype, n)
+        impl = _chosen(implementation, t_, e_, g.shape[1], n)
+        dy, dmp = COMBINE.dispatch(impl, "backward", (row_id_map, g, y, m), dict(num_rows=n), call)
         return (dy, dmp) if has_probs else dy
 
-    def fwd_specs(arg_specs, shapes):
-        t_ax = arg_specs[1][0]
-        ins = [[t_ax, None], [t_ax, None]] + ([[t_ax, None]] if has_probs else [])
-        return ins, [t_ax, None]
-
-    def bwd_specs(arg_specs, shapes):
-        t_ax = arg_specs[0][0]
-        ins = [[t_ax, None], [t_ax, None]] + ([[t_ax, None], [t_ax, None]] if has_probs else [])
-        outs = [[t_ax, None], [t_ax, None]] if has_probs else [t_ax, None]
-        return ins, outs
-
-    def fwd_rule(*shapes):
-        return "n h, t r" + (", t e" if has_probs else "") + " -> t h", {}
-
-    def bwd_rule(*shapes):
-        ops = "t r, t h" + (", n h, t e" if has_probs else "")
-        res = "n h" + (", t e" if has_probs else "")
-        return f"{ops} -> {res}", {}
-
-    fwd_call = _vmapped(P.partitioned(fwd_impl, rule=fwd_rule, specs=fwd_specs))
-    bwd_call = _vmapped(P.partitioned(bwd_impl, rule=bwd_rule, specs=bwd_specs))
+    fwd_call = S.partitioned_combine_forward(fwd_impl, has_probs=has_probs)
+    bwd_call = S.partitioned_combine_backward(bwd_impl, has_probs=has_probs)
 
     @jax.custom_vjp
     def op(y, row_id_map, mp):
@@ -469,36 +355,54 @@ def token_combine(
     pad_offsets: jax.Array | None = None,
     implementation: str | None = None,
 ) -> jax.Array:
-    """Inverse of :func:`token_dispatch`: sums each token's expert rows, weighted by merging_probs.
+    """Inverse of :func:`token_dispatch`: sums each token's kept expert rows, weighted by merging_probs.
+
+    ``out[t]`` is the sum over token t's KEPT pairs (t, e) of ``y[row(t, e)] * merging_probs[t, e]``
+    (a plain sum without merging_probs), accumulated in float32 and returned in y's dtype. Pairs
+    that token_dispatch dropped contribute nothing; a token with no kept pair gets a zero row.
+    Rows of y that hold no kept pair (padding, the unused tail) are never read.
+
+    Backward: ``dy[row(t, e)] = g[t] * merging_probs[t, e]`` and zero on every other row;
+    ``d merging_probs[t, e] = <y[row(t, e)], g[t]>`` (float32) for kept pairs and zero elsewhere
+    (unrouted and dropped pairs). No gradient for row_id_map or pad_offsets.
 
     Equivalent to::
 
-        out[t] = sum over t's rows (t, e) of y[row].astype(f32) * merging_probs[t, e]   # fp32, then y.dtype
+        out = zeros((T, H), f32)
+        for t, k < row_id_map[t, 2E]:   row, e = row_id_map[t, k], row_id_map[t, E + k]
+            out[t] += y[row].astype(f32) * merging_probs[t, e]
+        out = out.astype(y.dtype)
+
+    Trace-time checks: shapes, dtypes and that merging_probs / pad_offsets agree with row_id_map's
+    T and E. Not checked (values): that row_id_map came from token_dispatch, and that it was made
+    for a buffer of exactly ``y.shape[0]`` rows (rows at or past ``y.shape[0]`` are not read).
+    T = 0, E = 0, H = 0 and N = 0 are allowed (zero-filled ``[T, H]``).
 
     Args:
-      y: ``[N, H]`` expert outputs in token_dispatch's row order.
+      y: ``[N, H]`` float rows in token_dispatch's row order (the dispatch ``out`` shape).
       row_id_map: the int32 ``[T, 2E+1]`` map returned by token_dispatch.
-      merging_probs: optional ``[T, E]`` weights (plain sum without them).
-      pad_offsets: accepted for TransformerEngine compatibility; row_id_map already holds padded
-        rows, so it does not change the result.
+      merging_probs: optional ``[T, E]`` float weights (plain sum without them).
+      pad_offsets: optional int32 ``[E]``, accepted for TransformerEngine compatibility;
+        row_id_map already holds padded rows, so it does not change the result.
       implementation: None (best available), "triton", "gluon" or "reference".
 
     Returns:
       ``[T, H]`` in y's dtype.
     """
     op = "token_combine"
-    y = _check_rows(op, "y", y)
-    row_id_map = _arr(row_id_map)
-    if row_id_map.ndim != 2 or row_id_map.dtype != jnp.int32 or row_id_map.shape[1] % 2 != 1:
+    y = check_float(op, "y", y, FLOAT_DTYPES_WITH_F64, rank=2, layout="[N, H]")
+    row_id_map = check_int_array(op, "row_id_map", row_id_map, dtype=jnp.int32)
+    if row_id_map.ndim != 2 or row_id_map.shape[1] % 2 != 1:
         raise ValueError(
-            f"te_ops.{op}: row_id_map must be the int32 [T, 2E+1] map from token_dispatch, got shape "
-            f"{tuple(row_id_map.shape)} dtype {row_id_map.dtype}."
+            err(op, f"row_id_map must be the int32 [T, 2E+1] map returned by token_dispatch (an odd "
+                    f"number of columns), got shape {tuple(row_id_map.shape)}.")
         )
-    e_ = (row_id_map.shape[1] - 1) // 2
-    merging_probs = _check_probs(op, "merging_probs", merging_probs, (row_id_map.shape[0], e_))
+    t_, e_ = row_id_map.shape[0], (row_id_map.shape[1] - 1) // 2
+    if merging_probs is not None:
+        merging_probs = _check_probs(op, "merging_probs", merging_probs, (t_, e_))
     if pad_offsets is not None:
-        _check_int_vector(op, "pad_offsets", pad_offsets, e_)
-    return _build_combine(implementation, merging_probs is not None, y.shape[0], row_id_map.shape[0])(
+        check_int_array(op, "pad_offsets", pad_offsets, shape=(e_,), dtype=jnp.int32)
+    return _build_combine(implementation, merging_probs is not None, y.shape[0], t_)(
         *match_vma(y, row_id_map, merging_probs)
     )
 
@@ -511,35 +415,15 @@ def token_combine(
 @functools.cache
 def _build_sort(implementation: str | None):
     def fwd_impl(x, sizes, idx):
-        return SORT.dispatch(
-            implementation, "forward", (x, sizes, idx), {}, dict(dtype=x.dtype, num_rows=x.shape[0])
-        )
+        impl = _chosen(implementation, *x.shape, idx.shape[0])
+        return SORT.dispatch(impl, "forward", (x, sizes, idx), {}, dict(dtype=x.dtype, num_rows=x.shape[0]))
 
     def bwd_impl(row_id_map, g):
-        return SORT.dispatch(
-            implementation, "backward", (row_id_map, g), {}, dict(dtype=g.dtype, num_rows=g.shape[0])
-        )
+        impl = _chosen(implementation, *g.shape)
+        return SORT.dispatch(impl, "backward", (row_id_map, g), {}, dict(dtype=g.dtype, num_rows=g.shape[0]))
 
-    def fwd_specs(arg_specs, shapes):
-        h_ax = arg_specs[0][1]
-        return [[None, h_ax], [None], [None]], [[None, h_ax], [None]]
-
-    def bwd_specs(arg_specs, shapes):
-        h_ax = arg_specs[1][1]
-        return [[None], [None, h_ax]], [None, h_ax]
-
-    fwd_call = _vmapped(
-        P.partitioned(
-            fwd_impl,
-            rule=lambda *s: ("n h, s, s -> n h, n", {"need_replication_factors": ("n",)}),
-            specs=fwd_specs,
-        )
-    )
-    bwd_call = _vmapped(
-        P.partitioned(
-            bwd_impl, rule=lambda *s: ("n, n h -> n h", {"need_replication_factors": ("n",)}), specs=bwd_specs
-        )
-    )
+    fwd_call = S.partitioned_sort_forward(fwd_impl)
+    bwd_call = S.partitioned_sort_backward(bwd_impl)
 
     @jax.custom_vjp
     def op(x, sizes, idx):
@@ -561,19 +445,37 @@ def sort_chunks_by_index(
 ) -> tuple[jax.Array, jax.Array]:
     """Reorders S consecutive chunks of rows (sizes ``split_sizes``) into the order ``sorted_indices``.
 
-    Rows past ``sum(split_sizes)`` stay where they are. ``sorted_indices`` must be a permutation of
-    ``range(S)``; negative sizes count as 0 and chunks are clipped at N rows.
+    Chunk i is rows ``[sum(split_sizes[:i]), sum(split_sizes[:i + 1]))`` of x; the output
+    concatenates chunks ``sorted_indices[0], sorted_indices[1], ...`` and then the rows past
+    ``sum(split_sizes)``, which stay where they are. Backward: the gradient goes back through the
+    same permutation (``dx[i] = g[row_id_map[i]]``).
+
+    Trace-time checks: x is ``[N, H]`` float, split_sizes and sorted_indices are 1-D integer arrays
+    of the same length S. Not checked (values): that sorted_indices is a permutation of
+    ``range(S)`` (a repeated index duplicates a chunk and the result is no longer a permutation);
+    split_sizes are used as given with negative sizes counted as 0 and chunks cut at N rows (so
+    ``sum(split_sizes) > N`` moves only the rows that exist). N = 0, H = 0 and S = 0 are allowed
+    (S = 0: out = x).
 
     Equivalent to::
 
         chunks = jnp.split(x[:total], np.cumsum(split_sizes)[:-1])
         out = jnp.concatenate([chunks[i] for i in sorted_indices] + [x[total:]])
 
+    Args:
+      x: ``[N, H]`` float rows.
+      split_sizes: ``[S]`` integer chunk sizes (on the device; cast to int32).
+      sorted_indices: ``[S]`` integer, the order of the chunks in the output.
+      implementation: None (best available), "triton" or "reference".
+
     Returns:
       ``(out[N, H], row_id_map int32[N])`` with ``out[row_id_map[i]] = x[i]``.
     """
     op = "sort_chunks_by_index"
-    x = _check_rows(op, "x", x)
-    split_sizes = _check_int_vector(op, "split_sizes", split_sizes)
-    sorted_indices = _check_int_vector(op, "sorted_indices", sorted_indices, split_sizes.shape[0])
-    return _build_sort(implementation)(*match_vma(x, split_sizes, sorted_indices))
+    x = check_float(op, "x", x, FLOAT_DTYPES_WITH_F64, rank=2, layout="[N, H]")
+    split_sizes = check_int_array(op, "split_sizes", split_sizes)
+    check_rank(op, "split_sizes", split_sizes, 1, "[S]")
+    sorted_indices = check_int_array(op, "sorted_indices", sorted_indices, shape=split_sizes.shape)
+    return _build_sort(implementation)(
+        *match_vma(x, split_sizes.astype(jnp.int32), sorted_indices.astype(jnp.int32))
+    )

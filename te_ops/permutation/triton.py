@@ -7,12 +7,18 @@ routing kernels and the backward kernels are the Triton ones in both cases.
 Kernel sequence (every output row written exactly once, so nothing is left undefined):
 
 * dispatch fwd: count (per token block, per expert) -> scan (expert starts with padding, per block
-  bases, tokens_per_expert, pad_offsets) -> rowmap (row_id_map, permuted_probs, inverse map
-  inv[row]) -> zero_holes (padding/tail rows of out and permuted_probs) -> dispatch (scatter x rows).
+  bases, and the capacity counts: tokens_per_expert, pad_offsets, num_dropped) -> rowmap
+  (row_id_map with dropped pairs marked, permuted_probs, inverse map inv[row]) -> zero_holes
+  (padding/tail rows of out and permuted_probs) -> dispatch (scatter x rows).
+  Pairs whose row is >= N are dropped in rowmap (reference.py: the capacity layout); every later
+  kernel reads only the first n_t entries of a row_id_map row, so dropped pairs take no part in
+  the data movement or the backward kernels.
 * dispatch bwd: one kernel per token: dx = sum of its rows (fp32), dprobs.
 * combine fwd: one kernel per token (fp32 accumulation).
 * combine bwd: inv -> zero_holes (rows no token uses) -> per token: dy rows and d merging_probs.
 * sort_chunks fwd: chunk_src (source row of each output row, row_id_map) -> row gather; bwd: gather.
+
+The launchers assume non-empty sizes (T, E, H, N > 0); api.py sends empty calls to the reference.
 """
 
 from __future__ import annotations
@@ -112,14 +118,15 @@ def _routing(routing_map, probs, num_out_tokens, align_size):
     be = min(block_e, 32)
     chunk_e = min(block_e, 256)
     block_b = max(1, min(256, 8192 // be))
-    base, tpe, pad = tb.triton_call(
+    base, tpe, pad, dropped = tb.triton_call(
         k.scan_kernel,
         counts,
         totals,
         np.int32(nb),
         np.int32(e_),
         np.int32(align_size or 1),
-        out_shape=[SDS((nb, e_), I32), SDS((e_,), I32), SDS((e_,), I32)],
+        np.int32(n),
+        out_shape=[SDS((nb, e_), I32), SDS((e_,), I32), SDS((e_,), I32), SDS((1,), I32)],
         grid=(_cdiv(e_, be),),
         constexprs=dict(BLOCK_B=block_b, BE=be, CHUNK_E=chunk_e, BLOCK_E=block_e),
         num_warps=8,
@@ -138,7 +145,7 @@ def _routing(routing_map, probs, num_out_tokens, align_size):
         zeroed_outputs=(1,),
         constexprs=dict(BLOCK_T=block_t, BLOCK_E=block_e, HAS_PROBS=probs is not None),
     )
-    return row_id_map, inv, (pp if probs is not None else None), tpe, pad, n
+    return row_id_map, inv, (pp if probs is not None else None), tpe, pad, dropped.reshape(()), n
 
 
 def _zero_holes(inv, pp, n, h, dtype):
@@ -214,11 +221,11 @@ def _move_rows(x, row_id_map, out0, gluon: bool):
 def dispatch_forward(
     x, routing_map, probs=None, *, num_out_tokens: int, align_size: int | None, gluon: bool = False
 ):
-    row_id_map, inv, pp, tpe, pad, n = _routing(routing_map, probs, num_out_tokens, align_size)
+    row_id_map, inv, pp, tpe, pad, dropped, n = _routing(routing_map, probs, num_out_tokens, align_size)
     out0, pp = _zero_holes(inv, pp, n, x.shape[1], x.dtype)
     out = _move_rows(x, row_id_map, out0, gluon)
     res = ref.DispatchResiduals(row_id_map, x.shape[0], probs is not None)
-    return (out, pp, row_id_map, pad if align_size else None, tpe), res
+    return (out, pp, row_id_map, pad if align_size else None, tpe, dropped), res
 
 
 def dispatch_backward(

@@ -35,9 +35,11 @@ def scan_kernel(
     nb,
     E,
     A,
+    N,
     base_ptr,
     tpe_ptr,
     pad_ptr,
+    drop_ptr,
     BLOCK_B: tl.constexpr,
     BE: tl.constexpr,
     CHUNK_E: tl.constexpr,
@@ -45,7 +47,8 @@ def scan_kernel(
 ):
     """Program p owns experts [p * BE, (p + 1) * BE): their start rows (sum of the padded totals of
     the experts before them) and the per-block bases base[b, e] = start[e] + sum_{b' < b}
-    counts[b', e]. Program 0 also writes tokens_per_expert (padded) and pad_offsets."""
+    counts[b', e]. Program 0 also writes the capacity counts of reference.capacity_counts for a
+    buffer of N rows: tokens_per_expert (kept, padded), pad_offsets and num_dropped."""
     p = tl.program_id(0)
     e = p * BE + tl.arange(0, BE)
     em = e < E
@@ -59,9 +62,13 @@ def scan_kernel(
         ea = tl.arange(0, BLOCK_E)
         tot = tl.load(tot_ptr + ea, mask=ea < E, other=0)
         padded = (tot + A - 1) // A * A
-        pad = padded - tot
-        tl.store(tpe_ptr + ea, padded, mask=ea < E)
-        tl.store(pad_ptr + ea, tl.cumsum(pad, axis=0) - pad, mask=ea < E)
+        room = tl.maximum(N - (tl.cumsum(padded, axis=0) - padded), 0)  # rows left at each block's start
+        tpe = tl.minimum(padded, room)
+        kept = tl.minimum(tot, room)
+        holes = tpe - kept
+        tl.store(tpe_ptr + ea, tpe, mask=ea < E)
+        tl.store(pad_ptr + ea, tl.cumsum(holes, axis=0) - holes, mask=ea < E)
+        tl.store(drop_ptr, tl.sum(tot - kept, axis=0))
     bb = tl.arange(0, BLOCK_B)
     run = start
     for b0 in range(0, nb, BLOCK_B):
@@ -88,7 +95,8 @@ def rowmap_kernel(
     HAS_PROBS: tl.constexpr,
 ):
     """row_id_map rows of a block of tokens, the inverse map inv[row] = t * E + e + 1 (0 = hole;
-    the buffer is zeroed by the launcher) and permuted_probs at the routed rows."""
+    the buffer is zeroed by the launcher) and permuted_probs at the kept rows. A pair is kept when
+    its row is < N; a dropped pair is marked -2 in row_id_map, an unrouted one -1."""
     b = tl.program_id(0)
     t = b * BLOCK_T + tl.arange(0, BLOCK_T)
     e = tl.arange(0, BLOCK_E)
@@ -107,7 +115,7 @@ def rowmap_kernel(
     pos = tl.where(valid, k, n[:, None] + e[None, :] - k)
     W = 2 * E + 1
     row_base = map_ptr + t64[:, None] * W
-    tl.store(row_base + pos, tl.where(valid, dest, -1), mask=m)
+    tl.store(row_base + pos, tl.where(valid, dest, tl.where(r != 0, -2, -1)), mask=m)
     tl.store(row_base + E + pos, e[None, :] + tl.zeros_like(pos), mask=m)
     tl.store(map_ptr + t64 * W + 2 * E, n, mask=tm)
     dest64 = dest.to(tl.int64)

@@ -159,13 +159,19 @@ def main():
     tri.tb.triton_call = interpreted_call
     rng = np.random.default_rng(0)
     failures = 0
-    for t_, e_, h, k, align, with_probs, dtype in [
-        (37, 8, 40, 2, None, True, np.float32),
-        (37, 8, 40, 2, 4, False, np.float32),
-        (20, 64, 16, 3, None, False, np.float32),
-        (20, 64, 16, 3, 8, True, np.float32),
-        (9, 8, 24, 2, 4, True, jnp.bfloat16),
-        (70, 256, 32, 8, 16, True, np.float32),
+    # n0: num_out_tokens (None = T * k); smaller values overflow the buffer (pairs dropped)
+    for t_, e_, h, k, align, with_probs, dtype, n0 in [
+        (37, 8, 40, 2, None, True, np.float32, None),
+        (37, 8, 40, 2, 4, False, np.float32, None),
+        (20, 64, 16, 3, None, False, np.float32, None),
+        (20, 64, 16, 3, 8, True, np.float32, None),
+        (9, 8, 24, 2, 4, True, jnp.bfloat16, None),
+        (70, 256, 32, 8, 16, True, np.float32, None),
+        (37, 8, 40, 2, None, True, np.float32, 29),
+        (37, 8, 40, 2, 4, True, np.float32, 29),
+        (20, 8, 16, 3, 8, False, np.float32, 7),
+        (70, 16, 32, 4, 16, True, np.float32, 50),
+        (70, 256, 32, 8, None, True, np.float32, 100),
     ]:
         scores = rng.standard_normal((t_, e_))
         scores[:, : e_ // 2] -= 100.0  # uneven: the first half of the experts is never chosen
@@ -175,20 +181,23 @@ def main():
         x = jnp.asarray(rng.standard_normal((t_, h)), dtype)
         probs = jnp.asarray(rng.random((t_, e_)) * rm, jnp.float32) if with_probs else None
         rmj = jnp.asarray(rm)
-        n0 = t_ * k
+        n0 = t_ * k if n0 is None else n0
         got, _ = tri.dispatch_forward(x, rmj, probs, num_out_tokens=n0, align_size=align)
         want, _ = ref.dispatch_forward(x, rmj, probs, num_out_tokens=n0, align_size=align)
+        if n0 < t_ * k and int(want[5]) == 0:
+            failures += 1
+            print(f"FAIL overflow case drops nothing T={t_} E={e_} A={align} n0={n0}")
         for name, g, w in zip(
-            ["out", "permuted_probs", "row_id_map", "pad_offsets", "tokens_per_expert"],
+            ["out", "permuted_probs", "row_id_map", "pad_offsets", "tokens_per_expert", "num_dropped"],
             got,
             want,
-            strict=False,
+            strict=True,
         ):
             if w is None:
                 continue
             if not np.array_equal(np.asarray(g, np.float64), np.asarray(w, np.float64)):
                 failures += 1
-                print(f"FAIL dispatch {name} T={t_} E={e_} A={align} probs={with_probs}")
+                print(f"FAIL dispatch {name} T={t_} E={e_} A={align} probs={with_probs} n0={n0}")
         row_id_map = want[2]
         n = want[0].shape[0]
         y = jnp.asarray(rng.standard_normal((n, h)), dtype)
@@ -217,7 +226,7 @@ def main():
                 ok = np.allclose(np.asarray(gi, np.float64), np.asarray(wi, np.float64), rtol=2e-2, atol=2e-2)
                 if not ok:
                     failures += 1
-                    print(f"FAIL {name} T={t_} E={e_} A={align} probs={with_probs}")
+                    print(f"FAIL {name} T={t_} E={e_} A={align} probs={with_probs} n0={n0}")
     x = jnp.asarray(rng.standard_normal((20, 8)), jnp.float32)
     sizes, idx = jnp.array([3, 0, 5, 4], jnp.int32), jnp.array([2, 0, 3, 1], jnp.int32)
     (o, m), _ = tri.sort_forward(x, sizes, idx)

@@ -1,5 +1,8 @@
 """CPU tests of token_dispatch / token_combine / sort_chunks_by_index (reference path, dispatch,
-gradients, jit, vmap, errors, sharding on 8 virtual CPU devices)."""
+gradients, jit, vmap, errors, sharding on 8 virtual CPU devices). Capacity overflow and empty
+sizes: test_permutation_capacity.py."""
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +12,7 @@ from jax.sharding import PartitionSpec as PS
 
 from te_ops._core import registry
 from te_ops._core.testing import assert_close, cpu_mesh, run_sharded
-from te_ops.permutation import sort_chunks_by_index, token_combine, token_dispatch
+from te_ops.permutation import TokenDispatchResult, sort_chunks_by_index, token_combine, token_dispatch
 
 
 def make_routing(t, e, k, seed=0, empty=True):
@@ -25,12 +28,24 @@ def make_routing(t, e, k, seed=0, empty=True):
     return rm
 
 
+class Layout(NamedTuple):
+    src_t: np.ndarray  # [N] token of each row, -1 where no kept pair
+    src_e: np.ndarray  # [N] expert of each row, -1 where no kept pair
+    tokens_per_expert: np.ndarray
+    pad_offsets: np.ndarray
+    num_dropped: int
+    n: int
+    dropped: np.ndarray  # bool [T, E], routed pairs that did not fit
+
+
 def direct_layout(rm, n0, align):
-    """Per output row: (token, expert) or -1, from an argsort of the expert-major flattened map."""
+    """The capacity layout written out directly: every routed pair in expert-major order gets its
+    row in the full padded layout; rows >= N are dropped; tokens_per_expert counts the rows of the
+    truncated buffer that belong to each expert's block."""
     t, e = rm.shape
     flat = rm.T.reshape(-1)
     order = np.argsort(~flat, kind="stable")[: flat.sum()]
-    tok, exp = order % t, order // t
+    tok, exp = order % max(t, 1), order // max(t, 1)
     counts = rm.sum(0)
     a = align or 1
     padded = -(-counts // a) * a
@@ -41,8 +56,13 @@ def direct_layout(rm, n0, align):
     src_t, src_e = np.full(n, -1), np.full(n, -1)
     keep = rows < n
     src_t[rows[keep]], src_e[rows[keep]] = tok[keep], exp[keep]
-    pad = padded - counts
-    return src_t, src_e, padded, np.cumsum(pad) - pad, n
+    owner = np.repeat(np.arange(e), padded)[:n]  # expert block of every buffer row
+    tpe = np.bincount(owner, minlength=e)
+    kept = np.bincount(exp[keep], minlength=e)
+    holes = tpe - kept
+    dropped = np.zeros((t, e), bool)
+    dropped[tok[~keep], exp[~keep]] = True
+    return Layout(src_t, src_e, tpe, np.cumsum(holes) - holes, int((~keep).sum()), n, dropped)
 
 
 def direct_dispatch(x, probs, src_t, src_e):
@@ -68,6 +88,46 @@ def direct_combine(y, mp, src_t, src_e, t):
     )
 
 
+def check_row_id_map(m, rm, lay):
+    """row_id_map layout: kept rows in ascending expert order, -2 for dropped / -1 for unrouted
+    positions, the expert permutation, then n_t."""
+    m = np.asarray(m)
+    t, e = rm.shape
+    assert m.shape == (t, 2 * e + 1) and m.dtype == np.int32
+    for tok in range(t):
+        n_t = m[tok, 2 * e]
+        kept = rm[tok] & ~lay.dropped[tok]
+        assert n_t == kept.sum()
+        np.testing.assert_array_equal(m[tok, e : e + n_t], np.nonzero(kept)[0])
+        np.testing.assert_array_equal(np.sort(m[tok, e : 2 * e]), np.arange(e))
+        rest = m[tok, e + n_t : 2 * e]
+        np.testing.assert_array_equal(m[tok, n_t:e], np.where(lay.dropped[tok, rest], -2, -1))
+        for j in range(n_t):
+            assert lay.src_t[m[tok, j]] == tok and lay.src_e[m[tok, j]] == m[tok, e + j]
+
+
+def check_dispatch(res, x, rm, probs, n0, align):
+    lay = direct_layout(rm, n0, align)
+    assert isinstance(res, TokenDispatchResult)
+    want_out, want_pp = direct_dispatch(x, probs, lay.src_t, lay.src_e)
+    assert res.out.shape == (lay.n, x.shape[1])
+    np.testing.assert_array_equal(res.out, want_out)
+    if probs is not None:
+        np.testing.assert_array_equal(res.permuted_probs, want_pp)
+    else:
+        assert res.permuted_probs is None
+    np.testing.assert_array_equal(res.tokens_per_expert, lay.tokens_per_expert)
+    assert res.tokens_per_expert.dtype == jnp.int32
+    if align:
+        np.testing.assert_array_equal(res.pad_offsets, lay.pad_offsets)
+    else:
+        assert res.pad_offsets is None
+    assert res.num_dropped.shape == () and res.num_dropped.dtype == jnp.int32
+    assert int(res.num_dropped) == lay.num_dropped
+    check_row_id_map(res.row_id_map, rm, lay)
+    return lay
+
+
 CASES = [(8, None, False), (8, 4, True), (64, None, True), (64, 8, False)]
 
 
@@ -78,33 +138,10 @@ def test_dispatch_matches_direct(e, align, with_probs):
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
     probs = jnp.asarray(rng.random((t, e)) * rm, jnp.float32) if with_probs else None
-    out, pp, row_id_map, pad_offsets, tpe = token_dispatch(
-        x, jnp.asarray(rm), t * k, probs=probs, align_size=align
-    )
-    src_t, src_e, padded, pad_off, n = direct_layout(rm, t * k, align)
-    want_out, want_pp = direct_dispatch(x, probs, src_t, src_e)
-    assert out.shape == (n, h)
-    np.testing.assert_array_equal(out, want_out)
-    if with_probs:
-        np.testing.assert_array_equal(pp, want_pp)
-    else:
-        assert pp is None
-    np.testing.assert_array_equal(tpe, padded if align else rm.sum(0))
-    if align:
-        np.testing.assert_array_equal(pad_offsets, pad_off)
-    else:
-        assert pad_offsets is None
-    # row_id_map layout: rows listed in ascending expert order, then the expert permutation, then n_t
-    m = np.asarray(row_id_map)
-    assert m.shape == (t, 2 * e + 1) and m.dtype == np.int32
-    for tok in range(t):
-        n_t = m[tok, 2 * e]
-        assert n_t == rm[tok].sum()
-        np.testing.assert_array_equal(m[tok, e : e + n_t], np.nonzero(rm[tok])[0])
-        np.testing.assert_array_equal(np.sort(m[tok, e : 2 * e]), np.arange(e))
-        assert (m[tok, n_t:e] == -1).all()
-        for j in range(n_t):
-            assert src_t[m[tok, j]] == tok and src_e[m[tok, j]] == m[tok, e + j]
+    res = token_dispatch(x, jnp.asarray(rm), t * k, probs=probs, align_size=align)
+    lay = check_dispatch(res, x, rm, probs, t * k, align)
+    assert lay.num_dropped == 0
+    np.testing.assert_array_equal(res.tokens_per_expert, -(-rm.sum(0) // (align or 1)) * (align or 1))
 
 
 @pytest.mark.parametrize("e,align,with_probs", CASES)
@@ -113,34 +150,31 @@ def test_combine_matches_direct(e, align, with_probs):
     rm = make_routing(t, e, k, seed=3)
     rng = np.random.default_rng(4)
     x = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
-    _, _, row_id_map, pad_offsets, _ = token_dispatch(x, jnp.asarray(rm), t * k, align_size=align)
-    src_t, src_e, _, _, n = direct_layout(rm, t * k, align)
-    y = jnp.asarray(rng.standard_normal((n, h)), jnp.float32)
+    res = token_dispatch(x, jnp.asarray(rm), t * k, align_size=align)
+    lay = direct_layout(rm, t * k, align)
+    y = jnp.asarray(rng.standard_normal((lay.n, h)), jnp.float32)
     mp = jnp.asarray(rng.random((t, e)) * rm, jnp.float32) if with_probs else None
-    got = token_combine(y, row_id_map, merging_probs=mp, pad_offsets=pad_offsets)
-    assert_close(got, direct_combine(y, mp, src_t, src_e, t), jnp.float32)
+    got = token_combine(y, res.row_id_map, merging_probs=mp, pad_offsets=res.pad_offsets)
+    assert_close(got, direct_combine(y, mp, lay.src_t, lay.src_e, t), jnp.float32)
 
 
 def test_roundtrip_and_bf16():
     t, e, h, k = 32, 8, 16, 2
     rm = jnp.asarray(make_routing(t, e, k))
     x = jax.random.normal(jax.random.PRNGKey(0), (t, h), jnp.bfloat16)
-    out, _, m, _, _ = token_dispatch(x, rm, t * k, align_size=16)
-    assert out.dtype == jnp.bfloat16
-    back = token_combine(out, m)
+    res = token_dispatch(x, rm, t * k, align_size=16)
+    assert res.out.dtype == jnp.bfloat16
+    back = token_combine(res.out, res.row_id_map)
     assert_close(back, x.astype(jnp.float32) * k, jnp.bfloat16, scale=k)
 
 
-def test_dropped_pairs_and_zero_tail():
+def test_zero_tail_when_buffer_is_larger():
     t, e, h, k = 16, 8, 8, 2
     rm = jnp.asarray(make_routing(t, e, k, empty=False))
     x = jax.random.normal(jax.random.PRNGKey(1), (t, h))
-    small, _, m_small, _, _ = token_dispatch(x, rm, 20)  # fewer rows than routed pairs: the tail is dropped
-    src_t, _, _, _, _ = direct_layout(np.asarray(rm), 20, None)
-    np.testing.assert_array_equal(small, direct_dispatch(x, None, src_t, src_t)[0])
-    assert int(np.asarray(m_small)[:, 2 * e].sum()) == 20
-    big, _, _, _, _ = token_dispatch(x, rm, 40)  # more rows than pairs: the extra rows are zero
-    np.testing.assert_array_equal(big[t * k :], 0)
+    big = token_dispatch(x, rm, 40)  # more rows than pairs: the extra rows are zero
+    np.testing.assert_array_equal(big.out[t * k :], 0)
+    assert int(big.num_dropped) == 0 and int(big.tokens_per_expert.sum()) == t * k
 
 
 @pytest.mark.parametrize("align,with_probs", [(None, True), (4, True), (None, False)])
@@ -150,23 +184,21 @@ def test_gradients_match_direct(align, with_probs):
     rng = np.random.default_rng(6)
     x = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
     probs = jnp.asarray(rng.random((t, e)) * rm, jnp.float32)
-    src_t, src_e, _, _, n = direct_layout(rm, t * k, align)
-    w_rows = jnp.asarray(rng.standard_normal((n, h)), jnp.float32)
-    w_pp = jnp.asarray(rng.standard_normal((n,)), jnp.float32)
+    lay = direct_layout(rm, t * k, align)
+    w_rows = jnp.asarray(rng.standard_normal((lay.n, h)), jnp.float32)
+    w_pp = jnp.asarray(rng.standard_normal((lay.n,)), jnp.float32)
 
     def ours(x, probs):
-        out, pp, m, _, _ = token_dispatch(
-            x, jnp.asarray(rm), t * k, probs=probs if with_probs else None, align_size=align
-        )
-        y = jnp.sin(out) * w_rows
-        back = token_combine(y, m, merging_probs=probs)
+        res = token_dispatch(x, jnp.asarray(rm), t * k, probs=probs if with_probs else None, align_size=align)
+        y = jnp.sin(res.out) * w_rows
+        back = token_combine(y, res.row_id_map, merging_probs=probs)
         loss = jnp.sum(back**2)
-        return loss + (jnp.sum(pp * w_pp) if with_probs else 0.0)
+        return loss + (jnp.sum(res.permuted_probs * w_pp) if with_probs else 0.0)
 
     def direct(x, probs):
-        out, pp = direct_dispatch(x, probs if with_probs else None, src_t, src_e)
+        out, pp = direct_dispatch(x, probs if with_probs else None, lay.src_t, lay.src_e)
         y = jnp.sin(out) * w_rows
-        back = direct_combine(y, probs, src_t, src_e, t)
+        back = direct_combine(y, probs, lay.src_t, lay.src_e, t)
         loss = jnp.sum(back**2)
         return loss + (jnp.sum(pp * w_pp) if with_probs else 0.0)
 
@@ -179,11 +211,15 @@ def test_gradients_match_direct(align, with_probs):
 def test_integer_inputs_get_no_cotangent():
     t, e, h, k = 8, 4, 4, 2
     rm = jnp.asarray(make_routing(t, e, k, empty=False))
-    x = jnp.ones((t, h))
-    _, vjp = jax.vjp(lambda x, rm: token_dispatch(x, rm, t * k)[0], x, rm)
-    dx, drm = vjp(jnp.ones((t * k, h)))
+    x = jax.random.normal(jax.random.PRNGKey(11), (t, h))
+    _, vjp = jax.vjp(lambda x, rm: token_dispatch(x, rm, t * k).out, x, rm)
+    g = jax.random.normal(jax.random.PRNGKey(12), (t * k, h))
+    dx, drm = vjp(g)
     assert drm.dtype == jax.dtypes.float0
-    np.testing.assert_allclose(dx, k)
+    lay = direct_layout(np.asarray(rm), t * k, None)
+    want = np.zeros((t, h), np.float32)
+    np.add.at(want, lay.src_t, np.asarray(g))
+    assert_close(dx, want, jnp.float32)
 
 
 def test_jit_and_vmap():
@@ -193,8 +229,9 @@ def test_jit_and_vmap():
     ps = jax.random.uniform(jax.random.PRNGKey(3), (b, t, e)) * rms
 
     def f(x, rm, p):
-        out, pp, m, _, tpe = token_dispatch(x, rm, t * k, probs=p)
-        return token_combine(out * 2, m, merging_probs=p), pp, tpe
+        res = token_dispatch(x, rm, t * k, probs=p)
+        back = token_combine(res.out * 2, res.row_id_map, merging_probs=p)
+        return back, res.permuted_probs, res.tokens_per_expert, res.num_dropped
 
     batched = jax.jit(jax.vmap(f))(xs, rms, ps)
     for i in range(b):
@@ -231,39 +268,14 @@ def test_sort_chunks(sizes, idx):
     np.testing.assert_array_equal(vm[1], 2 * np.asarray(out))
 
 
-def test_errors():
-    x = jnp.ones((8, 4))
-    rm = jnp.zeros((8, 4), bool)
-    with pytest.raises(TypeError, match="routing_map must be bool"):
-        token_dispatch(x, rm.astype(jnp.int32), 16)
-    with pytest.raises(ValueError, match=r"routing_map must have shape \[T, E\]"):
-        token_dispatch(x, rm[:4], 16)
-    with pytest.raises(TypeError, match="num_out_tokens must be a static Python int"):
-        jax.jit(lambda n: token_dispatch(x, rm, n))(16)
-    with pytest.raises(ValueError, match="align_size must be >= 1"):
-        token_dispatch(x, rm, 16, align_size=0)
-    with pytest.raises(ValueError, match="probs must have shape"):
-        token_dispatch(x, rm, 16, probs=jnp.ones((8, 5)))
-    with pytest.raises(TypeError, match="x must be a floating-point array"):
-        token_dispatch(x.astype(jnp.int32), rm, 16)
-    with pytest.raises(ValueError, match="row_id_map must be the int32"):
-        token_combine(x, jnp.zeros((8, 4), jnp.int32))
-    with pytest.raises(TypeError, match="split_sizes must be a 1-D integer array"):
-        sort_chunks_by_index(x, jnp.ones((2,)), jnp.arange(2))
-    with pytest.raises(ValueError, match="sorted_indices must have 2 entries"):
-        sort_chunks_by_index(x, jnp.ones((2,), jnp.int32), jnp.arange(3))
-    with pytest.raises(ValueError, match="unknown implementation"):
-        token_dispatch(x, rm, 16, implementation="native")
-
-
 def test_named_gpu_implementation_raises_on_cpu():
-    x = jnp.ones((8, 4))
+    x = jax.random.normal(jax.random.PRNGKey(13), (8, 4))
     rm = jnp.zeros((8, 4), bool).at[:, 0].set(True)
     for impl in ("triton", "gluon"):
         with pytest.raises(registry.ImplementationUnavailableError, match=impl):
             token_dispatch(x, rm, 8, implementation=impl)
     with registry.use_implementation("reference"):
-        token_dispatch(x, rm, 8)
+        np.testing.assert_array_equal(token_dispatch(x, rm, 8).out, x)
 
 
 @pytest.mark.parametrize("with_probs", [False, True])
@@ -276,26 +288,30 @@ def test_sharded_tokens_route_per_shard(with_probs):
 
     def f(x, rm, *p):
         pr = p[0] if p else None
-        out, pp, m, _, tpe = token_dispatch(x, rm, x.shape[0] * k, probs=pr)
-        back = token_combine(out * 3, m, merging_probs=pr)
-        return (out, m, back, tpe) + ((pp,) if p else ())
+        res = token_dispatch(x, rm, x.shape[0] * k, probs=pr)
+        back = token_combine(res.out * 3, res.row_id_map, merging_probs=pr)
+        return (res.out, res.row_id_map, back, res.tokens_per_expert, res.num_dropped) + (
+            (res.permuted_probs,) if p else ()
+        )
 
     args = [x, rm] + ([p] if with_probs else [])
     specs = [PS("dp"), PS("dp")] + ([PS("dp")] if with_probs else [])
-    out_specs = (PS("dp"), PS("dp"), PS("dp"), PS()) + ((PS("dp"),) if with_probs else ())
+    out_specs = (PS("dp"), PS("dp"), PS("dp"), PS(), PS()) + ((PS("dp"),) if with_probs else ())
     sharded, _, counts = run_sharded(f, args, specs, out_specs, mesh=mesh)
     # each shard routes its own tokens: compare with the per-shard results, concatenated
     per = [f(*[a[i * 8 : (i + 1) * 8] for a in args]) for i in range(8)]
     np.testing.assert_array_equal(sharded[0], np.concatenate([q[0] for q in per]))
     np.testing.assert_array_equal(sharded[1], np.concatenate([q[1] for q in per]))
     np.testing.assert_allclose(sharded[2], np.concatenate([q[2] for q in per]), rtol=1e-6, atol=1e-6)
-    np.testing.assert_array_equal(sharded[3], np.asarray(rm).sum(0))  # global counts
+    np.testing.assert_array_equal(sharded[3], np.asarray(rm).sum(0))  # global counts (nothing dropped)
+    assert int(sharded[4]) == 0
     if with_probs:
-        np.testing.assert_array_equal(sharded[4], np.concatenate([q[4] for q in per]))
+        np.testing.assert_array_equal(sharded[5], np.concatenate([q[5] for q in per]))
     # the combine undoes the dispatch shard by shard, so it equals the unsharded round trip
     want = 3 * (x * p.sum(1, keepdims=True) if with_probs else k * x)
     np.testing.assert_allclose(sharded[2], want, rtol=1e-5, atol=1e-5)
     assert counts["all-gather"] == 0 and counts["all-to-all"] == 0
+    assert counts["all-reduce"] >= 1  # the per-shard counts are summed
     # gradients flow through the sharded ops
     g = jax.jit(
         jax.grad(lambda x: jnp.sum(f(x, *args[1:])[2] ** 2)),
@@ -310,10 +326,41 @@ def test_sharded_padding_and_sort_are_exact():
     t, e, h, k = 32, 8, 8, 2
     rm = jnp.asarray(make_routing(t, e, k, seed=8))
     x = jax.random.normal(jax.random.PRNGKey(8), (t, h))
-    f = lambda x, rm: token_dispatch(x, rm, t * k, align_size=4)[0]  # noqa: E731
+
+    def f(x, rm):
+        res = token_dispatch(x, rm, t * k - 20, align_size=4)  # overflows: pairs dropped
+        return res.out, res.tokens_per_expert, res.pad_offsets, res.num_dropped
+
     sharded, unsharded, _ = run_sharded(f, [x, rm], [PS("dp"), PS("dp")], mesh=mesh)
-    np.testing.assert_array_equal(sharded, unsharded)
+    assert int(unsharded[3]) > 0
+    for a, b in zip(sharded, unsharded, strict=True):
+        np.testing.assert_array_equal(a, b)
     y = jax.random.normal(jax.random.PRNGKey(9), (40, 16))
     s = lambda y: sort_chunks_by_index(y, jnp.array([5, 10, 25]), jnp.array([2, 0, 1]))[0]  # noqa: E731
     sharded, unsharded, _ = run_sharded(s, [y], [PS(None, "dp")], mesh=mesh)
     np.testing.assert_array_equal(sharded, unsharded)
+
+
+def test_sharded_overflow_is_per_shard_and_counts_are_summed():
+    mesh = cpu_mesh((8,), ("dp",))
+    t, e, h, k = 64, 8, 8, 2
+    rm = make_routing(t, e, k, seed=9)
+    x = jax.random.normal(jax.random.PRNGKey(10), (t, h))
+    n0 = 64  # half of T * k: 8 rows per shard for 16 pairs
+
+    def f(x, rm):
+        res = token_dispatch(x, rm, n0)
+        return res.out, res.tokens_per_expert, res.num_dropped, token_combine(res.out, res.row_id_map)
+
+    sharded, _, _ = run_sharded(f, [x, jnp.asarray(rm)], [PS("dp"), PS("dp")], (PS("dp"), PS(), PS(), PS("dp")),
+                                mesh=mesh)
+    lays = [direct_layout(rm[i * 8 : (i + 1) * 8], n0 // 8, None) for i in range(8)]
+    np.testing.assert_array_equal(sharded[1], sum(lay.tokens_per_expert for lay in lays))
+    assert int(sharded[2]) == sum(lay.num_dropped for lay in lays) > 0
+    xs = np.asarray(x)
+    for i, lay in enumerate(lays):
+        np.testing.assert_array_equal(sharded[0][i * 8 : (i + 1) * 8], direct_dispatch(xs[i * 8 :], None,
+                                                                                      lay.src_t, lay.src_e)[0])
+        kept = (rm[i * 8 : (i + 1) * 8] & ~lay.dropped).sum(1)
+        np.testing.assert_allclose(sharded[3][i * 8 : (i + 1) * 8], xs[i * 8 : (i + 1) * 8] * kept[:, None],
+                                   rtol=1e-6, atol=1e-6)

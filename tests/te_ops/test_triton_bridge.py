@@ -183,7 +183,7 @@ def test_lowering_for_cuda_without_gpu(monkeypatch):
         p = rm.astype(jnp.float32) / 2
 
         def loss(x, p):
-            out, pp, m, _, _ = token_dispatch(x, rm, t * k, probs=p, align_size=4, implementation=impl)
+            out, pp, m, *_ = token_dispatch(x, rm, t * k, probs=p, align_size=4, implementation=impl)
             return (
                 jnp.sum(token_combine(out, m, merging_probs=p, implementation=impl).astype(jnp.float32))
                 + pp.sum()
