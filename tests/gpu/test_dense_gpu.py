@@ -52,7 +52,7 @@ def _fwd_bwd(impl, act, has_bias):
 
 
 def _scale(a):
-    return float(jnp.max(jnp.abs(jnp.asarray(a, jnp.float32)))) + 1.0
+    return float(jnp.max(jnp.abs(jnp.asarray(a, jnp.float32)), initial=0.0)) + 1.0
 
 
 def _assert_fwd_bwd_close(y, grads, y_ref, grads_ref, dtype, tag=""):
