@@ -117,8 +117,9 @@ def select(
         _, gidx = jax.lax.top_k(group_scores, group_topk)
         gmask = jnp.any(gidx[..., None] == jnp.arange(num_groups), axis=-2)  # [T, G]
         emask = jnp.repeat(gmask, e // num_groups, axis=-1)
-        # Experts of dropped groups rank strictly below every allowed expert, even an allowed -inf
-        # (masking with -inf would tie with it and let the smaller index of a dropped group win).
+        # Experts of dropped groups rank strictly below every allowed expert whatever its score
+        # (-inf, and -NaN, which ranks below -inf), as with the native kernels' key 0: masking with
+        # -inf could let a dropped group's expert win over an allowed -NaN or tie with an allowed -inf.
         lowest = jnp.iinfo(jnp.int32).min
         key = jnp.where(emask, jnp.maximum(ordered_key(sel), lowest + 1), lowest)
         _, idx = jax.lax.top_k(key, topk)
