@@ -1,10 +1,12 @@
 """GPU tests of the permutation ops (Triton and Gluon kernels through our Triton bridge).
 
 Triton/Gluon vs the reference (run on the same GPU through XLA), forward and backward, with and
-without probs and padding, E in {8, 64, 256}, uneven routing with empty experts; every output the
-kernels write starts NaN-poisoned (native.poisoned_outputs is honoured by the bridge). Also: command
+without probs and padding, E in {8, 64, 256}, uneven routing with empty experts, capacity overflow
+(more routed pairs than num_out_tokens: every TokenDispatchResult field, the combine and the
+gradients, eagerly and under jit) and empty sizes; every output the kernels write starts
+NaN-poisoned (native.poisoned_outputs is honoured by the bridge). Also: command
 buffers (subprocess with XLA_FLAGS), and the bridge's compile-once / compile-in-parallel counters
-when lowering from 8 threads. Budget: < 90 s on an H200.
+when lowering from 8 threads.
 """
 
 import functools
@@ -23,6 +25,7 @@ from te_ops._core import native
 from te_ops._core import triton_bridge as tb
 from te_ops._core.testing import assert_close
 from te_ops.permutation import api, sort_chunks_by_index, token_combine, token_dispatch
+from te_ops.permutation import reference as ref
 
 pytestmark = pytest.mark.gpu
 
@@ -48,21 +51,20 @@ def routing(t, e, k, seed):
     return jnp.asarray(rm)
 
 
-def run(impl, x, rm, probs, align, k, g_seed=0):
+def run(impl, x, rm, probs, align, k, g_seed=0, num_out_tokens=None, use_jit=True):
     """Forward outputs and all gradients of dispatch -> scale -> combine, traced fresh (poisoning
-    is a trace-time setting)."""
+    is a trace-time setting). ``num_out_tokens`` defaults to T * k; smaller values overflow."""
     t, h = x.shape
-    n = rm.shape[0] * k if not align else ((t * k + rm.shape[1] * (align - 1)) // align) * align
+    n0 = t * k if num_out_tokens is None else num_out_tokens
+    n = ref.out_rows(n0, rm.shape[1], align)
     w = jax.random.normal(jax.random.PRNGKey(g_seed), (n, h), jnp.float32).astype(x.dtype)
     g = jax.random.normal(jax.random.PRNGKey(g_seed + 1), (t, h), x.dtype)
     gpp = jax.random.normal(jax.random.PRNGKey(g_seed + 2), (n,), jnp.float32)
 
     def f(x, probs, rm):
-        out, pp, m, pad, tpe = token_dispatch(
-            x, rm, t * k, probs=probs, align_size=align, implementation=impl
-        )
-        y = token_combine(out * w, m, merging_probs=probs, implementation=impl)
-        return (out, pp, m, pad, tpe), y
+        res = token_dispatch(x, rm, n0, probs=probs, align_size=align, implementation=impl)
+        y = token_combine(res.out * w, res.row_id_map, merging_probs=probs, implementation=impl)
+        return res, y
 
     g_out = jax.random.normal(jax.random.PRNGKey(g_seed + 3), (n, h), x.dtype)
 
@@ -79,10 +81,10 @@ def run(impl, x, rm, probs, align, k, g_seed=0):
         cts[0] = g_out
         if probs is not None:
             cts[1] = gpp.astype(probs.dtype)
-        return fwd, vjp((tuple(cts), g))
+        return fwd, vjp((type(fwd[0])(*cts), g))
 
     with native.poisoned_outputs():
-        return jax.jit(step)(x, probs, rm)
+        return (jax.jit(step) if use_jit else step)(x, probs, rm)
 
 
 def _inputs(e, with_probs):
@@ -114,11 +116,17 @@ def test_matches_reference(impl, e, with_probs, align):
     x, rm, probs, k = _inputs(e, with_probs)
     (fwd, y), grads = run(impl, x, rm, probs, align, k)
     (rfwd, ry), rgrads = _reference(e, with_probs, align)
-    names = ["out", "permuted_probs", "row_id_map", "pad_offsets", "tokens_per_expert"]
-    for name, a, b in zip(names, fwd, rfwd, strict=True):
+    _assert_same(impl, (fwd, y), grads, (rfwd, ry), rgrads)
+
+
+def _assert_same(impl, got, grads, want, rgrads):
+    """Dispatch outputs bit-identical (every field), combine and gradients within bf16 tolerance."""
+    (fwd, y), (rfwd, ry) = got, want
+    for name, a, b in zip(rfwd._fields, fwd, rfwd, strict=True):
         if b is None:
             assert a is None, name
             continue
+        assert a.shape == b.shape and a.dtype == b.dtype, (impl, name, a.shape, b.shape)
         np.testing.assert_array_equal(
             np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)), err_msg=f"{impl} {name}"
         )
@@ -129,6 +137,50 @@ def test_matches_reference(impl, e, with_probs, align):
         assert_close(a, b, a.dtype, scale=8, err_msg=f"{impl} grad {i}")
 
 
+# (E, with_probs, align, num_out_tokens): every case has more routed pairs (T * K = 1536) than the
+# buffer holds, so the expert-major tail is dropped
+OVERFLOW = [(8, True, None, 1000), (8, False, 16, 1000), (64, True, 16, 700), (256, True, None, 1)]
+
+
+@functools.cache
+def _overflow_reference(e, with_probs, align, n0, use_jit):  # shared by the triton and gluon cases
+    x, rm, probs, k = _inputs(e, with_probs)
+    return run("reference", x, rm, probs, align, k, num_out_tokens=n0, use_jit=use_jit)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("use_jit", [True, False], ids=["jit", "eager"])
+@pytest.mark.parametrize("e,with_probs,align,n0", OVERFLOW)
+def test_overflow_matches_reference(impl, use_jit, e, with_probs, align, n0):
+    x, rm, probs, k = _inputs(e, with_probs)
+    (fwd, y), grads = run(impl, x, rm, probs, align, k, num_out_tokens=n0, use_jit=use_jit)
+    (rfwd, ry), rgrads = _overflow_reference(e, with_probs, align, n0, use_jit)
+    assert int(rfwd.num_dropped) > 0
+    assert int(rfwd.tokens_per_expert.sum()) <= rfwd.out.shape[0]
+    _assert_same(impl, (fwd, y), grads, (rfwd, ry), rgrads)
+    if with_probs:  # dropped pairs get no gradient (rows of row_id_map marked -2)
+        m = np.asarray(fwd.row_id_map)
+        e_ = rm.shape[1]
+        dropped = np.zeros(rm.shape, bool)
+        for t in range(m.shape[0]):
+            dropped[t, m[t, e_:2 * e_][m[t, :e_] == -2]] = True
+        assert dropped.sum() == int(fwd.num_dropped)
+        np.testing.assert_array_equal(np.asarray(grads[1], np.float32)[dropped], 0)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("t,e,h,n0", [(0, 8, 64, 16), (16, 8, 0, 32), (16, 8, 64, 0)])
+def test_empty_sizes_with_named_implementation(impl, t, e, h, n0):
+    """Empty calls run the reference whatever the implementation asked for (nothing to launch)."""
+    rm = routing(t, e, 2, seed=5) if t else jnp.zeros((0, e), bool)
+    x = jax.random.normal(jax.random.PRNGKey(5), (t, h), jnp.bfloat16)
+    probs = jax.random.uniform(jax.random.PRNGKey(6), (t, e)) * rm
+    for use_jit in (False, True):
+        (fwd, y), grads = run(impl, x, rm, probs, None, 2, num_out_tokens=n0, use_jit=use_jit)
+        (rfwd, ry), rgrads = run("reference", x, rm, probs, None, 2, num_out_tokens=n0, use_jit=use_jit)
+        _assert_same(impl, (fwd, y), grads, (rfwd, ry), rgrads)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_dropped_pairs_and_zero_tail(impl):
     t, e, h, k = 64, 8, 100, 2  # H not a multiple of 16: the unhinted (scalar-access) kernels
@@ -136,10 +188,14 @@ def test_dropped_pairs_and_zero_tail(impl):
     x = jax.random.normal(jax.random.PRNGKey(3), (t, h), jnp.float32)
     for n0 in (40, 200):  # fewer rows than pairs (tail dropped), more rows (zero tail)
         with native.poisoned_outputs():
-            got = jax.jit(lambda x, rm, n0=n0: token_dispatch(x, rm, n0, implementation=impl)[:3])(x, rm)
-        want = jax.jit(lambda x, rm, n0=n0: token_dispatch(x, rm, n0, implementation="reference")[:3])(x, rm)
-        np.testing.assert_array_equal(got[0], want[0])
-        np.testing.assert_array_equal(got[2], want[2])
+            got = jax.jit(lambda x, rm, n0=n0: token_dispatch(x, rm, n0, implementation=impl))(x, rm)
+        want = jax.jit(lambda x, rm, n0=n0: token_dispatch(x, rm, n0, implementation="reference"))(x, rm)
+        for name, a, b in zip(want._fields, got, want, strict=True):
+            if b is None:
+                assert a is None, name
+                continue
+            np.testing.assert_array_equal(a, b, err_msg=f"{impl} {name} n0={n0}")
+        assert (int(want.num_dropped) > 0) == (n0 < t * k)
 
 
 def test_sort_chunks_triton():
@@ -226,7 +282,7 @@ _CMD_BUFFER_SCRIPT = textwrap.dedent("""
 
     def loss(impl):
         def f(x, p, rm):
-            out, pp, m, _, _ = token_dispatch(x, rm, t * k, probs=p, align_size=16, implementation=impl)
+            out, pp, m, *_ = token_dispatch(x, rm, t * k, probs=p, align_size=16, implementation=impl)
             y = token_combine(out * 2, m, merging_probs=p, implementation=impl)
             return jnp.sum(y.astype(jnp.float32) ** 2) + jnp.sum(pp)
         def step(x, p, rm):
