@@ -239,7 +239,10 @@ def token_dispatch(
     Edge cases: T = 0, E = 0, H = 0 or N = 0 are allowed (zero-filled outputs of the stated shapes;
     with N = 0 every routed pair is dropped). Under token sharding (see ``sharding.py``) each shard
     has its own buffer of ``num_out_tokens / shards`` rows; ``tokens_per_expert`` and
-    ``num_dropped`` are summed over the shards.
+    ``num_dropped`` are summed over the shards (with ``align_size`` the tokens are gathered and the
+    capacity is global). Inside ``shard_map`` the op sees only the local tokens, so every output,
+    the counts included, is per shard. In row_id_map a dropped pair is marked -2 (an unrouted one
+    -1) after the token's kept rows.
 
     Equivalent to (without align_size)::
 
