@@ -385,7 +385,8 @@ def _moe_local(x2d, router_kernel, expert_bias, wi, wo, cfg: MoEConfig, axis_nam
     r = route(logits, rc, expert_bias, axis_name=axis_name)
     t = x2d.shape[0]
     n = t * rc.topk
-    rows, _, row_id_map, _, tpe_local = token_dispatch(x2d, r.routing_map, n)
+    dispatched = token_dispatch(x2d, r.routing_map, n)
+    rows, row_id_map, tpe_local = dispatched.out, dispatched.row_id_map, dispatched.tokens_per_expert
     ffn = functools.partial(expert_ffn, activation=cfg.activation, gated=cfg.gated, backend=cfg.grouped_gemm)
     if axis_name is None:
         y = ffn(rows, wi, wo, tpe_local)
