@@ -97,7 +97,7 @@ def _dispatch_combine():
     def make(impl):
         def f(x, probs):
             res = te_ops.token_dispatch(x, routing_map, t * k, probs=probs, implementation=impl)
-            out, row_id_map = res[0], res[2]
+            out, row_id_map = res.out, res.row_id_map
             return te_ops.token_combine(out, row_id_map, merging_probs=probs, implementation=impl)
 
         return f
