@@ -239,7 +239,9 @@ class RouterOutput(NamedTuple):
 
 
 def router_logits(x2d: jax.Array, kernel: jax.Array) -> jax.Array:
-    """Router logits in float32 (``[T, H] @ [H, E]``)."""
+    """Router logits in float32 (``[T, H] @ [H, E]``); zero tokens give ``[0, E]``."""
+    if x2d.shape[0] == 0:
+        return jnp.zeros((0, kernel.shape[1]), jnp.float32)
     return _te_dense(x2d.astype(jnp.float32), kernel.astype(jnp.float32))
 
 
@@ -317,7 +319,7 @@ def _ragged_grouped_dense(x, kernels, group_sizes, bias=None):
 
 
 def grouped_dense(x, kernels, group_sizes, bias=None, *, backend: str = "auto"):
-    """``grouped_dense(x[M, K], kernels[G, K, N], group_sizes[G], bias[G, N])`` per SEMANTICS.md.
+    """``grouped_dense(x[M, K], kernels[G, K, N], group_sizes[G], bias[G, N])`` per docs/semantics.md.
 
     backend: "te_ops" (``te_ops.grouped_dense``; its GPU kernels need K and N multiples of 8, other
     sizes take its reference path), "ragged_dot" (``jax.lax.ragged_dot``), or "auto": te_ops when
@@ -483,11 +485,10 @@ def moe_apply(
         def body(xs, rk, ebias, wis, wos):
             return _moe_local(xs, rk, ebias if cfg.router.use_expert_bias else None, wis, wos, cfg, ax)
 
-        # check_vma=False: te_ops' custom VJPs do not annotate varying-manual-axes types yet.
         out, aux, tpe = jax.shard_map(
             body, mesh=m,
             in_specs=(PartitionSpec(ax), PartitionSpec(), PartitionSpec(), PartitionSpec(ax), PartitionSpec(ax)),
-            out_specs=(PartitionSpec(ax), PartitionSpec(), PartitionSpec()), check_vma=False,
+            out_specs=(PartitionSpec(ax), PartitionSpec(), PartitionSpec()),
         )(x2d, router_kernel, eb, wi, wo)  # fmt: skip
     return MoEOutput(out.reshape(*lead, hdim), aux, tpe)
 
