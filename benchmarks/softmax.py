@@ -3,7 +3,7 @@ side by side in one process. Prints a table and writes benchmarks/results/softma
 
     python benchmarks/softmax.py [--quick] [--target-only]
 
-The launch-shape sweep at the end times the default launch, forced v2 shapes and both warp-per-row
+The launch-shape sweep at the end times the default launch, forced register-kernel shapes and both warp-per-row
 forward variants (SWEEP below), with XLA's forward time for the same case.
 """
 
@@ -90,9 +90,10 @@ def bench_case(name, shape, dtype, variant, scale=0.125):
 
 
 # (threads_per_row, vectors_per_thread) for te_ops._native.softmax_set_tuning: (0, 0) = the default
-# choice (v2 up to 128 vectors per row, the warp-per-row forward for longer rows where it applies);
-# (128, 4) forces v2 on the issue's rows; (32, 16) and (32, -16) select the warp-per-row forwards
-# (csrc/softmax/softmax_warp_row.cuh; the backward is always v2). A pair that does not apply to the
+# choice (the register kernel up to 128 vectors per row, the warp-per-row forward for longer rows
+# where it applies); (128, 4) forces the register kernel on the benchmark's rows; (32, 16) and
+# (32, -16) select the warp-per-row forwards (csrc/softmax/softmax_warp_row.cuh; the backward is
+# always the register kernel). A pair that does not apply to the
 # problem falls back to the default. The table's `kernel` column is what the chooser picked.
 SWEEP = [(0, 0), (64, 8), (128, 4), (256, 2), (512, 1), (32, 16), (32, -16)]
 

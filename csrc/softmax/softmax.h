@@ -31,10 +31,11 @@ struct Params {
   DType dtype = DType::kF32;
 };
 
-// Forward kernel families. kV2 (softmax_kernels.cuh) is the only backward and the forward for rows of
-// at most 128 vectors; kWarpRow (softmax_warp_row.cuh) is the default forward for longer rows where it
-// applies (see WarpRowNv); kWarpRowPacked is reachable through SetTuning only.
-enum class FwdKernel : int { kV2 = 0, kWarpRow = 1, kWarpRowPacked = 2 };
+// Forward kernel families. kRegister (softmax_kernels.cuh: a group of threads per row, the row held
+// in registers; named "register" by softmax_config) is the only backward and the forward for rows of
+// at most 128 vectors; kWarpRow (softmax_warp_row.cuh) is the default forward for longer rows where
+// it applies (see WarpRowNv); kWarpRowPacked is reachable through SetTuning only.
+enum class FwdKernel : int { kRegister = 0, kWarpRow = 1, kWarpRowPacked = 2 };
 
 // Launch configuration chosen for a problem (exposed for tests and the benchmark table).
 struct LaunchConfig {
@@ -43,13 +44,14 @@ struct LaunchConfig {
   int threads_per_row = 32;  // 0: the long-row (multi-pass, block per row) kernel
   int block = 128;
   int64_t grid = 1;
-  FwdKernel kernel = FwdKernel::kV2;  // forward only; the backward is always kV2
+  FwdKernel kernel = FwdKernel::kRegister;  // forward only; the backward is always kRegister
 };
 
 // SetTuning pairs that select the warp-per-row forwards (forward only; the backward keeps the
 // heuristic). They apply where the variant supports the problem: 16-byte vectors (cols a multiple
 // of 16 / sizeof(T), aligned pointers and mask strides), cols <= 512 vectors (4096 bf16/f16, 2048
-// f32), scale != 0; kWarpRowPacked also needs bf16. Elsewhere the heuristic v2 launch is used.
+// f32), scale != 0; kWarpRowPacked also needs bf16. Elsewhere the heuristic register-kernel launch
+// is used.
 constexpr int kTuneWarpRowTpr = 32;
 constexpr int kTuneWarpRowNv = 16;         // (32, 16): FwdKernel::kWarpRow
 constexpr int kTuneWarpRowPackedNv = -16;  // (32, -16): FwdKernel::kWarpRowPacked

@@ -1,11 +1,16 @@
-// Softmax forward/backward kernels. One row is owned by a group of `tpr` threads (a power of two,
-// 4..1024); each thread holds NV vectors of VEC elements of the row in registers, so the row is read
-// once and written once. Rows longer than the register capacity go to the long-row kernels below
-// (block per row, one extra pass over global memory).
+// Softmax forward/backward kernels. The register kernels: one row is owned by a group of `tpr`
+// threads (a power of two, 4..1024); each thread holds NV vectors of VEC elements of the row in
+// registers, so the row is read once and written once. Rows longer than the register capacity go to
+// the long-row kernels below (block per row, one extra pass over global memory).
 //
-// Masked positions (explicit mask or causal j > i) give probability exactly 0; a row that is
-// masked everywhere gives zeros (forward) and a zero gradient (backward). Whole vectors that are
-// masked are not read at all, which halves the input traffic of a causal softmax.
+// Semantics (te_ops/softmax/reference.py), per row, with z = scale * x in fp32:
+// * masked positions (explicit mask or causal j > i) give probability exactly 0, whatever x holds;
+// * a NaN or +inf z on an unmasked position makes every unmasked position NaN (masked ones stay 0);
+// * a -inf z is probability 0; a row with no finite unmasked z gives zeros;
+// * backward: positions with y == 0 give dx = 0 and take no part in sum(y * dy), whatever dy holds.
+// Whole vectors that are masked are not read at all, which halves the input traffic of a causal
+// softmax. The kernels work in base 2 (z * log2(e)), so a |z| above FLT_MAX / log2(e) ~ 2.4e38
+// already counts as infinite.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -108,13 +113,32 @@ __device__ __forceinline__ void StoreStream(V* ptr, const V& v) {
   }
 }
 
-// Online-softmax pair (max m, sum s of exp2(v - m)); -inf max means "nothing seen".
+// Online-softmax pair (max m, sum s of exp2(v - m)). m ignores NaN (fmaxf); s is 0 when nothing
+// finite was seen, and NaN once a NaN or +inf value was seen (exp2(NaN), exp2(inf - inf)). The
+// s == 0 test (not m == -inf) keeps a NaN s whose m is -inf (a NaN among -infs).
 __device__ __forceinline__ void CombinePair(float& m, float& s, float om, float os) {
   const float nm = fmaxf(m, om);
-  const float a = m == -INFINITY ? 0.f : s * exp2f(m - nm);
-  const float b = om == -INFINITY ? 0.f : os * exp2f(om - nm);
+  const float a = s == 0.f ? 0.f : s * exp2f(m - nm);
+  const float b = os == 0.f ? 0.f : os * exp2f(om - nm);
   m = nm;
   s = a + b;
+}
+
+constexpr uint32_t kQuietNaN = 0x7FC00000u;
+
+// Output of a NaN row (a NaN or +inf logit on an unmasked position) at column `col`: NaN where
+// unmasked, exactly 0 where masked. `mrow` is the row's mask (kMask), `q` its query position
+// (kCausal). Only such rows get here, so the mask byte is read again from memory (through an
+// opaque pointer, so the compiler keeps no mask registers alive for it).
+template <MaskMode MODE>
+__device__ __forceinline__ float NanRowValue(const uint8_t* mrow, int64_t q, int64_t col) {
+  bool masked = false;
+  if constexpr (MODE == MaskMode::kCausal) masked = col > q;
+  if constexpr (MODE == MaskMode::kMask) {
+    asm("" : "+l"(mrow));
+    masked = mrow[col] != 0;
+  }
+  return masked ? 0.f : __uint_as_float(kQuietNaN);
 }
 
 // One reduction of (m, s) pairs over the row group (one barrier at most).
@@ -161,6 +185,19 @@ __device__ __forceinline__ RowInfo MakeRow(const Params& p, int64_t row, MaskMod
     }
   }
   return r;
+}
+
+// Writes a NaN row of the register kernels: this thread's vectors (columns lane * VEC, stepping by
+// tpr * VEC), NaN on unmasked elements, exactly 0 on masked ones. Not inlined: it stays out of the
+// fast path's code and registers.
+template <typename T, int VEC, MaskMode MODE>
+__device__ __noinline__ void WriteNanRow(T* out, const uint8_t* mrow, int64_t q, int lane, int tpr, int64_t cols) {
+  for (int64_t col = static_cast<int64_t>(lane) * VEC; col < cols; col += static_cast<int64_t>(tpr) * VEC) {
+    Vec<T, VEC> o;
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) o.v[e] = FromF<T>(NanRowValue<MODE>(mrow, q, col + e));
+    StoreStream(reinterpret_cast<Vec<T, VEC>*>(out + col), o);
+  }
 }
 
 template <typename T, int VEC, int NV, MaskMode MODE>
@@ -216,12 +253,16 @@ __global__ void __launch_bounds__(MaxThreadsForNv(NV)) SoftmaxForwardKernel(Para
       m = fmaxf(m, v[i][e]);
     }
   }
+  // -inf (masked or not) gives exp2(-inf) = 0. A thread with no finite logit shifts by 0, so a NaN
+  // among its -infs stays NaN; with m = +inf the +inf element gives exp2(inf - inf) = NaN. The sum
+  // carries the NaN to the row.
+  const float shift = m == -INFINITY ? 0.f : m;
   float sum = 0.f;
 #pragma unroll
   for (int i = 0; i < NV; ++i) {
 #pragma unroll
     for (int e = 0; e < VEC; ++e) {
-      const float t = (!live[i] || m == -INFINITY) ? 0.f : exp2f(v[i][e] - m);  // exp2(-inf) = 0
+      const float t = live[i] ? exp2f(v[i][e] - shift) : 0.f;
       v[i][e] = t;
       sum += t;
     }
@@ -230,8 +271,13 @@ __global__ void __launch_bounds__(MaxThreadsForNv(NV)) SoftmaxForwardKernel(Para
   float row_m = m, row_s = sum;
   GroupReducePair(row_m, row_s, tpr, smem);
   if (!r.valid) return;
-  const float factor = (m == -INFINITY || !(row_s > 0.f)) ? 0.f : exp2f(m - row_m) / row_s;
   T* out = static_cast<T*>(p.out) + r.row * p.cols;
+  if (isnan(row_s)) {  // a NaN or +inf logit on an unmasked position
+    WriteNanRow<T, VEC, MODE>(out, mrow, r.q, lane, tpr, p.cols);
+    return;
+  }
+  // row_s == 0: no finite unmasked logit, zeros.
+  const float factor = (m == -INFINITY || !(row_s > 0.f)) ? 0.f : exp2f(m - row_m) / row_s;
 #pragma unroll
   for (int i = 0; i < NV; ++i) {
     const int64_t col = (static_cast<int64_t>(lane) + static_cast<int64_t>(i) * tpr) * VEC;
@@ -253,8 +299,8 @@ __global__ void __launch_bounds__(MaxThreadsForNv(NV)) SoftmaxBackwardKernel(Par
   const T* dy = static_cast<const T*>(p.dy) + r.row * p.cols;
   const uint8_t* mrow = p.mask + r.mask_offset;
 
-  // Masked positions have y == 0 exactly, so their gradient is 0: vectors that are masked
-  // everywhere are not read.
+  // Positions with y == 0 (masked ones among them) get dx = 0 and take no part in the dot product,
+  // whatever dy holds there: vectors that are masked everywhere are not read.
   bool live[NV];
 #pragma unroll
   for (int i = 0; i < NV; ++i) {
@@ -293,7 +339,10 @@ __global__ void __launch_bounds__(MaxThreadsForNv(NV)) SoftmaxBackwardKernel(Par
   for (int i = 0; i < NV; ++i) {
     if (!live[i]) continue;
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) dot += ToF<T>(yv[i].v[e]) * ToF<T>(dyv[i].v[e]);
+    for (int e = 0; e < VEC; ++e) {
+      const float yy = ToF<T>(yv[i].v[e]);
+      dot += yy != 0.f ? yy * ToF<T>(dyv[i].v[e]) : 0.f;  // NaN y counts (a NaN row stays NaN)
+    }
   }
   dot = GroupReduce<false>(dot, tpr, smem);
   if (!r.valid) return;
@@ -305,7 +354,8 @@ __global__ void __launch_bounds__(MaxThreadsForNv(NV)) SoftmaxBackwardKernel(Par
     Vec<T, VEC> o;
 #pragma unroll
     for (int e = 0; e < VEC; ++e) {
-      o.v[e] = live[i] ? FromF<T>(p.scale * ToF<T>(yv[i].v[e]) * (ToF<T>(dyv[i].v[e]) - dot)) : FromF<T>(0.f);
+      const float yy = live[i] ? ToF<T>(yv[i].v[e]) : 0.f;
+      o.v[e] = FromF<T>(yy != 0.f ? p.scale * yy * (ToF<T>(dyv[i].v[e]) - dot) : 0.f);
     }
     StoreStream(reinterpret_cast<Vec<T, VEC>*>(dx + col), o);
   }
@@ -331,8 +381,8 @@ __global__ void __launch_bounds__(1024) SoftmaxForwardLongKernel(Params p) {
   for (int64_t c = threadIdx.x; c < p.cols; c += blockDim.x) {
     if (IsMasked(p, r, c, MODE)) continue;
     const float t = ToF<T>(x[c]) * scale;
-    if (t > m) {
-      s = (m == -INFINITY ? 0.f : s * exp2f(m - t)) + 1.f;
+    if (t > m) {  // (NaN never is: it goes to the sum below and makes it NaN)
+      s = (s == 0.f ? 0.f : s * exp2f(m - t)) + 1.f;  // s == 0, not m == -inf: keeps a NaN s
       m = t;
     } else if (t != -INFINITY) {
       s += exp2f(t - m);
@@ -342,9 +392,7 @@ __global__ void __launch_bounds__(1024) SoftmaxForwardLongKernel(Params p) {
   for (int offset = 16; offset > 0; offset /= 2) {
     const float om = __shfl_xor_sync(0xffffffffu, m, offset);
     const float os = __shfl_xor_sync(0xffffffffu, s, offset);
-    const float nm = fmaxf(m, om);
-    s = (m == -INFINITY ? 0.f : s * exp2f(m - nm)) + (om == -INFINITY ? 0.f : os * exp2f(om - nm));
-    m = nm;
+    CombinePair(m, s, om, os);
   }
   const int warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
   if (threadIdx.x % 32 == 0) {
@@ -354,16 +402,17 @@ __global__ void __launch_bounds__(1024) SoftmaxForwardLongKernel(Params p) {
   __syncthreads();
   m = -INFINITY;
   s = 0.f;
-  for (int w = 0; w < nwarps; ++w) {
-    const float om = smem_m[w], os = smem_s[w];
-    const float nm = fmaxf(m, om);
-    s = (m == -INFINITY ? 0.f : s * exp2f(m - nm)) + (om == -INFINITY ? 0.f : os * exp2f(om - nm));
-    m = nm;
-  }
+  for (int w = 0; w < nwarps; ++w) CombinePair(m, s, smem_m[w], smem_s[w]);
+  // A single +inf leaves s = 1 with m = +inf in its thread; any combination with it gives NaN,
+  // but the m test does not rely on that.
+  const bool nan_row = isnan(s) || m == INFINITY;
   const float inv = s > 0.f ? 1.f / s : 0.f;
   for (int64_t c = threadIdx.x; c < p.cols; c += blockDim.x) {
     float o = 0.f;
-    if (m != -INFINITY && !IsMasked(p, r, c, MODE)) o = exp2f(ToF<T>(x[c]) * scale - m) * inv;
+    if (!IsMasked(p, r, c, MODE)) {
+      if (nan_row) o = __uint_as_float(kQuietNaN);
+      else if (s > 0.f) o = exp2f(ToF<T>(x[c]) * scale - m) * inv;  // -inf: 0
+    }
     out[c] = FromF<T>(o);
   }
 }
@@ -378,14 +427,15 @@ __global__ void __launch_bounds__(1024) SoftmaxBackwardLongKernel(Params p) {
   float dot = 0.f;
   for (int64_t c = threadIdx.x; c < p.cols; c += blockDim.x) {
     if (IsMasked(p, r, c, MODE)) continue;
-    dot += ToF<T>(y[c]) * ToF<T>(dy[c]);
+    const float yy = ToF<T>(y[c]);
+    if (yy != 0.f) dot += yy * ToF<T>(dy[c]);  // y == 0 takes no part, whatever dy holds
   }
   dot = GroupReduce<false>(dot, blockDim.x, smem);
   for (int64_t c = threadIdx.x; c < p.cols; c += blockDim.x) {
     float o = 0.f;
     if (!IsMasked(p, r, c, MODE)) {
       const float yy = ToF<T>(y[c]);
-      o = p.scale * yy * (ToF<T>(dy[c]) - dot);
+      if (yy != 0.f) o = p.scale * yy * (ToF<T>(dy[c]) - dot);
     }
     dx[c] = FromF<T>(o);
   }

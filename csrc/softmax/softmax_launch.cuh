@@ -70,11 +70,11 @@ inline LaunchConfig ChooseConfigFor(const Params& p, int elem_bytes, bool forwar
     c.grid = (p.rows + c.block / force_tpr - 1) / (c.block / force_tpr);
     return c;
   }
-  // Default forward for rows longer than one warp's share of v2 (more than 32 lanes x 4 vectors,
-  // where v2 would reduce across warps through shared memory): the warp-per-row kernel (exact, no
-  // block synchronisation). On the H200 (2026-12-03, run 8) it took the 4x32x4096x4096 bf16 causal
-  // masked forward from 3.23 ms (v2) to 2.04 ms, the upper-triangular one from 2.67 to 1.64 ms.
-  // A forced (threads_per_row, vectors_per_thread) pair that covers the row (above) still selects v2.
+  // Default forward for rows longer than one warp's share of the register kernel (more than 32
+  // lanes x 4 vectors, where it would reduce across warps through shared memory): the warp-per-row
+  // kernel (exact, no block synchronisation), which measured faster on the H200 for long causal and
+  // masked rows. A forced (threads_per_row, vectors_per_thread) pair that covers the row (above)
+  // still selects the register kernel.
   if (forward && nvec > 32 * 4 && WarpRowConfig(p, elem_bytes, FwdKernel::kWarpRow, &c)) return c;
   // Grow the row group to a warp first, then the per-thread vectors to 4 (64 bytes in flight per
   // thread), then the group up to the largest block NV=4 allows without spilling (512 threads:

@@ -1,12 +1,13 @@
 // Warp-per-row softmax forward. kWarpRow is the default forward for rows of 129..512 16-byte vectors
-// (ChooseConfigFor); kWarpRowPacked is a SetTuning choice (see softmax.h). The backward is v2
-// (softmax_kernels.cuh).
+// (ChooseConfigFor); kWarpRowPacked is a SetTuning choice (see softmax.h). The backward is the
+// register kernel's (softmax_kernels.cuh), whose header also states the semantics, non-finite
+// inputs included.
 //
 // One warp owns one row of up to 32 * NV 16-byte vectors (NV = 16: a 4096-wide bf16/f16 row, a
 // 2048-wide f32 row). The row stays in registers as raw 32-bit words (NV * 4 of them), never as
-// fp32, so a thread holds 64 data registers for a 4096-wide bf16 row instead of v2's 32 fp32 values
-// per thread at 4x the threads. All reductions are warp shuffles: no shared memory, no barrier, and
-// the four warps of a block are independent rows.
+// fp32, so a thread holds 64 data registers for a 4096-wide bf16 row instead of the register
+// kernel's 32 fp32 values per thread at 4x the threads. All reductions are warp shuffles: no shared
+// memory, no barrier, and the four warps of a block are independent rows.
 //
 //   kWarpRow       exp2 is computed twice (once for the sum, once for the output): exact fp32
 //                  maths, any of f32/bf16/f16.
@@ -18,7 +19,12 @@
 // Masking happens once, on the raw words: every masked element inside a loaded vector is replaced
 // by the input value that maps to -inf (-inf if scale > 0, +inf if scale < 0), so the max, sum and
 // write passes need no per-element mask test; vectors that are masked everywhere are not read
-// and not computed (their output is stored as zeros). The host falls back to v2 for scale == 0.
+// and not computed (their output is stored as zeros). The host falls back to the register kernel
+// for scale == 0.
+//
+// Non-finite inputs: the packed max ignores NaN. A row whose max scaled logit is +inf, or whose sum
+// is NaN (a NaN input), or whose max is -inf while a live element is NaN, is a NaN row: it leaves
+// the fast path and is written by WriteNanRow (NaN where unmasked, 0 where masked).
 #pragma once
 
 #include "softmax/softmax_kernels.cuh"
@@ -63,6 +69,9 @@ struct Words<__nv_bfloat16> : HalfPairWords<__nv_bfloat162> {
   __device__ static __forceinline__ uint32_t Pack(float lo, float hi) {
     return BitCast<uint32_t>(__floats2bfloat162_rn(lo, hi));
   }
+  __device__ static __forceinline__ bool HasNaN(uint32_t w) {
+    return (w & 0x7FFFu) > 0x7F80u || ((w >> 16) & 0x7FFFu) > 0x7F80u;
+  }
 };
 
 template <>
@@ -76,6 +85,9 @@ struct Words<__half> : HalfPairWords<__half2> {
   __device__ static __forceinline__ uint32_t Pack(float lo, float hi) {
     return BitCast<uint32_t>(__floats2half2_rn(lo, hi));
   }
+  __device__ static __forceinline__ bool HasNaN(uint32_t w) {
+    return (w & 0x7FFFu) > 0x7C00u || ((w >> 16) & 0x7FFFu) > 0x7C00u;
+  }
 };
 
 template <>
@@ -85,6 +97,7 @@ struct Words<float> {
   static constexpr uint32_t kPosInf = 0x7F800000u;
   __device__ static __forceinline__ float Elem(uint32_t w, int) { return __uint_as_float(w); }
   __device__ static __forceinline__ uint32_t Pack(float lo, float) { return __float_as_uint(lo); }
+  __device__ static __forceinline__ bool HasNaN(uint32_t w) { return (w & 0x7FFFFFFFu) > 0x7F800000u; }
   template <bool kMin>
   __device__ static __forceinline__ uint32_t Max(uint32_t a, uint32_t b) {
     return __float_as_uint(kMin ? fminf(__uint_as_float(a), __uint_as_float(b))
@@ -133,6 +146,35 @@ __device__ __forceinline__ float Exp2Ftz(float x) {
   return y;
 }
 
+// min(a, b) that returns NaN when either is NaN (fminf would drop it).
+__device__ __forceinline__ float MinNaN(float a, float b) {
+  float r;
+  asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
+// Writes a NaN row (see the header): every existing vector of this lane, NaN on unmasked elements,
+// exactly 0 on masked ones. `first_col` is this lane's first column, `mrow` the row's mask (kMask),
+// `q` its query position (kCausal). Not inlined: it stays out of the fast path's code and registers.
+template <typename T, int NV, MaskMode MODE>
+__device__ __noinline__ void WriteNanRow(uint4* ov, const uint8_t* mrow, int q, int first_col, int cols) {
+  using W = Words<T>;
+  constexpr int kEpw = W::kPerWord;
+  constexpr int VEC = 4 * kEpw;
+  for (int i = 0; i < NV; ++i) {
+    const int col = first_col + 32 * VEC * i;
+    if (col >= cols) break;
+    uint32_t ow[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float lo = NanRowValue<MODE>(mrow, q, col + j * kEpw);
+      const float hi = kEpw == 2 ? NanRowValue<MODE>(mrow, q, col + j * kEpw + 1) : 0.f;
+      ow[j] = W::Pack(lo, hi);
+    }
+    StoreStream(ov + 32 * i, make_uint4(ow[0], ow[1], ow[2], ow[3]));
+  }
+}
+
 // Whole-warp max / sum: softmax_kernels.cuh's row-group reduction with a group of one warp (no
 // shared memory is touched for groups of <= 32 threads).
 __device__ __forceinline__ float WarpMax(float v) { return GroupReduce<true>(v, 32, nullptr); }
@@ -140,7 +182,7 @@ __device__ __forceinline__ float WarpSum(float v) { return GroupReduce<false>(v,
 
 // Makes the compiler forget what it knows about the raw words, so it recomputes conversions in
 // the next pass instead of keeping 2 * NV * 4 fp32 values live across the warp reduction (that is
-// what made the v2-layout recompute variant grow to 74-88 registers).
+// what made the register-kernel-layout recompute variant grow to 74-88 registers).
 template <int NV>
 __device__ __forceinline__ void Opaque(uint32_t (&w)[NV][4]) {
 #pragma unroll
@@ -148,6 +190,14 @@ __device__ __forceinline__ void Opaque(uint32_t (&w)[NV][4]) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(w[i][j]));
   }
+}
+
+// The mask row for WriteNanRow, recomputed from the row index (made opaque, so the compiler does
+// not keep the first computation's registers alive through the whole kernel for this rare path).
+__device__ __forceinline__ const uint8_t* NanRowMask(const Params& p, int64_t row, MaskMode mode) {
+  if (mode != MaskMode::kMask) return nullptr;
+  asm("" : "+l"(row));
+  return p.mask + MakeRow(p, row, mode).mask_offset;
 }
 
 template <typename T, int NV, MaskMode MODE, bool kPacked>
@@ -278,12 +328,27 @@ __global__ void __launch_bounds__(kWarpRowThreads, kWarpRowMinBlocks) SoftmaxFor
     }
     float mx = W::Elem(acc, 0);
     if constexpr (kEpw == 2) mx = neg ? fminf(mx, W::Elem(acc, 1)) : fmaxf(mx, W::Elem(acc, 1));
-    m = WarpMax(mx * s2);  // -inf for a lane/row with no unmasked element
+    m = WarpMax(mx * s2);  // -inf for a lane/row with no unmasked element above -inf
   }
-  if (m == -INFINITY) {  // masked everywhere (or all -inf): zeros
+  if (m == -INFINITY) {  // masked everywhere (or all -inf): zeros, unless a live element is NaN
+    bool nan = false;
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      if (!is_live(i)) continue;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) nan = nan || W::HasNaN(w[i][j]);
+    }
+    if (__any_sync(0xffffffffu, nan)) {
+      WriteNanRow<T, NV, MODE>(ov, NanRowMask(p, row, MODE), q, lane * VEC, cols);
+      return;
+    }
 #pragma unroll
     for (int i = 0; i < NV; ++i)
       if (exists(i)) StoreStream(ov + 32 * i, make_uint4(0, 0, 0, 0));
+    return;
+  }
+  if (m == INFINITY) {  // a +inf logit
+    WriteNanRow<T, NV, MODE>(ov, NanRowMask(p, row, MODE), q, lane * VEC, cols);
     return;
   }
   Opaque<NV>(w);
@@ -297,9 +362,10 @@ __global__ void __launch_bounds__(kWarpRowThreads, kWarpRowMinBlocks) SoftmaxFor
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       if constexpr (kPacked) {
-        // The clamp only matters for |scale * x| > 2^25 (rounding of 14 - m); 2^15.9 < 65504.
-        const float e0 = Exp2Ftz(fminf(fmaf(W::Elem(w[i][j], 0), s2, c), 15.9f));
-        const float e1 = Exp2Ftz(fminf(fmaf(W::Elem(w[i][j], 1), s2, c), 15.9f));
+        // The clamp only matters for |scale * x| > 2^25 (rounding of 14 - m); 2^15.9 < 65504. It
+        // keeps NaN (a NaN input), so the sum below turns NaN.
+        const float e0 = Exp2Ftz(MinNaN(fmaf(W::Elem(w[i][j], 0), s2, c), 15.9f));
+        const float e1 = Exp2Ftz(MinNaN(fmaf(W::Elem(w[i][j], 1), s2, c), 15.9f));
         sum += e0 + e1;
         w[i][j] = BitCast<uint32_t>(__floats2half2_rn(e0, e1));
       } else {
@@ -309,9 +375,13 @@ __global__ void __launch_bounds__(kWarpRowThreads, kWarpRowMinBlocks) SoftmaxFor
     }
   }
   sum = WarpSum(sum);
-  // sum >= ~1 (kPacked: ~2^14): the max element contributes. A NaN sum (NaN input) gives 0, as
-  // in v2, so masked positions stay exactly zero.
-  const float inv = sum > 0.f ? 1.f / sum : 0.f;
+  // sum >= ~1 (kPacked: ~2^14): the max element contributes; so a sum that is not > 0 is NaN (a
+  // NaN input).
+  if (!(sum > 0.f)) {
+    WriteNanRow<T, NV, MODE>(ov, NanRowMask(p, row, MODE), q, lane * VEC, cols);
+    return;
+  }
+  const float inv = 1.f / sum;
   if constexpr (!kPacked) Opaque<NV>(w);
 
   // Pass 3: write the whole row (masked-everywhere vectors as zeros).

@@ -5,6 +5,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import te_ops
@@ -102,7 +103,8 @@ def test_vmap_native():
 
 # ---- warp-per-row forward variants (launch choices selected through softmax_set_tuning) --------
 
-# (threads_per_row, vectors_per_thread) pairs of csrc/softmax/softmax.h; the backward keeps v2.
+# (threads_per_row, vectors_per_thread) pairs of csrc/softmax/softmax.h; the backward keeps the
+# register kernel.
 WARP_ROW = {"warp-row": (32, 16), "warp-row-packed": (32, -16)}
 
 
@@ -138,8 +140,9 @@ def _warmups(handler):
     return native.counters().get(handler, {}).get("warmups", 0)
 
 
-# A v2 launch that covers any row the warp-row kernels take (<= 512 vectors): the baseline below.
-_V2_PAIR = (128, 4)
+# A register-kernel launch that covers any row the warp-row kernels take (<= 512 vectors): the
+# baseline below.
+_REGISTER_PAIR = (128, 4)
 
 
 def _chosen_kernel(dtype, rows, cols, mode, scale=1.0):
@@ -149,13 +152,14 @@ def _chosen_kernel(dtype, rows, cols, mode, scale=1.0):
 
 
 def _compare_variant(kernel, fn, shape, dtype, handler, tag, seed=0):
-    """Compares the variant's forward (and v2's backward on its output) with the reference, and checks
-    that the variant really ran: its warm-up key (csrc/softmax/softmax_ffi.cc Key) differs from v2's,
-    so the first call under the variant, after one under a forced v2 launch, performs one more warm-up."""
+    """Compares the variant's forward (and the register kernel's backward on its output) with the
+    reference, and checks that the variant really ran: its warm-up key (csrc/softmax/softmax_ffi.cc
+    Key) differs from the register kernel's, so the first call under the variant, after one under a
+    forced register-kernel launch, performs one more warm-up."""
     x = _x(seed, shape, dtype)
     f = jax.jit(lambda x: fn(x, "native"))
-    with _tuning(_V2_PAIR):
-        jax.block_until_ready(f(x))  # v2 launch: its key is warmed now
+    with _tuning(_REGISTER_PAIR):
+        jax.block_until_ready(f(x))  # register-kernel launch: its key is warmed now
     key = (handler, tag, shape, jnp.dtype(dtype).name, kernel)
     rows, cols = math.prod(shape[:-1]), shape[-1]
     # Where the default launch is this very kernel, other tests in this process (default launches of
@@ -217,22 +221,23 @@ def test_warp_row_causal_mask_matches_upper_triang(kernel):
     with _tuning(WARP_ROW[kernel]):
         a = jax.jit(lambda x: te_ops.scaled_masked_softmax(x, causal, 0.125, implementation="native"))(x)
         b = jax.jit(lambda x: te_ops.scaled_upper_triang_masked_softmax(x, 0.125, implementation="native"))(x)
-    c = jax.jit(lambda x: te_ops.scaled_upper_triang_masked_softmax(x, 0.125, implementation="native"))(x)  # v2
+    c = jax.jit(lambda x: te_ops.scaled_upper_triang_masked_softmax(x, 0.125, implementation="native"))(x)
     T.assert_close(a, b, jnp.bfloat16)
     T.assert_close(a, c, jnp.bfloat16)
 
 
 @pytest.mark.parametrize("kernel", list(WARP_ROW))
 def test_warp_row_falls_back_where_it_does_not_apply(kernel):
-    # odd row length (no 16-byte vectors), a row longer than 512 vectors, scale 0: v2 runs instead.
+    # odd row length (no 16-byte vectors), a row longer than 512 vectors, scale 0: the register kernel
+    # runs instead.
     for shape, scale in [((3, 1001), 0.7), ((2, 4104), 0.7), ((2, 256), 0.0)]:
         fn = lambda x, impl, s=scale: te_ops.scaled_softmax(x, s, implementation=impl)
         x = _x(0, shape, jnp.bfloat16)
-        jax.block_until_ready(jax.jit(lambda x, fn=fn: fn(x, "native"))(x))  # v2: key warmed
+        jax.block_until_ready(jax.jit(lambda x, fn=fn: fn(x, "native"))(x))  # register kernel: key warmed
         with _tuning(WARP_ROW[kernel]):
             before = _warmups("scaled_softmax_fwd")
             _compare(fn, shape, jnp.bfloat16)
-            assert _warmups("scaled_softmax_fwd") == before, f"{kernel} should fall back to v2 for {shape}"
+            assert _warmups("scaled_softmax_fwd") == before, f"{kernel} should fall back to register for {shape}"
 
 
 # ---- command buffers --------------------------------------------------------------------------
@@ -287,16 +292,118 @@ def test_without_command_buffers_executes_eagerly():
 @pytest.mark.parametrize("dtype, cols", [(jnp.bfloat16, 4096), (jnp.float16, 2056), (jnp.float32, 1000)])
 def test_default_forward_is_warp_row_for_long_rows(dtype, cols):
     """The default launch (no tuning pair) of a row longer than 128 vectors is the warp-row forward:
-    the benchmark's causal case runs it. Checked through the chooser, the warm-up key (a forced v2
-    launch warms a different key), and against the reference (forward and backward)."""
+    the benchmark's causal case runs it. Checked through the chooser, the warm-up key (a forced
+    register-kernel launch warms a different key), and against the reference (forward and backward)."""
     assert _chosen_kernel(dtype, 64, cols, "causal", 0.125) == "warp-row"
     causal = ~jnp.tril(jnp.ones((16, cols), bool), k=cols - 16)[None, None]
     fn = lambda x, impl: te_ops.scaled_masked_softmax(x, causal, 0.125, implementation=impl)
     x = _x(11, (2, 2, 16, cols), dtype)
     f = jax.jit(lambda x: fn(x, "native"))
-    with _tuning(_V2_PAIR):
-        y_v2 = jax.block_until_ready(f(x))
+    with _tuning(_REGISTER_PAIR):
+        y_register = jax.block_until_ready(f(x))
     before = _warmups("scaled_masked_softmax_fwd")
     y = _compare(fn, (2, 2, 16, cols), dtype, 11)
-    assert _warmups("scaled_masked_softmax_fwd") >= before + 1  # a key v2 did not warm
-    T.assert_close(y, y_v2, dtype)
+    assert _warmups("scaled_masked_softmax_fwd") >= before + 1  # a key the register kernel did not warm
+    T.assert_close(y, y_register, dtype)
+
+
+# ---- non-finite inputs: NaN / +inf / -inf in random positions, every kernel path ---------------
+
+
+def _sprinkle(x, seed, scale, frac=0.01):
+    """x with NaN, +inf and -inf at random positions, plus rows 0..3 of the [rows, S] view set so
+    that z = scale * x is: all -inf, one NaN among -infs, one +inf, one -inf among finite values."""
+    rows = x.reshape(-1, x.shape[-1])
+    ka, kb, kc = jax.random.split(jax.random.key(seed), 3)
+    hit = jax.random.bernoulli(ka, frac, rows.shape)
+    vals = jnp.array([jnp.nan, jnp.inf, -jnp.inf], rows.dtype)[jax.random.randint(kb, rows.shape, 0, 3)]
+    rows = jnp.where(hit, vals, rows)
+    col = int(jax.random.randint(kc, (), 0, x.shape[-1]))
+    low = -jnp.inf if scale > 0 else jnp.inf
+    rows = rows.at[0].set(low).at[1].set(low).at[1, col].set(jnp.nan).at[2, col].set(-low).at[3, col].set(low)
+    return rows.reshape(x.shape)
+
+
+def _assert_same_with_nan(got, want, dtype, scale=1.0, msg=""):
+    g = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
+    w = np.asarray(jnp.asarray(want, jnp.float32), np.float64)
+    np.testing.assert_array_equal(np.isnan(g), np.isnan(w), err_msg=f"NaN positions differ {msg}")
+    tol = T.tolerance(dtype)
+    np.testing.assert_allclose(g, w, rtol=tol["rtol"], atol=tol["atol"] * scale, equal_nan=True, err_msg=msg)
+
+
+def _compare_nonfinite(fn, x, dtype, seed):
+    dy = jax.random.normal(jax.random.key(seed + 7), x.shape, jnp.float32).at[..., ::7].set(jnp.nan)
+    y, dx = _run(fn, x, dy, "native")
+    y_ref, dx_ref = _run(fn, x, dy, "reference")
+    assert bool(jnp.isnan(y_ref.astype(jnp.float32)).any()), "the case must hold NaN rows"
+    assert bool((y_ref == 0).all(-1).any()), "the case must hold all-zero rows"
+    _assert_same_with_nan(y, y_ref, dtype, msg="forward")
+    finite = jnp.where(jnp.isfinite(dx_ref.astype(jnp.float32)), jnp.abs(dx_ref.astype(jnp.float32)), 0)
+    _assert_same_with_nan(dx, dx_ref, dtype, scale=float(finite.max()) + 1e-6, msg="backward")
+
+
+# Rows of each forward kernel: register (tiny rows, vectors, odd lengths), warp-row (1032..4096
+# 2-byte elements), and the long-row kernel (more than 16384 2-byte / 8192 4-byte elements).
+NONFINITE_ROWS = [(6, 16), (5, 200), (4, 37), (4, 1032), (4, 4096), (4, 20000)]
+NONFINITE_CAUSAL = [24, 264, 2048]
+NONFINITE_MASKED = [((2, 2, 16, 64), (2, 1, 16, 64)), ((2, 2, 9, 37), (1, 1, 9, 37)),
+                    ((1, 2, 8, 4096), (1, 1, 8, 4096)), ((1, 1, 6, 20000), (1, 1, 6, 20000))]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", NONFINITE_ROWS)
+@pytest.mark.parametrize("scale", [0.7, -0.4])
+def test_nonfinite_scaled_softmax_native(dtype, shape, scale):
+    x = _sprinkle(_x(50, shape, dtype), 51, scale)
+    _compare_nonfinite(lambda x, impl: te_ops.scaled_softmax(x, scale, implementation=impl), x, dtype, 52)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("s", NONFINITE_CAUSAL)
+@pytest.mark.parametrize("scale", [0.5, -0.3])
+def test_nonfinite_upper_triang_native(dtype, s, scale):
+    x = _sprinkle(_x(53, (1, 2, s, s), dtype), 54, scale)
+    fn = lambda x, impl: te_ops.scaled_upper_triang_masked_softmax(x, scale, implementation=impl)
+    _compare_nonfinite(fn, x, dtype, 55)
+
+
+def _nonfinite_mask(mask_shape, seed):
+    mask = jax.random.bernoulli(jax.random.key(seed), 0.3, mask_shape)
+    # row 4: masked everywhere (x there holds NaN/inf from the sprinkling below: still zeros);
+    # row 5: one unmasked element
+    return mask.at[0, 0, 4].set(True).at[0, 0, 5].set(True).at[0, 0, 5, 2].set(False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shapes", NONFINITE_MASKED)
+@pytest.mark.parametrize("scale", [0.9, -0.6])
+def test_nonfinite_masked_native(dtype, shapes, scale):
+    x_shape, mask_shape = shapes
+    mask = _nonfinite_mask(mask_shape, 56)
+    x = _sprinkle(_x(57, x_shape, dtype), 58, scale)
+    x = x.at[0, 0, 4, ::3].set(jnp.nan).at[0, 0, 4, 1::3].set(jnp.inf)
+    fn = lambda x, impl: te_ops.scaled_masked_softmax(x, mask, scale, implementation=impl)
+    _compare_nonfinite(fn, x, dtype, 59)
+
+
+@pytest.mark.parametrize("kernel", list(WARP_ROW))
+@pytest.mark.parametrize("mode", ["none", "causal", "mask"])
+@pytest.mark.parametrize("scale", [0.8, -0.5])
+def test_nonfinite_warp_row_variants(kernel, mode, scale):
+    """The warp-row forwards (forced through the tuning pair) on non-finite inputs: the +inf-max,
+    NaN-sum and NaN-among-(-inf) exits, with positive and negative scale."""
+    dtype, s = jnp.bfloat16, 1024
+    x = _sprinkle(_x(60, (1, 2, 16, s) if mode != "causal" else (1, 1, s, s), dtype), 61, scale)
+    if mode == "none":
+        fn = lambda x, impl: te_ops.scaled_softmax(x, scale, implementation=impl)
+    elif mode == "causal":
+        fn = lambda x, impl: te_ops.scaled_upper_triang_masked_softmax(x, scale, implementation=impl)
+    else:
+        mask = _nonfinite_mask((1, 1, 16, s), 62)
+        x = x.at[0, 0, 4, ::3].set(jnp.nan)
+        fn = lambda x, impl: te_ops.scaled_masked_softmax(x, mask, scale, implementation=impl)
+    rows = math.prod(x.shape[:-1])
+    with _tuning(WARP_ROW[kernel]):
+        assert _chosen_kernel(dtype, rows, s, mode, scale) == kernel
+        _compare_nonfinite(fn, x, dtype, 63)

@@ -289,8 +289,8 @@ def test_warp_row_tuning_pairs_select_one_warp_per_row(nv, mode):
         assert c["kernel"] == "warp-row", c
         c = mod.softmax_config(0, 1000, 1000, mode)  # 250 vectors: warp-row either way (8 per lane)
         assert (c["kernel"], c["vectors_per_thread"]) == ("warp-row", 8), c
-        c = mod.softmax_config(0, 1000, 500, mode)  # 125 vectors: the pair forces warp-row, else v2
-        assert c["kernel"] == ("warp-row" if nv > 0 else "v2"), c
+        c = mod.softmax_config(0, 1000, 500, mode)  # 125 vectors: the pair forces warp-row, else register
+        assert c["kernel"] == ("warp-row" if nv > 0 else "register"), c
     finally:
         mod.softmax_set_tuning(0, 0)
     assert mod.softmax_config(1, 1000, 4096, mode) == default
@@ -298,16 +298,17 @@ def test_warp_row_tuning_pairs_select_one_warp_per_row(nv, mode):
 
 @pytest.mark.parametrize("mode", [0, 1, 2])
 def test_default_forward_kernel_rule(mode):
-    """Without a tuning pair: v2 up to 128 16-byte vectors per row (one warp x 4 vectors), the exact
-    warp-per-row kernel for longer rows up to 512 vectors, v2 / the long-row kernel beyond, and v2
-    wherever the warp-row kernel does not apply (no 16-byte vectors, scale 0 or not finite)."""
+    """Without a tuning pair: the register kernel up to 128 16-byte vectors per row (one warp x 4
+    vectors), the exact warp-per-row kernel for longer rows up to 512 vectors, the register or the
+    long-row kernel beyond, and the register kernel wherever the warp-row kernel does not apply (no
+    16-byte vectors, scale 0 or not finite)."""
     mod = _native_module_or_skip()
     mod.softmax_set_tuning(0, 0)
     cases = [  # (dtype, cols, scale) -> kernel
-        ((1, 1024, 0.125), "v2"), ((1, 1032, 0.125), "warp-row"), ((1, 4096, 0.125), "warp-row"),
-        ((2, 2048, -0.5), "warp-row"), ((0, 512, 1.0), "v2"), ((0, 516, 1.0), "warp-row"),
-        ((0, 2048, 1.0), "warp-row"), ((0, 2052, 1.0), "v2"), ((1, 4104, 0.125), "v2"),
-        ((1, 4097, 0.125), "v2"), ((1, 4096, 0.0), "v2"), ((1, 4096, float("inf")), "v2"),
+        ((1, 1024, 0.125), "register"), ((1, 1032, 0.125), "warp-row"), ((1, 4096, 0.125), "warp-row"),
+        ((2, 2048, -0.5), "warp-row"), ((0, 512, 1.0), "register"), ((0, 516, 1.0), "warp-row"),
+        ((0, 2048, 1.0), "warp-row"), ((0, 2052, 1.0), "register"), ((1, 4104, 0.125), "register"),
+        ((1, 4097, 0.125), "register"), ((1, 4096, 0.0), "register"), ((1, 4096, float("inf")), "register"),
     ]
     for (dtype, cols, scale), want in cases:
         c = mod.softmax_config(dtype, 1000, cols, mode, scale)
