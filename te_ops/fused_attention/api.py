@@ -1,4 +1,9 @@
-"""Public fused_attention op: validation, custom VJP, sharding, vmap and implementation dispatch."""
+"""Public fused_attention op: validation, custom VJP, registration and implementation dispatch.
+
+Sharding rules and vmap folds: :mod:`te_ops.fused_attention.sharding`. The exact semantics, masks
+and non-finite inputs included: :func:`fused_attention`, ``reference.py`` and docs/semantics.md
+("Fused attention").
+"""
 
 from __future__ import annotations
 
@@ -11,11 +16,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from te_ops._core import partitioning as P
 from te_ops._core import registry
 from te_ops._core.partitioning import match_vma
-from te_ops.fused_attention import native, reference
+from te_ops._core.validation import check_float, check_int_array, err, static_choice, static_float
+from te_ops.fused_attention import native, reference, sharding
 from te_ops.fused_attention.reference import Residuals
+from te_ops.fused_attention.sharding import OPTIONAL
 
 OP = "fused_attention"
 FAMILY = registry.family(OP)
@@ -26,8 +32,7 @@ FAMILY.register(
         backward=native.backward,
         unsupported_reason=native.unsupported_reason,
         platform="cuda",
-        # Default on CUDA since tests/gpu/test_fused_attention_gpu.py passed 28/29 on the H200
-        # (2026-12-03); the one failure was trace-time glue (fixed, CPU-tested).
+        # The default on CUDA: tests/gpu/test_fused_attention_gpu.py checks it against the reference.
         available=registry.native_available(native.MODULE, "fused_attention"),
     )
 )
@@ -37,9 +42,6 @@ FAMILY.register(
 
 MASK_TYPES = ("none", "causal", "padding", "padding_causal")
 MAX_HEAD_DIM = 256
-_FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-# Optional array operands, in the order every internal function takes them.
-OPTIONAL = ("bias", "q_seqlens", "kv_seqlens", "q_segment_ids", "kv_segment_ids", "seed")
 
 
 def dropout_seeds(rng: jax.Array, b: int, hq: int) -> jax.Array:
@@ -50,7 +52,7 @@ def dropout_seeds(rng: jax.Array, b: int, hq: int) -> jax.Array:
 
 
 def _err(msg: str) -> str:
-    return f"te_ops.{OP}: {msg}"
+    return err(OP, msg)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -58,34 +60,13 @@ def _err(msg: str) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
-def _as_array(name: str, x: Any) -> jax.Array:
-    if x is None:
-        raise TypeError(_err(f"{name} is required, got None."))
-    return x if hasattr(x, "shape") and hasattr(x, "dtype") else jnp.asarray(x)
-
-
 def _check_qkv(q, k, v):
-    q, k, v = _as_array("q", q), _as_array("k", k), _as_array("v", v)
-    for name, x, layout in (
-        ("q", q, "[B, Sq, Hq, D]"),
-        ("k", k, "[B, Sk, Hk, D]"),
-        ("v", v, "[B, Sk, Hk, Dv]"),
-    ):
-        if x.ndim != 4:
-            raise ValueError(_err(f"{name} must have rank 4 {layout}, got shape {tuple(x.shape)}."))
-        if jnp.dtype(x.dtype) not in _FLOAT_DTYPES:
-            raise TypeError(
-                _err(
-                    f"{name} must be bfloat16, float16 or float32, got dtype {jnp.dtype(x.dtype)}. "
-                    "Cast it first."
-                )
-            )
+    q = check_float(OP, "q", q, rank=4, layout="[B, Sq, Hq, D]")
+    k = check_float(OP, "k", k, rank=4, layout="[B, Sk, Hk, D]")
+    v = check_float(OP, "v", v, rank=4, layout="[B, Sk, Hk, Dv]")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(
-            _err(
-                f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}. "
-                "Cast them to one dtype."
-            )
+            _err(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}. Cast them to one dtype.")
         )
     b, _, hq, d = q.shape
     if k.shape[0] != b or v.shape[0] != b:
@@ -111,28 +92,22 @@ def _check_qkv(q, k, v):
         raise ValueError(
             _err(
                 f"the number of query heads Hq={hq} must be a multiple of the number of key/value heads "
-                f"Hk={hk} "
-                "(GQA/MQA); repeat k/v heads or change the head counts."
+                f"Hk={hk} (GQA/MQA); repeat k/v heads or change the head counts."
             )
         )
     for name, dim in (("D (q/k head dim)", d), ("Dv (v head dim)", v.shape[3])):
         if dim <= 0 or dim > MAX_HEAD_DIM or dim % 8 != 0:
             raise ValueError(
                 _err(
-                    f"head dim {name} must be a multiple of 8 and at most {MAX_HEAD_DIM}, got {dim}. "
-                    "Pad the head "
-                    "dimension with zeros to a multiple of 8 (and scale= to keep the softmax scale)."
+                    f"head dim {name} must be a multiple of 8 and at most {MAX_HEAD_DIM}, got {dim}. Pad the "
+                    "head dimension with zeros to a multiple of 8 (and pass scale= to keep the softmax scale)."
                 )
             )
     return q, k, v
 
 
 def _check_bias(bias, q, k):
-    bias = _as_array("bias", bias)
-    if jnp.dtype(bias.dtype) not in _FLOAT_DTYPES:
-        raise TypeError(
-            _err(f"bias must be a float array, got dtype {bias.dtype}. Cast it, e.g. to q.dtype.")
-        )
+    bias = check_float(OP, "bias", bias)
     if bias.ndim > 4:
         raise ValueError(
             _err(f"bias must have rank <= 4 [B|1, Hq|1, Sq|1, Sk|1], got shape {tuple(bias.shape)}.")
@@ -149,36 +124,11 @@ def _check_bias(bias, q, k):
     return jnp.broadcast_to(bias, bias.shape[:2] + full[2:])
 
 
-def _check_lengths(name, x, b):
-    x = _as_array(name, x)
-    if x.shape != (b,) or not jnp.issubdtype(x.dtype, jnp.integer):
-        raise ValueError(
-            _err(f"{name} must be an integer array of shape [B]=({b},), got {x.dtype}{tuple(x.shape)}.")
-        )
+def _check_ints(name: str, x: Any, shape: tuple[int, ...], layout: str) -> jax.Array:
+    x = check_int_array(OP, name, x)
+    if tuple(x.shape) != shape:
+        raise ValueError(_err(f"{name} must have shape {layout}={shape}, got {tuple(x.shape)}."))
     return x.astype(jnp.int32)
-
-
-def _check_segments(name, x, b, s, axis_name):
-    x = _as_array(name, x)
-    if x.shape != (b, s) or not jnp.issubdtype(x.dtype, jnp.integer):
-        raise ValueError(
-            _err(
-                f"{name} must be an integer array of shape [B, {axis_name}]=({b}, {s}), got "
-                f"{x.dtype}{tuple(x.shape)}."
-            )
-        )
-    return x.astype(jnp.int32)
-
-
-def _static_float(name, x, lo, hi, hi_open=True):
-    if isinstance(x, (jax.Array, jax.core.Tracer)) or isinstance(x, bool):
-        raise TypeError(_err(f"{name} must be a static Python float, got {type(x).__name__}."))
-    if not isinstance(x, (numbers.Real, np.floating, np.integer)):
-        raise TypeError(_err(f"{name} must be a static Python float, got {x!r}."))
-    x = float(x)
-    if not np.isfinite(x) or x < lo or (x >= hi if hi_open else x > hi):
-        raise ValueError(_err(f"{name} must be in [{lo}, {hi}{')' if hi_open else ']'}, got {x}."))
-    return x
 
 
 def _check_window(window):
@@ -201,165 +151,6 @@ def _check_window(window):
             )
         )
     return (int(window[0]), int(window[1]))
-
-
-# ----------------------------------------------------------------------------------------------
-# Sharding: batch and head axes may be sharded (heads as the kv-head factor, so GQA groups stay
-# together); sequence and head-dim axes are replicated. A bias broadcast over batch (or heads) keeps
-# that axis replicated, so its gradient needs no cross-shard reduction: zero collectives.
-# ----------------------------------------------------------------------------------------------
-
-
-def _factor_strings(shapes, present, stage):
-    q_shape, k_shape = shapes[0], shapes[1]
-    group = q_shape[2] // k_shape[2]
-    qh = "(h g)" if group > 1 else "h"
-    bq = "b"
-    extra = {"g": group} if group > 1 else {}
-    ops = [f"{bq} sq {qh} d", "b sk h d", "b sk h e"]
-    if stage == "bwd":
-        ops += [f"b sq {qh} e", f"b sq {qh} e", f"b {qh} sq"]  # out, g, lse
-    n0 = len(ops)
-    names = [n for n, p in zip(OPTIONAL, present, strict=True) if p]
-    replicated = ["sq", "sk", "d", "e"]
-    for i, name in enumerate(names):
-        shape = shapes[n0 + i]
-        if name == "bias":
-            bb = "b" if shape[0] == q_shape[0] and shape[0] != 1 else "bb"
-            bh = qh if shape[1] == q_shape[2] and shape[1] != 1 else "bh"
-            ops.append(f"{bb} {bh} sq sk")
-            replicated += [f for f in (bb, bh) if f in ("bb", "bh")]
-        elif name in ("q_seqlens", "kv_seqlens"):
-            ops.append("b")
-        elif name == "q_segment_ids":
-            ops.append("b sq")
-        elif name == "kv_segment_ids":
-            ops.append("b sk")
-        elif name == "seed":
-            ops.append(f"b {qh} r")
-            replicated.append("r")
-    if stage == "fwd":
-        results = [f"b sq {qh} e", f"b {qh} sq"]
-    elif stage == "infer":
-        results = [f"b sq {qh} e"]
-    else:
-        results = [f"b sq {qh} d", "b sk h d", "b sk h e"]
-        if "bias" in names:
-            results.append(ops[n0 + names.index("bias")])
-    return ops, results, replicated, extra, names
-
-
-def _bias_blocks(shapes, names, n0, q_shape):
-    """(replicate batch, replicate heads) because a bias broadcasts over them."""
-    if "bias" not in names:
-        return False, False
-    bshape = shapes[n0 + names.index("bias")]
-    return bshape[0] == 1 and q_shape[0] != 1, bshape[1] == 1 and q_shape[2] != 1
-
-
-def _rule(present, stage):
-    def rule(*shapes):
-        ops, results, replicated, extra, _ = _factor_strings(shapes, present, stage)
-        rule_str = f"{', '.join(ops)} -> {', '.join(results)}"
-        # Shardy wants special factors in the order of their indices (first appearance in the rule).
-        order = []
-        for f in _split(rule_str.replace(",", " ").replace("->", " ").replace("(", " ").replace(")", " ")):
-            if f not in order:
-                order.append(f)
-        need = tuple(f for f in order if f in set(replicated))
-        return rule_str, {"need_replication_factors": need, **extra}
-
-    return rule
-
-
-def _specs(present, stage):
-    def specs(arg_specs, shapes):
-        ops, results, _, _, names = _factor_strings(shapes, present, stage)
-        q_shape = shapes[0]
-        q_spec = arg_specs[0]
-        rep_b, rep_h = _bias_blocks(shapes, names, 6 if stage == "bwd" else 3, q_shape)
-        b_ax = None if rep_b else q_spec[0]
-        h_ax = None if rep_h else q_spec[2]
-        table = {"b": b_ax, "h": h_ax, "(h g)": h_ax}
-
-        def spec_of(factors):
-            return [table.get(f) for f in _split(factors)]
-
-        out_specs = [spec_of(r) for r in results]
-        return [spec_of(o) for o in ops], (out_specs[0] if stage == "infer" else out_specs)
-
-    return specs
-
-
-def _split(factors: str) -> list[str]:
-    out, depth, cur = [], 0, ""
-    for ch in factors:
-        if ch == "(":
-            depth += 1
-        elif ch == ")":
-            depth -= 1
-        if ch == " " and depth == 0:
-            out.append(cur)
-            cur = ""
-        else:
-            cur += ch
-    out.append(cur)
-    return [f for f in out if f]
-
-
-# ----------------------------------------------------------------------------------------------
-# vmap: fold the vmapped axis into the batch axis (axis 0 of every operand, the dropout seeds too).
-# ----------------------------------------------------------------------------------------------
-
-
-def _fold(present, stage):
-    n_lead = 6 if stage == "bwd" else 3
-    names = [n for n, p in zip(OPTIONAL, present, strict=True) if p]
-    kinds = ["x"] * n_lead + names
-    bias_idx = n_lead + names.index("bias") if "bias" in names else None
-
-    def fold(axis_size, in_batched, *args):
-        vb = axis_size
-        batch = args[0].shape[1] if in_batched[0] else args[0].shape[0]
-        folded = []
-        for kind, a, batched in zip(kinds, args, in_batched, strict=True):
-            if kind == "bias" and not batched and a.shape[0] == 1:
-                folded.append(a)  # broadcast over the folded batch as it was over the batch
-                continue
-            if not batched:
-                a = jnp.broadcast_to(a, (vb, *a.shape))
-            if kind == "bias" and a.shape[1] == 1 and batch != 1:
-                a = jnp.broadcast_to(a, (vb, batch, *a.shape[2:]))
-            folded.append(a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]))
-        outs = fold.fn(*folded)
-        single = stage == "infer"
-        if single:
-            outs = (outs,)
-        result, out_batched = [], []
-        for i, o in enumerate(outs):
-            if stage == "bwd" and i == 3:  # dbias
-                bias, b_batched = args[bias_idx], in_batched[bias_idx]
-                if not b_batched and bias.shape[0] == 1:
-                    result.append(o)
-                    out_batched.append(False)
-                    continue
-                o = o.reshape(vb, o.shape[0] // vb, *o.shape[1:])
-                if not b_batched:
-                    result.append(o.sum(0))
-                    out_batched.append(False)
-                    continue
-                if bias.shape[1] == 1:
-                    o = o.sum(1, keepdims=True)
-                result.append(o)
-                out_batched.append(True)
-                continue
-            result.append(o.reshape(vb, o.shape[0] // vb, *o.shape[1:]))
-            out_batched.append(True)
-        if single:
-            return result[0], out_batched[0]
-        return tuple(result), tuple(out_batched)
-
-    return fold
 
 
 # ----------------------------------------------------------------------------------------------
@@ -431,14 +222,9 @@ def _build(mask_type, window, scale, dropout_rate, implementation, present):
         )
         return (dq, dk, dv) + ((dbias,) if opt["bias"] is not None else ())
 
-    fwd_part = P.partitioned(fwd_impl, rule=_rule(present, "fwd"), specs=_specs(present, "fwd"))
-    bwd_part = P.partitioned(bwd_impl, rule=_rule(present, "bwd"), specs=_specs(present, "bwd"))
-    infer_part = P.partitioned(infer_impl, rule=_rule(present, "infer"), specs=_specs(present, "infer"))
-    fold_f, fold_b, fold_i = _fold(present, "fwd"), _fold(present, "bwd"), _fold(present, "infer")
-    fold_f.fn, fold_b.fn, fold_i.fn = fwd_part, bwd_part, infer_part
-    fwd_call = P.batch_folding(fwd_part, fold_f)
-    bwd_call = P.batch_folding(bwd_part, fold_b)
-    infer_call = P.batch_folding(infer_part, fold_i)
+    fwd_call = sharding.sharded(fwd_impl, present, "fwd")
+    bwd_call = sharding.sharded(bwd_impl, present, "bwd")
+    infer_call = sharding.sharded(infer_impl, present, "infer")
 
     @jax.custom_vjp
     def op(q, k, v, optional):
@@ -487,12 +273,12 @@ def fused_attention(
     backward: memory does not grow with ``Sq * Sk`` (except for a ``bias``, which is ``Sq * Sk`` by
     itself, and packed sequences, which cuDNN receives as a ``[B, 1, Sq, Sk]`` additive mask).
 
-    Equivalent to (no dropout; ``visible`` is the mask described below)::
+    Equivalent to (no dropout, finite inputs; ``visible`` is the mask described below)::
 
         kk = jnp.repeat(k, Hq // Hk, axis=2); vv = jnp.repeat(v, Hq // Hk, axis=2)
         s = jnp.einsum("bqhd,bkhd->bhqk", q, kk).astype(jnp.float32) * scale + bias
-        s = jnp.where(visible, s, -jnp.inf)
-        p = jax.nn.softmax(s, axis=-1)                  # rows with no visible key -> 0
+        p = jax.nn.softmax(s, axis=-1, where=visible)
+        p = jnp.where(visible.any(-1, keepdims=True), p, 0.0)   # rows with no visible key -> 0
         out = jnp.einsum("bhqk,bkhd->bqhd", p, vv).astype(q.dtype)
 
     Masks (combined with AND):
@@ -503,6 +289,22 @@ def fused_attention(
       ``"padding_causal"``: both. Queries beyond ``q_seqlens`` get output 0.
     * ``q_segment_ids`` / ``kv_segment_ids`` (packed sequences): iff the ids are equal.
     * ``window_size=(left, right)``: iff ``i - left <= j <= i + right`` (-1: unbounded side).
+
+    Edge cases and non-finite inputs, per query row i with scores ``s_ij`` over its visible keys:
+
+    * no visible key, or every visible score -inf: output row 0 and zero gradients (not NaN, not a
+      uniform average);
+    * a NaN or +inf visible score (a NaN in ``q_i``, in a visible ``k_j`` or ``bias_ij``): the whole
+      output row is NaN, as with ``jax.nn.dot_product_attention``; a diverging input is not hidden;
+    * a -inf visible score (e.g. from the bias) is probability 0, like a masked key;
+    * a pair with probability 0 (masked, -inf, underflow) takes no part in the output or the
+      gradients, whatever its k, v or bias hold; a NaN in ``v_j[e]`` of a key with non-zero
+      probability makes ``out_i[e]`` NaN.
+
+    The native (cuDNN) path works in tiles and cannot exclude everything: a NaN or inf in ``k``,
+    ``v`` or ``bias`` at a pair that is masked (or has probability 0) can still reach the rows of
+    the same tile as NaN, and with segment ids (applied as an additive -inf mask) a masked NaN
+    ``k`` makes the row NaN. Keep padding and masked positions finite when using it.
 
     Args:
       q: ``[B, Sq, Hq, D]`` bfloat16/float16 (float32 on the reference path only).
@@ -525,8 +327,7 @@ def fused_attention(
     q, k, v = _check_qkv(q, k, v)
     b, s_q, hq, d = q.shape
     s_k = k.shape[1]
-    if mask_type not in MASK_TYPES:
-        raise ValueError(_err(f"mask_type must be one of {MASK_TYPES}, got {mask_type!r}."))
+    static_choice(OP, "mask_type", mask_type, MASK_TYPES)
     padding = mask_type in ("padding", "padding_causal")
     has_len = q_seqlens is not None or kv_seqlens is not None
     if has_len and not padding:
@@ -558,8 +359,10 @@ def fused_attention(
     window = _check_window(window_size)
     if scale is None:
         scale = 1.0 / math.sqrt(d)
-    scale = _static_float("scale", scale, -np.inf, np.inf)
-    dropout_rate = _static_float("dropout_rate", dropout_rate, 0.0, 1.0)
+    scale = static_float(OP, "scale", scale)
+    dropout_rate = static_float(OP, "dropout_rate", dropout_rate)
+    if not 0.0 <= dropout_rate < 1.0:
+        raise ValueError(_err(f"dropout_rate must be in [0.0, 1.0), got {dropout_rate}."))
     if dropout_rate > 0.0 and rng is None:
         raise ValueError(
             _err(
@@ -573,18 +376,18 @@ def fused_attention(
         opt["bias"] = _check_bias(bias, q, k)
     if padding:
         opt["q_seqlens"] = (
-            _check_lengths("q_seqlens", q_seqlens, b)
+            _check_ints("q_seqlens", q_seqlens, (b,), "[B]")
             if q_seqlens is not None
             else jnp.full((b,), s_q, jnp.int32)
         )
         opt["kv_seqlens"] = (
-            _check_lengths("kv_seqlens", kv_seqlens, b)
+            _check_ints("kv_seqlens", kv_seqlens, (b,), "[B]")
             if kv_seqlens is not None
             else jnp.full((b,), s_k, jnp.int32)
         )
     if has_seg:
-        opt["q_segment_ids"] = _check_segments("q_segment_ids", q_segment_ids, b, s_q, "Sq")
-        opt["kv_segment_ids"] = _check_segments("kv_segment_ids", kv_segment_ids, b, s_k, "Sk")
+        opt["q_segment_ids"] = _check_ints("q_segment_ids", q_segment_ids, (b, s_q), "[B, Sq]")
+        opt["kv_segment_ids"] = _check_ints("kv_segment_ids", kv_segment_ids, (b, s_k), "[B, Sk]")
     if dropout_rate > 0.0:
         opt["seed"] = dropout_seeds(rng, b, hq)
     present = tuple(opt[n] is not None for n in OPTIONAL)

@@ -22,8 +22,21 @@ Mask rules (a key j is visible to query i of batch b when ALL that apply hold):
 * segment ids: ``q_segment_ids[b, i] == kv_segment_ids[b, j]``.
 * ``window = (left, right)``: ``i - left <= j <= i + right``; -1 on a side means unbounded.
 
-A query with no visible key gets output 0, gradient 0 and logsumexp ``+inf`` (so that any backward that
-recomputes ``exp(s - lse)`` from the residuals gets exactly 0 for it).
+Scores and non-finite values, per query row i (of one batch element and head), with V_i its
+visible keys and ``s_ij = scale * (q_i . k_j) + bias_ij`` in fp32 for j in V_i:
+
+* V_i empty, or every ``s_ij`` -inf: output 0, gradient 0, logsumexp ``+inf`` (so that any
+  backward that recomputes ``exp(s - lse)`` gets exactly 0 for the row);
+* some ``s_ij`` NaN or +inf (a NaN in q_i, in a visible k_j or bias_ij, or an overflow): the whole
+  output row is NaN and its logsumexp NaN, as ``jax.nn.dot_product_attention`` gives;
+* otherwise ``p_ij = softmax_j(s_ij)`` over V_i (a -inf score gives ``p_ij = 0``) and
+  ``out_i = sum_j p_ij v_j`` over the pairs with ``p_ij != 0``.
+
+A pair (i, j) with ``p_ij == 0`` (masked, -inf score, or an underflow) takes no part in the
+output or in any gradient, whatever ``q_i``, ``k_j``, ``v_j``, ``bias_ij`` or the cotangent hold:
+no ``0 * inf`` or ``0 * NaN`` from it; a pair dropped by dropout takes no part in the output or in
+``dv``. Every other product follows IEEE arithmetic: a NaN in ``v_j[e]`` makes ``out_i[e]`` NaN for
+every i with ``p_ij != 0``, and a NaN output row gives NaN gradients along its visible pairs.
 
 Dropout (rate p > 0): after the softmax, each probability is kept with probability 1 - p and scaled by
 1 / (1 - p); the statistics (logsumexp) are those before dropout. The mask is a function of ``seed`` only,
@@ -113,23 +126,62 @@ def _expand_kv(x: jax.Array, hq: int) -> jax.Array:
     return jnp.repeat(x, hq // x.shape[2], axis=2)
 
 
-def _probs(q, k, bias, keep, scale):
-    """fp32 scores [B, Hq, Sq, Sk] -> (p, lse, row_has_key)."""
-    hq = q.shape[2]
-    kf = _expand_kv(k, hq).astype(jnp.float32)
+def _scores(q, k, bias, keep, scale):
+    """fp32 masked scaled scores ``[B, Hq, Sq, Sk]`` (-inf where masked)."""
+    kf = _expand_kv(k, q.shape[2]).astype(jnp.float32)
     s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), kf) * jnp.float32(scale)
     if bias is not None:
         s = s + bias.astype(jnp.float32)
     if keep is not None:
-        s = jnp.where(keep, s, -jnp.inf)
+        s = jnp.where(keep, s, -jnp.inf)  # masked: -inf whatever q, k, bias hold
+    return s
+
+
+def _probs(q, k, bias, keep, scale):
+    """fp32 probabilities [B, Hq, Sq, Sk] and logsumexp [B, Hq, Sq] (see the module docstring)."""
+    s = _scores(q, k, bias, keep, scale)
+    # m is NaN for a row holding a NaN score and +inf for one holding +inf: exp() then gives NaN at
+    # that position and the NaN sum makes the row NaN. A row with no finite score has m = -inf:
+    # shifting by 0 instead gives exp(-inf) = 0 everywhere and a zero sum.
     m = jnp.max(s, axis=-1, keepdims=True)
-    has = jnp.isfinite(m)
-    m = jnp.where(has, m, 0.0)
+    m = jnp.where(jnp.isneginf(m), 0.0, m)
     e = jnp.exp(s - m)
     total = jnp.sum(e, axis=-1, keepdims=True)
-    p = jnp.where(has, e / jnp.where(has, total, 1.0), 0.0)
-    lse = jnp.where(has, m + jnp.log(jnp.where(has, total, 1.0)), jnp.inf)[..., 0]
-    return p, lse, has
+    empty = total == 0
+    p = e / jnp.where(empty, 1.0, total)
+    if keep is not None:
+        p = jnp.where(keep, p, 0.0)  # exactly 0, also in a NaN row
+    lse = jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, total)))[..., 0]
+    return p, lse
+
+
+def contract(eq: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """``jnp.einsum(eq, a, b)`` in fp32 where the products with ``a == 0`` count as 0 whatever ``b``
+    holds (no ``0 * inf`` or ``0 * NaN``); every other product, and the sum, follow IEEE arithmetic.
+
+    ``a`` is a probability-like matrix (exact zeros on masked / zero-probability pairs); ``b`` the
+    operand it weights. With a finite ``b`` this is the plain einsum; otherwise the non-finite
+    entries of ``b`` are taken out of the einsum and their contributions (NaN, +inf, -inf, or NaN
+    where +inf meets -inf) are put back where a non-zero ``a`` reaches them.
+    """
+
+    def plain(a, b):
+        return jnp.einsum(eq, a, b)
+
+    def with_nonfinite(a, b):
+        out = jnp.einsum(eq, a, jnp.where(jnp.isfinite(b), b, 0.0))  # a NaN still gives NaN here
+        f32 = jnp.float32
+        hit = lambda x, y: jnp.einsum(eq, x.astype(f32), y.astype(f32)) > 0  # noqa: E731
+        pos, neg = a > 0, a < 0
+        b_pinf, b_ninf = jnp.isposinf(b), jnp.isneginf(b)
+        nan = hit(a != 0, jnp.isnan(b))  # a NaN a is != 0 too
+        plus = hit(pos, b_pinf) | hit(neg, b_ninf)
+        minus = hit(pos, b_ninf) | hit(neg, b_pinf)
+        out = jnp.where(plus, jnp.inf, jnp.where(minus, -jnp.inf, out))
+        return jnp.where(nan | (plus & minus) | jnp.isnan(out), jnp.nan, out)
+
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return jax.lax.cond(jnp.all(jnp.isfinite(b)), plain, with_nonfinite, a, b)
 
 
 def _keep(q, k, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, mask_type, window):
@@ -167,12 +219,12 @@ def forward(
         need_stats
     )  # False: the caller discards the statistics (inference); the reference computes them anyway
     keep = _keep(q, k, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, mask_type, window)
-    p, lse, _ = _probs(q, k, bias, keep, scale)
+    p, lse = _probs(q, k, bias, keep, scale)
     if dropout_rate > 0.0:
         drop = dropout_keep(seed, p.shape, dropout_rate)
         p = jnp.where(drop, p / jnp.float32(1.0 - dropout_rate), 0.0)
-    vf = _expand_kv(v, q.shape[2]).astype(jnp.float32)
-    out = jnp.einsum("bhqk,bkhd->bqhd", p, vf).astype(q.dtype)
+    vf = _expand_kv(v, q.shape[2])
+    out = contract("bhqk,bkhd->bqhd", p, vf).astype(q.dtype)
     res = Residuals(q, k, v, bias, out, lse, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, seed)
     return out, res
 
@@ -184,16 +236,14 @@ def backward(res: Residuals, g, *, mask_type: str, window, scale: float, dropout
     keep = _keep(
         q, k, res.q_seqlens, res.kv_seqlens, res.q_segment_ids, res.kv_segment_ids, mask_type, window
     )
-    # Recompute P from the saved statistics (as a flash backward does): p = exp(s - lse).
+    # Recompute P from the saved statistics (as a flash backward does): p = exp(s - lse); lse = +inf
+    # on rows without a finite visible score gives 0, lse = NaN on NaN rows gives NaN.
+    s = _scores(q, k, bias, keep, scale)
+    p = jnp.exp(s - res.lse[..., None])
+    if keep is not None:
+        p = jnp.where(keep, p, 0.0)
     kf = _expand_kv(k, hq).astype(jnp.float32)
     vf = _expand_kv(v, hq).astype(jnp.float32)
-    s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), kf) * jnp.float32(scale)
-    if bias is not None:
-        s = s + bias.astype(jnp.float32)
-    if keep is not None:
-        s = jnp.where(keep, s, -jnp.inf)
-    p = jnp.exp(s - res.lse[..., None])  # lse = +inf on empty rows -> 0
-    p = jnp.where(jnp.isnan(p), 0.0, p)
     gf = g.astype(jnp.float32)
     dpd = jnp.einsum("bqhd,bkhd->bhqk", gf, vf)  # d(dropped p)
     if dropout_rate > 0.0:
@@ -203,12 +253,13 @@ def backward(res: Residuals, g, *, mask_type: str, window, scale: float, dropout
         dp = jnp.where(drop, dpd * inv, 0.0)
     else:
         pd, dp = p, dpd
-    dv_full = jnp.einsum("bhqk,bqhd->bkhd", pd, gf)
-    # softmax backward: ds = p * (dp - sum(p * dp)); sum(p * dp) = sum(dO * O) (with or without dropout).
+    dv_full = contract("bhqk,bqhd->bkhd", pd, gf)
+    # softmax backward: ds = p * (dp - sum(p * dp)); sum(p * dp) = sum(dO * O) (with or without
+    # dropout). Zero-probability pairs get ds = 0 whatever dp holds.
     delta = jnp.einsum("bqhd,bqhd->bhq", gf, res.out.astype(jnp.float32))[..., None]
-    ds = p * (dp - delta)
-    dq = jnp.einsum("bhqk,bkhd->bqhd", ds, kf) * jnp.float32(scale)
-    dk_full = jnp.einsum("bhqk,bqhd->bkhd", ds, q.astype(jnp.float32)) * jnp.float32(scale)
+    ds = jnp.where(p == 0, 0.0, p * (dp - delta))
+    dq = contract("bhqk,bkhd->bqhd", ds, kf) * jnp.float32(scale)
+    dk_full = contract("bhqk,bqhd->bkhd", ds, q.astype(jnp.float32)) * jnp.float32(scale)
     group = hq // hk
     dk = dk_full.reshape(b, k.shape[1], hk, group, -1).sum(3)
     dv = dv_full.reshape(b, v.shape[1], hk, group, -1).sum(3)
