@@ -238,3 +238,144 @@ def test_under_command_buffers_graph_captured_and_warmed_once():
     assert not report["any_nan"]
     assert report["max_rel_error"] < 3e-2, report
     assert_graph_captured_and_warmed_once(report, report["expected_keys"])
+
+
+# ---- non-finite inputs: the cuDNN path against the reference's rules ----------------------------
+#
+# cuDNN cannot be changed; these tests say where it follows the rules of fused_attention's
+# docstring. Rows are checked strictly (NaN positions, inf positions and values) except the rows
+# the docstring exempts on the native path: rows with a non-finite k or v at a pair of zero
+# probability (masked, or a -inf score), a non-finite bias at a masked pair, or (segment ids, an
+# additive mask) a non-finite q with a masked pair, where cuDNN may turn the row (or some of its
+# entries) into NaN. There each entry must be the
+# reference's value or NaN, and a NaN of the reference must stay NaN.
+
+NONFINITE_CASES = ("none", "causal", "padding_causal", "gqa_causal", "window_causal", "segments",
+                   "bias_full", "bias_heads_causal", "odd_lengths")
+NONFINITE_PARAMS = [(c, w, d) for c in NONFINITE_CASES for w in ("q", "kv", "bias")
+                    for d in (jnp.bfloat16, jnp.float16) if w != "bias" or c.startswith("bias")]
+
+
+def _sprinkle(x, seed, frac):
+    """x with NaN, +inf and -inf at random elements (frac of them)."""
+    ka, kb = jax.random.split(jax.random.key(seed))
+    hit = jax.random.bernoulli(ka, frac, x.shape)
+    vals = jnp.array([jnp.nan, jnp.inf, -jnp.inf], x.dtype)[jax.random.randint(kb, x.shape, 0, 3)]
+    return jnp.where(hit, vals, x)
+
+
+def _sprinkle_rows(x, seed, n, batch=None):
+    """x [B, S, H, D] with one NaN, +inf or -inf element in each of n random (b, s, h) rows (of
+    batch element ``batch`` only, when given)."""
+    rng = np.random.default_rng(seed)
+    b, s, h, d = x.shape
+    bs = rng.integers(0, b, n) if batch is None else np.full(n, batch)
+    idx = (bs, rng.integers(0, s, n), rng.integers(0, h, n), rng.integers(0, d, n))
+    vals = np.array([np.nan, np.inf, -np.inf], np.float32)[rng.integers(0, 3, n)]
+    return x.at[idx].set(jnp.asarray(vals, x.dtype))
+
+
+def _exempt_rows(q, k, v, bias, kw, scale):
+    """bool [B, Sq, Hq]: rows the native path may turn NaN (see the comment above)."""
+    b, s_q, hq, _ = q.shape
+    s_k, hk = k.shape[1], k.shape[2]
+    vis = _visible(b, s_q, s_k, kw)
+    f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
+    kk = np.repeat(f32(k), hq // hk, axis=2)
+    vv = np.repeat(f32(v), hq // hk, axis=2)
+    with np.errstate(all="ignore"):
+        s = np.einsum("bqhd,bkhd->bhqk", f32(q), kk) * scale
+        if bias is not None:
+            s = s + f32(bias)
+    vis = np.ones(s.shape, bool) if vis is None else np.broadcast_to(np.asarray(vis), s.shape)
+    zero_pair = ~vis | np.isneginf(s)
+    bad_kv = (~np.isfinite(kk).all(-1) | ~np.isfinite(vv).all(-1)).transpose(0, 2, 1)[:, :, None, :]  # [B,H,1,Sk]
+    exempt = (zero_pair & bad_kv).any(-1)
+    if bias is not None:  # a masked non-finite bias entry (added before the mask, or with the -inf segment mask)
+        exempt = exempt | (~vis & ~np.isfinite(np.broadcast_to(f32(bias), s.shape))).any(-1)
+    if "q_segment_ids" in kw:  # the segment mask is additive: a non-finite q meets -inf at masked pairs
+        bad_q = ~np.isfinite(f32(q)).all(-1).transpose(0, 2, 1)  # [B, H, Sq]
+        nan_row = (vis & (np.isnan(s) | np.isposinf(s))).any(-1)  # NaN in the reference anyway
+        exempt = exempt | (bad_q & (~vis).any(-1) & ~nan_row)
+    return exempt.transpose(0, 2, 1)
+
+
+def _visible(b, s_q, s_k, kw):
+    from te_ops.fused_attention import reference as ref
+
+    return ref.visible(b, s_q, s_k, mask_type=kw.get("mask_type", "none"), window=kw.get("window_size"),
+                       q_seqlens=kw.get("q_seqlens"), kv_seqlens=kw.get("kv_seqlens"),
+                       q_segment_ids=kw.get("q_segment_ids"), kv_segment_ids=kw.get("kv_segment_ids"))
+
+
+def _check_nonfinite(out, want, exempt, dtype, what):
+    a = np.asarray(jnp.asarray(out, F32), np.float64)
+    e = np.asarray(jnp.asarray(want, F32), np.float64)
+    ex = np.broadcast_to(exempt[..., None], a.shape)
+    strict = ~ex
+    assert np.isnan(e)[strict].any() and np.isfinite(e)[strict].any(), f"{what}: the case must hold strict NaN rows"
+    lost = np.isnan(e) & ~np.isnan(a)
+    assert not lost.any(), f"{what}: {lost.sum()} NaN entries of the reference are not NaN natively"
+    extra = strict & np.isnan(a) & ~np.isnan(e)
+    assert not extra.any(), f"{what}: {extra.sum()} NaN entries natively where the reference has none"
+    both = ~np.isnan(a) & ~np.isnan(e)
+    np.testing.assert_array_equal(np.isposinf(a)[both], np.isposinf(e)[both], err_msg=f"{what}: +inf positions")
+    np.testing.assert_array_equal(np.isneginf(a)[both], np.isneginf(e)[both], err_msg=f"{what}: -inf positions")
+    fin = both & np.isfinite(e)
+    err = np.linalg.norm(a[fin] - e[fin]) / (np.linalg.norm(e[fin]) + 1e-30)
+    assert err < REL_TOL[jnp.dtype(dtype)], (what, err)
+
+
+@pytest.mark.parametrize("case,where,dtype", NONFINITE_PARAMS,
+                         ids=[f"{c}-{w}-{jnp.dtype(d).name}" for c, w, d in NONFINITE_PARAMS])
+def test_native_nonfinite_inputs_follow_the_reference(case, where, dtype):
+    (q, k, v, g, bias), kw = _case(case, dtype, seed=5)
+    scale = 1 / np.sqrt(q.shape[3])
+    call = dict(dtype=q.dtype, q_shape=q.shape, k_shape=k.shape, v_shape=v.shape,
+                bias_shape=None if bias is None else bias.shape, has_segments="q_segment_ids" in kw,
+                mask_type=kw.get("mask_type", "none"), window=kw.get("window_size"), scale=scale, dropout_rate=0.0)
+    why = fa_native.unsupported_reason(**call)
+    if why is not None:
+        pytest.skip(f"cuDNN on this machine: {why}")
+    if where == "q":
+        q = _sprinkle_rows(q, 70, 24)
+    elif where == "kv":
+        # random rows of batch 0; in batch 1 a NaN in key 0, which every query of a causal, padded,
+        # windowed or first segment sees: their rows are NaN, and checked strictly
+        k, v = _sprinkle_rows(k, 71, 4, batch=0), _sprinkle_rows(v, 72, 4, batch=0)
+        k = k.at[1, 0, 0, 0].set(jnp.nan)
+    else:
+        bias = _sprinkle(bias, 73, 0.002)
+    exempt = _exempt_rows(q, k, v, bias, kw, scale)
+    with native.poisoned_outputs():
+        train_out, _ = _fwd_bwd("native", kw, bias is not None)(q, k, v, g, bias)
+        infer_out = jax.jit(lambda q, k, v, bb: fused_attention(q, k, v, bias=bb, implementation="native", **kw))(
+            q, k, v, bias)
+    f32 = lambda x: None if x is None else x.astype(F32)  # noqa: E731
+    with jax.default_matmul_precision("highest"):
+        want = jax.jit(lambda q, k, v, bb: fused_attention(q, k, v, bias=bb, implementation="reference", **kw))(
+            f32(q), f32(k), f32(v), f32(bias))
+    _check_nonfinite(train_out, want, exempt, dtype, f"{case}/{where} training forward")
+    _check_nonfinite(infer_out, want, exempt, dtype, f"{case}/{where} inference forward")
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_native_rows_without_a_finite_score_are_zero(dtype):
+    """Visible rows whose scores are all -inf (a -inf bias on the whole row) give 0, as rows with no
+    visible key do; no NaN. (cuDNN's own handling of such rows is what this checks.)"""
+    (q, k, v, g, bias), kw = _case("bias_full", dtype, seed=6)
+    bias = bias.at[0, 1, 5].set(-jnp.inf).at[1, 3, 100].set(-jnp.inf)
+    call = dict(dtype=q.dtype, q_shape=q.shape, k_shape=k.shape, v_shape=v.shape, bias_shape=bias.shape,
+                scale=1 / np.sqrt(q.shape[3]), dropout_rate=0.0)
+    why = fa_native.unsupported_reason(**call)
+    if why is not None:
+        pytest.skip(f"cuDNN on this machine: {why}")
+    with native.poisoned_outputs():
+        out, grads = _fwd_bwd("native", kw, True)(q, k, v, g, bias)
+    out = np.asarray(out, np.float32)
+    np.testing.assert_array_equal(out[0, 5, 1], 0.0)
+    np.testing.assert_array_equal(out[1, 100, 3], 0.0)
+    assert np.isfinite(out).all()
+    dq = np.asarray(grads[0], np.float32)
+    np.testing.assert_array_equal(dq[0, 5, 1], 0.0)
+    assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in grads)
