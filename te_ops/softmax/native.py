@@ -11,7 +11,7 @@ from te_ops.softmax.reference import Residuals
 
 _MODE = {"none": 0, "causal": 2}
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-# The native module's codes (csrc/module.cc softmax_config): dtype and forward kernel family.
+# The native module's codes (softmax_config, csrc/softmax/softmax_hooks.cc): dtype and mask mode.
 _DTYPE_CODE = {"float32": 0, "bfloat16": 1, "float16": 2}
 _CONFIG_MODE = {"none": 0, "mask": 1, "causal": 2}
 
