@@ -1,6 +1,6 @@
 """Fused attention benchmark: te_ops.fused_attention (cuDNN frontend graphs, our FFI handlers) vs
 jax.nn.dot_product_attention(implementation="cudnn") and implementation="xla", side by side in one
-process. Prints a table and writes benchmarks/results/attention.json.
+process. Prints a table and writes benchmarks/results/<device>/attention.json.
 
     python benchmarks/attention.py [--quick] [--xla-bwd-big]
 

@@ -8,7 +8,7 @@ so clock drift between profiles is visible.
 
     python benchmarks/attention_profile.py [--steps 10] [--case mha|gqa|both]
 
-Prints one table per (case, side, stage) and writes benchmarks/results/attention_profile.json.
+Prints one table per (case, side, stage) and writes benchmarks/results/<device>/attention_profile.json.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ the XLA baseline is ``jax.nn.gelu(x @ w + b)`` with jax.nn.gelu's default (appro
 Forward: ``jit(f)(x, w, b)``. Forward+backward: ``jit`` of ``y, vjp = jax.vjp(f, x, w, b);
 (y, *vjp(dy))`` with a random cotangent dy (so neither side can constant-fold the gradient).
 
-    python benchmarks/dense.py            # prints a table, writes benchmarks/results/dense.json
+    python benchmarks/dense.py            # prints a table, writes benchmarks/results/<device>/dense.json
 
 With the native module, the MLP case also gets a per-GEMM breakdown of the backward: each cuBLASLt
 plan's timed best (te_ops._native_cublaslt.dense_plans(), measured in the initialize stage) next to

@@ -8,7 +8,7 @@ kernel shows up on its own; kernel durations do not depend on that.
 
     python benchmarks/dense_profile.py [--m 16384 --k 4096 --n 14336] [--steps 10]
 
-Prints one table per (side, stage) and writes benchmarks/results/dense_profile.json.
+Prints one table per (side, stage) and writes benchmarks/results/<device>/dense_profile.json.
 """
 
 from __future__ import annotations

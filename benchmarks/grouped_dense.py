@@ -10,7 +10,7 @@ kernels are timed on their own, and the best per kernel is reported (``best``), 
 which configuration to make the default in ``te_ops/grouped_dense/triton.py``; then the public op is
 timed with the defaults and with the best combination.
 
-    python benchmarks/grouped_dense.py   # prints tables, writes benchmarks/results/grouped_dense.json
+    python benchmarks/grouped_dense.py   # prints tables, writes benchmarks/results/<device>/grouped_dense.json
     python benchmarks/grouped_dense.py --no-sweep --no-ragged
 """
 

@@ -6,7 +6,7 @@ formulation, jitted in the same process.
 Workloads: T32768 H7168 E256 K8 bf16 (targets: dispatch fwd >= 1.5x, combine fwd >= 8x,
 dispatch+combine fwd+bwd >= 5x) and T16384 H4096 E64 K8. "TB/s" counts the bytes an ideal kernel
 moves (rows read + rows written; index maps and probabilities are negligible). Writes
-benchmarks/results/permutation.json (or $TE_BENCH_OUT).
+benchmarks/results/<device>/permutation.json (or $TE_BENCH_OUT).
 """
 
 from __future__ import annotations

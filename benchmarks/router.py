@@ -1,6 +1,6 @@
 """MoE router benchmark: te_ops native fused top-k vs the XLA composition (score function +
 lax.top_k + scatter, jitted), side by side in one process. Prints a table and writes
-benchmarks/results/router.json.
+benchmarks/results/<device>/router.json.
 
     python benchmarks/router.py [--quick]
 

@@ -1,5 +1,5 @@
 """Softmax benchmark: te_ops native kernels vs XLA (jax.nn.softmax with the same mask and scale),
-side by side in one process. Prints a table and writes benchmarks/results/softmax.json.
+side by side in one process. Prints a table and writes benchmarks/results/<device>/softmax.json.
 
     python benchmarks/softmax.py [--quick] [--target-only]
 

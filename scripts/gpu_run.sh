@@ -67,7 +67,7 @@ print("missing:", native._errors)
 print("native_unavailable_reason:", te_ops.native_unavailable_reason())
 PY
 
-# STEPS: ordered "test:<file stem>" / "bench:<name>" / "diag:<scripts/diag name>" items (default: every GPU test file, then every
+# STEPS: ordered "test:<file stem>" / "bench:<name>" items (default: every GPU test file, then every
 # benchmark). One pytest process per test file, so a crash in one file cannot hide the others.
 if [ -z "${STEPS:-}" ]; then
   STEPS=""
@@ -91,11 +91,6 @@ for step in $STEPS; do
     timeout $(( left < ${TEST_TIMEOUT:-300} ? left - 15 : ${TEST_TIMEOUT:-300} )) $PY -m pytest -m gpu "$f" -q -rs \
       -p no:cacheprovider -o junit_family=xunit2 --junitxml "$OUT/results/$name.xml" ${PYTEST_ARGS:-} \
       || { rc=$?; test_rc=$rc; stamp "$f rc=$rc"; }
-  elif [ "$kind" = diag ]; then
-    # scripts/diag/<name>.sh: crash diagnosis helpers; they get the build settings in the environment.
-    stamp "diag $name"
-    OUT="$OUT/results" TE_OPS_ONLY="${OPS:-}" TE_OPS_EXCLUDE="$EXCLUDE" timeout $(( left - 15 )) \
-      bash "scripts/diag/$name.sh" || stamp "diag $name rc=$?"
   elif [ -f "benchmarks/$name.py" ]; then
     # The first run of a benchmark writes benchmarks/results/<device>/<name>.json in this tree (or
     # $TE_BENCH_OUT when set); a benchmark named again (a fresh process: plans are timed anew) writes

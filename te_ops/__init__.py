@@ -11,7 +11,7 @@ from te_ops._core.registry import ImplementationUnavailableError, use_implementa
 from te_ops.dense import dense
 from te_ops.fused_attention import fused_attention
 from te_ops.grouped_dense import grouped_dense
-from te_ops.permutation import sort_chunks_by_index, token_combine, token_dispatch
+from te_ops.permutation import TokenDispatchResult, sort_chunks_by_index, token_combine, token_dispatch
 from te_ops.router import (
     compute_routing_scores_for_aux_loss,
     fused_moe_aux_loss,
@@ -25,6 +25,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ImplementationUnavailableError",
+    "TokenDispatchResult",
     "compute_routing_scores_for_aux_loss",
     "dense",
     "fused_attention",

@@ -29,7 +29,7 @@ for _name in MODULES:
         _errors[_name] = (
             f"the native extension te_ops.{_name} is not available ({e}). It is built only when a CUDA "
             "compiler (and, for _native_cublaslt/_native_cudnn, that library's headers) is found at "
-            "install time; reinstall on such a machine (see README.md)."
+            "install time; reinstall on such a machine (see docs/install.md)."
         )
 _native = _loaded.get("_native")
 _IMPORT_ERROR = _errors.get("_native")

@@ -267,8 +267,10 @@ def token_dispatch(
       pad_offsets int32[E] or None, tokens_per_expert int32[E], num_dropped int32[])``.
 
     Raises:
-      TypeError / ValueError naming the argument for wrong types, shapes or statics. Values (that
-      probs is zero where routing_map is False, for instance) are not checked.
+      TypeError: an argument has the wrong type or dtype (the message names it).
+      ValueError: an argument has the wrong shape or a static argument is out of range (the message
+        names it). Values (that probs is zero where routing_map is False, for instance) are not
+        checked.
     """
     op = "token_dispatch"
     x = check_float(op, "x", x, FLOAT_DTYPES_WITH_F64, rank=2, layout="[T, H]")
