@@ -86,9 +86,10 @@ for step in $STEPS; do
   left=$(time_left)
   if [ "$left" -lt 40 ]; then SKIPPED_STEPS="$SKIPPED_STEPS $step"; continue; fi
   if [ "$kind" = test ]; then
+    # SIGINT first: pytest then stops like on Ctrl-C and still prints the failures it has seen.
     f="tests/gpu/$name.py"
     stamp "GPU tests: $f"
-    timeout $(( left < ${TEST_TIMEOUT:-300} ? left - 15 : ${TEST_TIMEOUT:-300} )) $PY -m pytest -m gpu "$f" -q -rs \
+    timeout -s INT -k 20 $(( left < ${TEST_TIMEOUT:-300} ? left - 25 : ${TEST_TIMEOUT:-300} )) $PY -m pytest -m gpu "$f" -q -rs \
       -p no:cacheprovider -o junit_family=xunit2 --junitxml "$OUT/results/$name.xml" ${PYTEST_ARGS:-} \
       || { rc=$?; test_rc=$rc; stamp "$f rc=$rc"; }
   elif [ -f "benchmarks/$name.py" ]; then

@@ -111,8 +111,9 @@ __device__ __forceinline__ void ChosenSoftmax(Logit logit, uint32_t chosen, uint
     sum += o[j];
   }
   const float scale = SoftmaxScale(scaling, WarpSum(sum));
+  // Only chosen slots are scaled: a NaN scale (a NaN chosen logit) must leave the others at 0.
 #pragma unroll
-  for (int j = 0; j < EPT; ++j) o[j] *= scale;
+  for (int j = 0; j < EPT; ++j) o[j] = ((chosen >> j) & 1u) ? o[j] * scale : 0.f;
 }
 
 // The expert bias of a lane's slots: in registers for small vector slices (E <= 256), re-read per
@@ -230,8 +231,9 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) RowForwardKernel(RowParam
           }
           float scale = p.scaling;
           if (p.score == Score::kSigmoid && p.topk > 1) scale = p.scaling / (WarpSum(sum) + kSigmoidEps);
+          // Only chosen slots are scaled: a NaN scale (a NaN chosen score) must leave the others at 0.
 #pragma unroll
-          for (int j = 0; j < EPT; ++j) o[j] *= scale;
+          for (int j = 0; j < EPT; ++j) o[j] = ((chosen >> j) & 1u) ? o[j] * scale : 0.f;
         }
       }
     }

@@ -14,7 +14,7 @@ import pytest
 
 import te_ops
 from te_ops._core import registry
-from te_ops._core.testing import assert_close
+from te_ops._core.testing import assert_close, tolerance
 
 pytestmark = pytest.mark.gpu
 
@@ -157,5 +157,8 @@ def test_runs_eagerly_and_under_jit(make, impl, mode):
     _close(y, y_ref, args[0].dtype)
     g = wrap(jax.grad(_loss(ours), argnums=tuple(range(len(args)))))(*args)
     g_ref = jax.jit(jax.grad(_loss(ref), argnums=tuple(range(len(args)))))(*args)
-    for a, b, x in zip(g, g_ref, args, strict=True):
-        _close(a, b, x.dtype)
+    # A gradient mixes every input: compare it at the tolerance of the least precise one (a float32
+    # merging-probs gradient is a dot product of bfloat16 rows, for instance).
+    low = max((x.dtype for x in args), key=lambda d: tolerance(d)["rtol"])
+    for a, b in zip(g, g_ref, strict=True):
+        _close(a, b, low)

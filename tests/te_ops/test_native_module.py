@@ -38,8 +38,8 @@ def test_softmax_launch_shape_covers_the_row(dtype, elem, cols, mode):
         assert tpr == 32 and nv in (8, 16) and tpr * nv * vec >= cols and c["block"] == 128
         assert c["grid"] * 4 >= rows
         return
-    assert c["kernel"] == "v2"
-    # v2 keeps rows that 32 lanes x 4 vectors cover, and rows the warp-row kernel cannot take
+    assert c["kernel"] == "register"
+    # the register kernel keeps rows that 32 lanes x 4 vectors cover, and rows the warp-row kernel cannot take
     assert nvec <= 128 or vec == 1 or nvec > 512
     assert tpr & (tpr - 1) == 0 and 4 <= tpr <= 1024  # power of two (shuffle reductions)
     assert vec in (1, 16 // elem) and (vec == 1 or cols % vec == 0)
