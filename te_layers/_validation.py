@@ -509,6 +509,10 @@ def mha_inputs(layer: str, x: Any, inputs_kv: Any, *, dtype: Any, in_features: i
             raise ValueError(err(layer, "positions are only used by rotary embeddings; construct with use_rope=True "
                                         "or drop positions."))  # fmt: skip
         positions = positions if is_array(positions) else jnp.asarray(positions)
+        dt = jnp.dtype(positions.dtype)
+        if not (jnp.issubdtype(dt, jnp.integer) or jnp.issubdtype(dt, jnp.floating)):
+            raise TypeError(err(layer, f"positions must be an integer (or real float) array [B, S], got dtype {dt}. "
+                                       "Convert it, e.g. positions.astype(jnp.int32)."))  # fmt: skip
         if tuple(positions.shape) != (b, s):
             raise ValueError(err(layer, f"positions must have shape [B, S] = {(b, s)}, got "
                                         f"{tuple(positions.shape)}."))  # fmt: skip

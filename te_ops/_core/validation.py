@@ -143,6 +143,24 @@ def static_float(op: str, name: str, v: Any, *, finite: bool = True, why: str = 
     return v
 
 
+def static_bool(op: str, name: str, v: Any) -> bool:
+    """``v`` as a Python bool. Ints (0/1) are refused, as in te_layers, so that a typo does not pass."""
+    if not isinstance(v, (bool, np.bool_)):
+        raise TypeError(err(op, f"{name} must be a static Python bool (True or False), got {type(v).__name__} "
+                                f"{v!r:.80}."))
+    return bool(v)
+
+
+def check_implementation(op: str, implementation: Any, names: Sequence[str]) -> Any:
+    """``implementation`` if it is None or one of the registered ``names`` (checked before tracing, so the
+    message names the public function rather than its registry family)."""
+    if implementation is not None and not (isinstance(implementation, str) and implementation in tuple(names)):
+        raise ValueError(
+            err(op, f"implementation must be None (best available) or one of {sorted(names)}, got {implementation!r}.")
+        )
+    return implementation
+
+
 def static_choice(op: str, name: str, v: Any, choices: Sequence[Any]) -> Any:
     """``v`` if it is one of ``choices``."""
     if v not in tuple(choices):

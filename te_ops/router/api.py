@@ -24,6 +24,7 @@ from te_ops._core.validation import (
     check_float,
     check_int_array,
     err,
+    static_bool,
     static_choice,
     static_float,
     static_int,
@@ -57,7 +58,6 @@ for _fam, _fwd, _bwd, _why, _rfwd, _rbwd in (
     _fam.register(registry.Implementation(name=registry.REFERENCE, forward=_rfwd, backward=_rbwd))
 
 _SCORE_FUNCTIONS = ("softmax", "sigmoid")
-_FLAG = (False, True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -311,12 +311,13 @@ def fused_topk_with_score_function(
       logits: ``[T, E]`` float32, bfloat16 or float16, E >= 1 (T may be 0).
       topk: experts per token, a static int in ``[1, E]``.
       score_function: "softmax" or "sigmoid".
-      use_pre_softmax: softmax over all E before the top-k (softmax only; ignored for sigmoid).
+      use_pre_softmax: a Python bool: softmax over all E before the top-k (softmax only; ignored for
+        sigmoid). Ints such as 1 are refused.
       num_groups, group_topk: grouped selection (give both, or neither); E % num_groups == 0,
         topk % group_topk == 0, group_topk <= num_groups, topk // group_topk <= E // num_groups.
       scaling_factor: static finite multiplier of the weights.
       expert_bias: float ``[E]`` added to the selection scores only (sigmoid only); gets no gradient.
-      compact_routing_map: return the map as uint8 ``[T, ceil(E/8)]`` (see :func:`pack_routing_map`)
+      compact_routing_map: a Python bool: return the map as uint8 ``[T, ceil(E/8)]`` (see :func:`pack_routing_map`)
         instead of bool ``[T, E]``.
       implementation: None (best available), "native" or "reference".
 
@@ -335,12 +336,11 @@ def fused_topk_with_score_function(
     statics = (
         ("topk", topk),
         ("score_function", score_function),
-        ("use_pre_softmax", bool(static_choice(op, "use_pre_softmax", use_pre_softmax, _FLAG))
-         and score_function == "softmax"),
+        ("use_pre_softmax", static_bool(op, "use_pre_softmax", use_pre_softmax) and score_function == "softmax"),
         ("num_groups", num_groups),
         ("group_topk", group_topk),
         ("scaling_factor", scaling_factor),
-        ("compact_routing_map", bool(static_choice(op, "compact_routing_map", compact_routing_map, _FLAG))),
+        ("compact_routing_map", static_bool(op, "compact_routing_map", compact_routing_map)),
     )  # fmt: skip
     fn = _build_topk(statics, implementation, bias is not None)
     return fn(*match_vma(logits, bias)) if bias is not None else fn(*match_vma(logits))
@@ -412,7 +412,7 @@ def compute_routing_scores_for_aux_loss(
       logits: ``[T, E]`` float32, bfloat16 or float16, E >= 1 (T may be 0).
       topk: experts per token, a static int in ``[1, E]``.
       score_function: "softmax" or "sigmoid".
-      compact_routing_map: uint8 ``[T, ceil(E/8)]`` map (see :func:`pack_routing_map`) instead of bool.
+      compact_routing_map: a Python bool: uint8 ``[T, ceil(E/8)]`` map (see :func:`pack_routing_map`) instead of bool.
       implementation: None (best available), "native" or "reference".
 
     Returns:
@@ -422,7 +422,7 @@ def compute_routing_scores_for_aux_loss(
     logits = _check_rows(op, "logits", logits, min_experts=1)
     topk = _check_topk(op, topk, logits.shape[1])
     score_function = static_choice(op, "score_function", score_function, _SCORE_FUNCTIONS)
-    compact = bool(static_choice(op, "compact_routing_map", compact_routing_map, _FLAG))
+    compact = static_bool(op, "compact_routing_map", compact_routing_map)
     statics = (("topk", topk), ("score_function", score_function), ("compact_routing_map", compact))
     return _build_scores(statics, implementation)(*match_vma(logits))
 

@@ -13,7 +13,7 @@ import jax
 
 from te_ops._core import registry
 from te_ops._core.partitioning import match_vma
-from te_ops._core.validation import check_bool, check_float, err, static_float
+from te_ops._core.validation import check_bool, check_float, check_implementation, err, static_float
 from te_ops.softmax import native, reference, sharding
 from te_ops.softmax.reference import Residuals
 
@@ -39,6 +39,13 @@ FAMILY.register(
 _SCALE_WHY = (
     "The scale is compiled into the kernel; pass a number such as scale=1 / math.sqrt(head_dim), not a traced array."
 )
+
+
+def _implementation(op: str, implementation: str | None, x: jax.Array) -> str | None:
+    """The implementation to build: checked by name here (so the message names the public function), and
+    the reference for an empty x (no kernel is launched for it; the result is the empty array)."""
+    check_implementation(op, implementation, FAMILY.names)
+    return registry.REFERENCE if x.size == 0 else implementation
 
 
 def _check_x(op: str, x: Any, min_rank: int, layout: str) -> jax.Array:
@@ -148,6 +155,8 @@ def scaled_softmax(x: jax.Array, scale: float = 1.0, *, implementation: str | No
     zero gradient and take no part in the row sum, whatever ``dy`` holds there; elsewhere
     ``dx = scale * y * (dy - sum(y * dy))``.
 
+    Axes of length 0 are allowed (an empty last axis included) and give an empty result.
+
     Args:
       x: ``[..., S]`` float32, bfloat16 or float16, rank >= 1.
       scale: static Python float (finite; 0 is allowed and gives a uniform row, or NaN where x is +-inf).
@@ -159,7 +168,7 @@ def scaled_softmax(x: jax.Array, scale: float = 1.0, *, implementation: str | No
     op = "scaled_softmax"
     x = _check_x(op, x, 1, "[..., S]")
     scale = static_float(op, "scale", scale, why=_SCALE_WHY)
-    return _build("none", scale, implementation, False)(*match_vma(x))
+    return _build("none", scale, _implementation(op, implementation, x), False)(*match_vma(x))
 
 
 def scaled_masked_softmax(
@@ -199,7 +208,7 @@ def scaled_masked_softmax(
     x = check_float(op, "x", x, rank=4, layout="[B, N, Sq, Sk]")
     mask = _check_mask(op, mask, x)
     scale = static_float(op, "scale", scale, why=_SCALE_WHY)
-    return _build("mask", scale, implementation, True)(*match_vma(x, mask))
+    return _build("mask", scale, _implementation(op, implementation, x), True)(*match_vma(x, mask))
 
 
 def scaled_upper_triang_masked_softmax(
@@ -238,5 +247,5 @@ def scaled_upper_triang_masked_softmax(
             err(op, f"the last two axes of x must be equal (a square [S, S] score block), got shape {tuple(x.shape)}.")
         )
     scale = static_float(op, "scale", scale, why=_SCALE_WHY)
-    return _build("causal", scale, implementation, False)(*match_vma(x))
+    return _build("causal", scale, _implementation(op, implementation, x), False)(*match_vma(x))
 

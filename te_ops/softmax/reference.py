@@ -54,8 +54,9 @@ def forward(x: jax.Array, mask: jax.Array | None = None, *, mode: str, scale: fl
         z = jnp.where(masked, -jnp.inf, z)
     # zmax is NaN for a row holding a NaN and +inf for one holding +inf: exp() below then gives NaN
     # at that position and the NaN sum makes the whole row NaN. A row with no finite element has
-    # zmax = -inf: shifting by 0 instead gives exp(-inf) = 0 everywhere and a zero sum.
-    zmax = jnp.max(z, axis=-1, keepdims=True)
+    # zmax = -inf: shifting by 0 instead gives exp(-inf) = 0 everywhere and a zero sum. ``initial``
+    # makes the maximum of an empty last axis (S = 0) -inf instead of an error.
+    zmax = jnp.max(z, axis=-1, keepdims=True, initial=-jnp.inf)
     zmax = jnp.where(jnp.isneginf(zmax), 0.0, zmax)
     e = jnp.exp(z - zmax)
     total = jnp.sum(e, axis=-1, keepdims=True)

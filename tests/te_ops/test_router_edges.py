@@ -202,9 +202,11 @@ def test_static_argument_errors():
         fused_topk_with_score_function(x, 2, scaling_factor=float("nan"))
     with pytest.raises(TypeError, match=f"{TOPK_OP}: scaling_factor must be a static Python float"):
         fused_topk_with_score_function(x, 2, scaling_factor=jnp.float32(2.0))
-    with pytest.raises(ValueError, match=f"{TOPK_OP}: use_pre_softmax must be one of"):
+    with pytest.raises(TypeError, match=f"{TOPK_OP}: use_pre_softmax must be a static Python bool"):
         fused_topk_with_score_function(x, 2, use_pre_softmax="yes")
-    with pytest.raises(ValueError, match=f"{SCORES_OP}: compact_routing_map must be one of"):
+    with pytest.raises(TypeError, match=f"{TOPK_OP}: use_pre_softmax must be a static Python bool"):
+        fused_topk_with_score_function(x, 2, use_pre_softmax=1)  # 0/1 typos are refused, as in te_layers
+    with pytest.raises(TypeError, match=f"{SCORES_OP}: compact_routing_map must be a static Python bool"):
         compute_routing_scores_for_aux_loss(x, 2, compact_routing_map="yes")
     with pytest.raises(ValueError, match=f"{SCORES_OP}: score_function must be one of"):
         compute_routing_scores_for_aux_loss(x, 2, score_function="relu")
