@@ -11,6 +11,7 @@ from te_ops._core.registry import ImplementationUnavailableError, use_implementa
 from te_ops.dense import dense
 from te_ops.fused_attention import fused_attention
 from te_ops.grouped_dense import grouped_dense
+from te_ops.normalization import NormOutput, layer_norm, rms_norm
 from te_ops.permutation import TokenDispatchResult, sort_chunks_by_index, token_combine, token_dispatch
 from te_ops.router import (
     compute_routing_scores_for_aux_loss,
@@ -25,6 +26,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ImplementationUnavailableError",
+    "NormOutput",
     "TokenDispatchResult",
     "compute_routing_scores_for_aux_loss",
     "dense",
@@ -32,10 +34,12 @@ __all__ = [
     "fused_moe_aux_loss",
     "fused_topk_with_score_function",
     "grouped_dense",
+    "layer_norm",
     "native_counters",
     "native_unavailable_reason",
     "pack_routing_map",
     "reset_native_counters",
+    "rms_norm",
     "scaled_masked_softmax",
     "scaled_softmax",
     "scaled_upper_triang_masked_softmax",
