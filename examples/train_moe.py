@@ -24,6 +24,7 @@ training steps of both models in this process, printing tokens/s side by side.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -110,33 +111,39 @@ class BaselineBlock(nn.Module):
         qkv = nn.Dense((nh + 2 * nkv) * d, use_bias=False, dtype=dt, name="qkv")(h)
         q, k, v = jnp.split(qkv, [nh * d, (nh + nkv) * d], -1)
         q, k, v = q.reshape(b, s, nh, d), k.reshape(b, s, nkv, d), v.reshape(b, s, nkv, d)
-        o = jax.nn.dot_product_attention(_rope(q), _rope(k), v, is_causal=True, implementation="xla")
+        with jax.named_scope("sdpa"):  # scope names let benchmarks/_profile.py attribute the kernels
+            o = jax.nn.dot_product_attention(_rope(q), _rope(k), v, is_causal=True, implementation="xla")
         x = x + nn.Dense(hdim, use_bias=False, dtype=dt, name="out")(o.reshape(b, s, nh * d))
         h = nn.RMSNorm(dtype=dt, name="ln2")(x).reshape(-1, hdim)
         # router (fp32), top-k, switch aux loss
         e, kk, f = c["experts"], c["topk"], c["ffn"]
         logits = nn.Dense(e, use_bias=False, dtype=jnp.float32, name="router")(h.astype(jnp.float32))
-        vals, idx = jax.lax.top_k(logits, kk)
-        w = jax.nn.softmax(vals, -1)
-        scores = jax.nn.softmax(logits, -1)
-        _, aux_idx = jax.lax.top_k(scores, kk)
-        tpe_aux = jnp.zeros((e,), jnp.float32).at[aux_idx.reshape(-1)].add(1.0)
-        t = h.shape[0]
-        self.sow("intermediates", "aux_loss", e * c["aux_coeff"] / (kk * t * t) * jnp.sum(scores.sum(0) * tpe_aux))
+        with jax.named_scope("router"):
+            vals, idx = jax.lax.top_k(logits, kk)
+            w = jax.nn.softmax(vals, -1)
+            scores = jax.nn.softmax(logits, -1)
+            _, aux_idx = jax.lax.top_k(scores, kk)
+            tpe_aux = jnp.zeros((e,), jnp.float32).at[aux_idx.reshape(-1)].add(1.0)
+            t = h.shape[0]
+            aux = e * c["aux_coeff"] / (kk * t * t) * jnp.sum(scores.sum(0) * tpe_aux)
+        self.sow("intermediates", "aux_loss", aux)
         # argsort dispatch, ragged_dot experts, scatter-add combine
-        flat_e = idx.reshape(-1)
-        order = jnp.argsort(flat_e, stable=True)
-        tok = order // kk
-        sizes = jnp.bincount(flat_e, length=e).astype(jnp.int32)
         init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", -2, -1, (0,))
         wi = self.param("wi", init, (e, hdim, 2 * f), jnp.float32).astype(dt)
         wo = self.param("wo", init, (e, f, hdim), jnp.float32).astype(dt)
-        rows = h[tok].astype(dt)
-        z = jax.lax.ragged_dot(rows, wi, sizes, preferred_element_type=jnp.float32)
-        z = (jax.nn.silu(z[:, :f]) * z[:, f:]).astype(dt)
-        y = jax.lax.ragged_dot(z, wo, sizes, preferred_element_type=jnp.float32)
-        y = y * w.reshape(-1)[order][:, None]
-        out = jnp.zeros((t, hdim), jnp.float32).at[tok].add(y).astype(dt)
+        with jax.named_scope("dispatch"):
+            flat_e = idx.reshape(-1)
+            order = jnp.argsort(flat_e, stable=True)
+            tok = order // kk
+            sizes = jnp.bincount(flat_e, length=e).astype(jnp.int32)
+            rows = h[tok].astype(dt)
+        with jax.named_scope("experts"):
+            z = jax.lax.ragged_dot(rows, wi, sizes, preferred_element_type=jnp.float32)
+            z = (jax.nn.silu(z[:, :f]) * z[:, f:]).astype(dt)
+            y = jax.lax.ragged_dot(z, wo, sizes, preferred_element_type=jnp.float32)
+        with jax.named_scope("combine"):
+            y = y * w.reshape(-1)[order][:, None]
+            out = jnp.zeros((t, hdim), jnp.float32).at[tok].add(y).astype(dt)
         return x + out.reshape(b, s, hdim)
 
 
@@ -195,7 +202,17 @@ def make_eval_fn(model, windows: np.ndarray):
     return evaluate
 
 
-def make_train_step(model, tx):
+def make_optimizer(lr: float, steps: int, warmup: int):
+    """The training optimizer: global-norm clipping at 1.0, then AdamW (weight decay 0.01) with a linear
+    warm-up over ``min(warmup, steps // 4)`` steps and cosine decay to ``lr / 10`` at ``steps``."""
+    warm = min(warmup, max(steps // 4, 1))
+    sched = optax.warmup_cosine_decay_schedule(0.0, lr, warm, max(steps, warm + 1), lr * 0.1)
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, weight_decay=0.01))
+
+
+def make_train_step(model, tx, donate: bool = False):
+    """Jitted ``step(params, opt_state, x, y, rng) -> (params, opt_state, ce, aux)``; ``donate`` lets XLA
+    reuse the buffers of the old params and optimizer state (the caller must not touch them again)."""
     def loss_fn(params, x, y, rng):
         logits, st = model.apply({"params": params}, x, deterministic=False, mutable=["intermediates"],
                                  rngs={"dropout": rng})  # fmt: skip
@@ -203,7 +220,7 @@ def make_train_step(model, tx):
         aux = tel.collect_aux_loss(st.get("intermediates", {}))
         return ce + aux, (ce, aux)
 
-    @jax.jit
+    @functools.partial(jax.jit, donate_argnums=(0, 1) if donate else ())
     def step(params, opt_state, x, y, rng):
         (_, (ce, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, x, y, rng)
         updates, opt_state = tx.update(grads, opt_state, params)
@@ -385,10 +402,7 @@ def main(argv=None):
     evaluate = make_eval_fn(model, windows)
     params = jax.jit(model.init)(jax.random.key(args.seed), jnp.zeros((args.batch, args.seq), jnp.int32))["params"]
     n_params = sum(int(p.size) for p in jax.tree.leaves(params))
-    warm = min(args.warmup, max(args.steps // 4, 1))
-    sched = optax.warmup_cosine_decay_schedule(0.0, args.lr, warm, max(args.steps, warm + 1),
-                                               args.lr * 0.1)  # fmt: skip
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, weight_decay=0.01))
+    tx = make_optimizer(args.lr, args.steps, args.warmup)
     opt_state = tx.init(params)
     step = make_train_step(model, tx)
     print(f"te_layers MoE LM: {n_params:,} parameters, {cfg['layers']} layers, {cfg['experts']} experts top-"
