@@ -44,6 +44,7 @@ struct Common {
   float scale, dropout;
   int32_t stats = 1;
   int32_t need_dbias = 0;
+  int32_t bottom_right = 0;  // diagonal band aligned at the bottom-right corner (TOP_LEFT otherwise)
 };
 
 ffi::Error FillConfig(const char* op, int device, bool backward, const AnyBuffer& q, const AnyBuffer& k,
@@ -83,6 +84,7 @@ ffi::Error FillConfig(const char* op, int device, bool backward, const AnyBuffer
   cfg->dropout = c.dropout;
   cfg->left_bound = c.left_bound;
   cfg->right_bound = c.right_bound;
+  cfg->bottom_right = c.bottom_right != 0;
   cfg->padding = c.padding != 0;
   cfg->stats = backward || c.stats != 0;
   cfg->dbias = backward && c.has_bias && c.need_dbias != 0;
@@ -192,10 +194,12 @@ template <ExecutionStage kStage>
 ffi::Error FwdImpl(cudaStream_t stream, int32_t device, AnyBuffer q, AnyBuffer k, AnyBuffer v, AnyBuffer bias,
                    AnyBuffer q_len, AnyBuffer kv_len, AnyBuffer seed, ffi::RemainingArgs, Result<AnyBuffer> out,
                    Result<AnyBuffer> lse, Result<AnyBuffer> workspace, float scale, float dropout, int32_t has_bias,
-                   int32_t padding, int32_t left_bound, int32_t right_bound, int32_t stats) {
+                   int32_t padding, int32_t left_bound, int32_t right_bound, int32_t stats,
+                   int32_t bottom_right) {
   const char* op = kFwdName;
   Config cfg;
   Common c{has_bias, padding, left_bound, right_bound, scale, dropout, stats};
+  c.bottom_right = bottom_right;
   TE_RETURN_IF_ERROR(FillConfig(op, device, false, q, k, v, bias, q_len, kv_len, seed, c, &cfg));
   if (lse->element_type() != ffi::DataType::F32 || NumElements(*lse) != cfg.b * cfg.hq * cfg.sq) {
     return Invalid(op, "lse result must be float32 [B, Hq, Sq], got " + ShapeStr(lse->dimensions()));
@@ -219,10 +223,12 @@ ffi::Error BwdImpl(cudaStream_t stream, int32_t device, AnyBuffer q, AnyBuffer k
                    AnyBuffer d_out, AnyBuffer lse, AnyBuffer bias, AnyBuffer q_len, AnyBuffer kv_len, AnyBuffer seed,
                    ffi::RemainingArgs, Result<AnyBuffer> dq, Result<AnyBuffer> dk, Result<AnyBuffer> dv,
                    Result<AnyBuffer> dbias, Result<AnyBuffer> workspace, float scale, float dropout, int32_t has_bias,
-                   int32_t padding, int32_t left_bound, int32_t right_bound, int32_t need_dbias) {
+                   int32_t padding, int32_t left_bound, int32_t right_bound, int32_t need_dbias,
+                   int32_t bottom_right) {
   const char* op = kBwdName;
   Config cfg;
   Common c{has_bias, padding, left_bound, right_bound, scale, dropout, 1, need_dbias};
+  c.bottom_right = bottom_right;
   TE_RETURN_IF_ERROR(FillConfig(op, device, true, q, k, v, bias, q_len, kv_len, seed, c, &cfg));
   if (lse.element_type() != ffi::DataType::F32 || NumElements(lse) != cfg.b * cfg.hq * cfg.sq) {
     return Invalid(op, "lse must be float32 [B, Hq, Sq], got " + ShapeStr(lse.dimensions()));
@@ -277,7 +283,8 @@ auto BindFwd() {
       .template Attr<int32_t>("padding")
       .template Attr<int32_t>("left_bound")
       .template Attr<int32_t>("right_bound")
-      .template Attr<int32_t>("stats");  // 1: training (write lse), 0: inference
+      .template Attr<int32_t>("stats")          // 1: training (write lse), 0: inference
+      .template Attr<int32_t>("bottom_right");  // 1: BOTTOM_RIGHT diagonal alignment, 0: TOP_LEFT
 }
 
 template <ExecutionStage kStage>
@@ -307,7 +314,8 @@ auto BindBwd() {
       .template Attr<int32_t>("padding")
       .template Attr<int32_t>("left_bound")
       .template Attr<int32_t>("right_bound")
-      .template Attr<int32_t>("need_dbias");  // the bias is the user's (not only the segment mask)
+      .template Attr<int32_t>("need_dbias")     // the bias is the user's (not only the segment mask)
+      .template Attr<int32_t>("bottom_right");  // 1: BOTTOM_RIGHT diagonal alignment, 0: TOP_LEFT
 }
 
 constexpr ExecutionStage kInit = ExecutionStage::kInitialize;

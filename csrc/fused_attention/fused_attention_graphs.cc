@@ -29,8 +29,8 @@ std::string Config::Key() const {
   return Str(device) + (backward ? "|bwd|" : "|fwd|") + Str(static_cast<int>(io)) + "|" + Str(b) + "," + Str(sq) +
          "," + Str(sk) + "," + Str(hq) + "," + Str(hk) + "," + Str(d) + "," + Str(dv) + "|bias" + Str(bias_b) + "x" +
          Str(bias_h) + "|pad" + Str(static_cast<int>(padding)) + "|lb" + Str(left_bound) + "|rb" + Str(right_bound) +
-         "|s" + scale_hex + "|p" + drop_hex + "|st" + Str(static_cast<int>(backward || stats)) + "|db" +
-         Str(static_cast<int>(backward && dbias));
+         "|br" + Str(static_cast<int>(bottom_right)) + "|s" + scale_hex + "|p" + drop_hex + "|st" +
+         Str(static_cast<int>(backward || stats)) + "|db" + Str(static_cast<int>(backward && dbias));
 }
 
 std::string Config::Describe() const {
@@ -42,6 +42,7 @@ std::string Config::Describe() const {
   if (padding) s += " padding";
   if (right_bound >= 0) s += " right_bound=" + Str(right_bound);
   if (left_bound >= 0) s += " left_bound=" + Str(left_bound);
+  if (bottom_right && (left_bound >= 0 || right_bound >= 0)) s += " bottom_right";
   if (dropout > 0.f) s += " dropout=" + Str(dropout);
   if (!backward && !stats) s += " inference";
   if (backward && dbias) s += " dbias";
@@ -94,7 +95,10 @@ template <typename Attrs>
 void SetCommon(const Config& cfg, Graph& g, Attrs& attrs, TensorPtr* seq_q, TensorPtr* seq_kv, TensorPtr* seed,
                TensorPtr* offset, TensorPtr* bias) {
   attrs.set_attn_scale(cfg.scale);
-  if (cfg.right_bound >= 0 || cfg.left_bound >= 0) attrs.set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT);
+  if (cfg.right_bound >= 0 || cfg.left_bound >= 0) {
+    attrs.set_diagonal_alignment(cfg.bottom_right ? fe::DiagonalAlignment_t::BOTTOM_RIGHT
+                                                  : fe::DiagonalAlignment_t::TOP_LEFT);
+  }
   if (cfg.right_bound >= 0) attrs.set_diagonal_band_right_bound(static_cast<int>(cfg.right_bound));
   if (cfg.left_bound >= 0) attrs.set_diagonal_band_left_bound(static_cast<int>(cfg.left_bound));
   if (cfg.has_bias()) {
@@ -309,7 +313,7 @@ std::string Execute(const Config& cfg, const Entry& entry, cudaStream_t stream, 
 //
 // ints: device, io (0 bf16, 1 f16), backward, b, sq, sk, hq, hk, d, dv, bias_b, bias_h, padding,
 //       left_bound, right_bound, stats (forward: 1 training, 0 inference), dbias (backward: 1 = compute the
-//       bias gradient). Returns 0 when supported
+//       bias gradient), bottom_right (1: band aligned at the bottom-right corner). Returns 0 when supported
 //       (workspace set), 1 when not (err filled), 2 on bad arguments.
 extern "C" __attribute__((visibility("default"))) int te_fused_attention_query(const int64_t* ints, int n_ints,
                                                                                  double scale, double dropout,
@@ -323,7 +327,7 @@ extern "C" __attribute__((visibility("default"))) int te_fused_attention_query(c
     }
     return code;
   };
-  if (ints == nullptr || n_ints != 17) return fail("te_fused_attention_query: expected 17 ints", 2);
+  if (ints == nullptr || n_ints != 18) return fail("te_fused_attention_query: expected 18 ints", 2);
   Config cfg;
   cfg.device = static_cast<int>(ints[0]);
   cfg.io = ints[1] == 0 ? IoType::kBF16 : IoType::kF16;
@@ -342,6 +346,7 @@ extern "C" __attribute__((visibility("default"))) int te_fused_attention_query(c
   cfg.right_bound = ints[14];
   cfg.stats = ints[15] != 0;
   cfg.dbias = cfg.backward && cfg.bias_b > 0 && ints[16] != 0;
+  cfg.bottom_right = ints[17] != 0;
   cfg.scale = static_cast<float>(scale);
   cfg.dropout = static_cast<float>(dropout);
   auto entry = GetOrBuild(cfg);

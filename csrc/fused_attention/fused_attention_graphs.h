@@ -35,6 +35,8 @@ struct Config {
   bool padding = false;            // seq_len_q / seq_len_kv int32 [b] tensors
   int64_t left_bound = -1;         // cuDNN diagonal band left bound (keep j > i - left_bound); -1 = none
   int64_t right_bound = -1;        // cuDNN diagonal band right bound (keep j <= i + right_bound); -1 = none
+  bool bottom_right = false;       // band aligned at the bottom-right corner: i -> i + (sk - sq), per batch
+                                   // entry i + (seq_len_kv - seq_len_q) with padding
   float scale = 1.f;
   float dropout = 0.f;             // probability of dropping; > 0 needs seed/offset int64 [1] tensors
   bool stats = true;               // forward: write the softmax statistics (training); false = inference

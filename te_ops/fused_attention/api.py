@@ -40,7 +40,7 @@ FAMILY.register(
     registry.Implementation(name=registry.REFERENCE, forward=reference.forward, backward=reference.backward)
 )
 
-MASK_TYPES = ("none", "causal", "padding", "padding_causal")
+MASK_TYPES = ("none", "causal", "padding", "padding_causal", "causal_bottom_right", "padding_causal_bottom_right")
 MAX_HEAD_DIM = 256
 
 
@@ -169,6 +169,7 @@ def _call_desc(q, k, v, opt, statics):
         bias_dtype=None if bias is None else bias.dtype,
         has_seqlens=opt.get("q_seqlens") is not None or opt.get("kv_seqlens") is not None,
         has_segments=opt.get("q_segment_ids") is not None,
+        has_positions=opt.get("q_segment_pos") is not None,
         **statics,
     )
 
@@ -216,6 +217,8 @@ def _build(mask_type, window, scale, dropout_rate, implementation, present):
             opt["q_segment_ids"],
             opt["kv_segment_ids"],
             opt["seed"],
+            opt["q_segment_pos"],
+            opt["kv_segment_pos"],
         )
         dq, dk, dv, dbias = FAMILY.dispatch(
             implementation, "backward", (res, g), statics, _call_desc(q, k, v, opt, statics)
@@ -261,6 +264,8 @@ def fused_attention(
     kv_seqlens: jax.Array | None = None,
     q_segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
+    q_segment_pos: jax.Array | None = None,
+    kv_segment_pos: jax.Array | None = None,
     window_size: tuple[int, int] | None = None,
     scale: float | None = None,
     dropout_rate: float = 0.0,
@@ -281,14 +286,27 @@ def fused_attention(
         p = jnp.where(visible.any(-1, keepdims=True), p, 0.0)   # rows with no visible key -> 0
         out = jnp.einsum("bhqk,bkhd->bqhd", p, vv).astype(q.dtype)
 
-    Masks (combined with AND):
+    Masks (combined with AND), with ``qp, kp`` the positions of query i and key j (``i, j``, or
+    ``q_segment_pos[b, i]``, ``kv_segment_pos[b, j]`` when given) and ``off`` the diagonal offset
+    (0, or ``Sk - Sq`` for the ``*_bottom_right`` mask types, ``kv_seqlens[b] - q_seqlens[b]`` with
+    padding):
 
-    * ``mask_type="causal"``: key j visible to query i iff ``j <= i`` (top-left aligned, like
+    * ``mask_type="causal"``: key j visible to query i iff ``kp <= qp`` (top-left aligned, like
       ``jax.nn.dot_product_attention(is_causal=True)``).
+    * ``mask_type="causal_bottom_right"``: iff ``j <= i + off``: aligned at the bottom-right corner
+      (TransformerEngine's ``causal_bottom_right``), so the last query sees every key, e.g. new
+      queries appended to a cache of ``Sk - Sq`` keys. With ``Sq > Sk`` the first ``Sq - Sk`` queries
+      see no key (output 0).
     * ``mask_type="padding"``: iff ``i < q_seqlens[b]`` and ``j < kv_seqlens[b]``;
-      ``"padding_causal"``: both. Queries beyond ``q_seqlens`` get output 0.
+      ``"padding_causal"`` / ``"padding_causal_bottom_right"``: padding and the causal rule. Queries
+      beyond ``q_seqlens`` get output 0.
     * ``q_segment_ids`` / ``kv_segment_ids`` (packed sequences): iff the ids are equal.
-    * ``window_size=(left, right)``: iff ``i - left <= j <= i + right`` (-1: unbounded side).
+    * ``window_size=(left, right)``: iff ``qp + off - left <= kp <= qp + off + right`` (-1:
+      unbounded side); with a bottom-right mask type the window follows the shifted diagonal.
+    * ``q_segment_pos`` / ``kv_segment_pos`` (with segment ids only): the causal mask and the window
+      compare these positions instead of the indices, so that they follow each packed sequence's own
+      positions (e.g. packed cross-attention, where segment k of the queries starts at a different
+      index than segment k of the keys). Without them, positions are the indices.
 
     Edge cases and non-finite inputs, per query row i with scores ``s_ij`` over its visible keys:
 
@@ -304,17 +322,24 @@ def fused_attention(
     The native (cuDNN) path works in tiles and cannot exclude everything: a NaN or inf in ``k``,
     ``v`` or ``bias`` at a pair that is masked (or has probability 0) can still reach the rows of
     the same tile as NaN, and with segment ids (applied as an additive -inf mask) a masked NaN
-    ``k`` makes the row NaN. Keep padding and masked positions finite when using it.
+    ``k`` makes the row NaN. Keep padding and masked positions finite when using it. With segment
+    positions, or with a bottom-right mask and segment ids, the causal and window rules go into that
+    additive mask too. cuDNN runs bottom-right masks without bias and dropout only (a
+    ``*_bottom_right`` call with a bias or dropout runs on the reference with ``implementation=None``).
 
     Args:
       q: ``[B, Sq, Hq, D]`` bfloat16/float16 (float32 on the reference path only).
       k: ``[B, Sk, Hk, D]`` with ``Hq % Hk == 0`` (GQA/MQA).
       v: ``[B, Sk, Hk, Dv]``. ``D`` and ``Dv`` are multiples of 8, at most 256.
       bias: additive, broadcastable as ``[B|1, Hq|1, Sq|1, Sk|1]``; differentiable.
-      mask_type: "none", "causal", "padding" or "padding_causal".
+      mask_type: "none", "causal", "padding", "padding_causal", "causal_bottom_right" or
+        "padding_causal_bottom_right".
       q_seqlens, kv_seqlens: int ``[B]`` valid lengths (padding mask types only; a missing one means
         full length).
       q_segment_ids, kv_segment_ids: int ``[B, Sq]`` / ``[B, Sk]`` (together; not with padding).
+      q_segment_pos, kv_segment_pos: int ``[B, Sq]`` / ``[B, Sk]`` positions inside the packed
+        segments (together, only with segment ids, not with a bottom-right mask); they change the
+        causal and window rules only.
       window_size: None or ``(left, right)``.
       scale: static float; default ``1 / sqrt(D)``.
       dropout_rate: static float in [0, 1); needs ``rng``.
@@ -328,13 +353,13 @@ def fused_attention(
     b, s_q, hq, d = q.shape
     s_k = k.shape[1]
     static_choice(OP, "mask_type", mask_type, MASK_TYPES)
-    padding = mask_type in ("padding", "padding_causal")
+    padding = mask_type in reference.PADDING
     has_len = q_seqlens is not None or kv_seqlens is not None
     if has_len and not padding:
         raise ValueError(
             _err(
                 f"q_seqlens/kv_seqlens are given but mask_type={mask_type!r} ignores them; use "
-                f"mask_type={'padding_causal' if mask_type == 'causal' else 'padding'!r}."
+                f"mask_type={'padding' if mask_type == 'none' else 'padding_' + mask_type!r}."
             )
         )
     if padding and not has_len:
@@ -354,6 +379,29 @@ def fused_attention(
             _err(
                 f"segment ids cannot be combined with mask_type={mask_type!r}: express padding as its own "
                 "segment id (e.g. 0 for padding tokens) and use mask_type='none' or 'causal'."
+            )
+        )
+    has_pos = q_segment_pos is not None or kv_segment_pos is not None
+    if has_pos and (q_segment_pos is None or kv_segment_pos is None):
+        raise ValueError(
+            _err(
+                "q_segment_pos and kv_segment_pos must be given together (pass the same positions twice for "
+                "self-attention)."
+            )
+        )
+    if has_pos and not has_seg:
+        raise ValueError(
+            _err(
+                "q_segment_pos/kv_segment_pos are positions inside packed segments and need q_segment_ids and "
+                "kv_segment_ids; without segments the causal mask and the window use the sequence indices."
+            )
+        )
+    if has_pos and mask_type in reference.BOTTOM_RIGHT:
+        raise ValueError(
+            _err(
+                f"mask_type={mask_type!r} cannot be combined with q_segment_pos/kv_segment_pos: the positions "
+                "already place each query relative to its keys; use mask_type='causal' (key visible iff "
+                "kv_segment_pos <= q_segment_pos)."
             )
         )
     window = _check_window(window_size)
@@ -388,6 +436,9 @@ def fused_attention(
     if has_seg:
         opt["q_segment_ids"] = _check_ints("q_segment_ids", q_segment_ids, (b, s_q), "[B, Sq]")
         opt["kv_segment_ids"] = _check_ints("kv_segment_ids", kv_segment_ids, (b, s_k), "[B, Sk]")
+    if has_pos:
+        opt["q_segment_pos"] = _check_ints("q_segment_pos", q_segment_pos, (b, s_q), "[B, Sq]")
+        opt["kv_segment_pos"] = _check_ints("kv_segment_pos", kv_segment_pos, (b, s_k), "[B, Sk]")
     if dropout_rate > 0.0:
         opt["seed"] = dropout_seeds(rng, b, hq)
     present = tuple(opt[n] is not None for n in OPTIONAL)

@@ -12,10 +12,16 @@ extra FFI result buffer: XLA owns that memory and nothing is allocated at run ti
 Mapping of the te_ops semantics onto cuDNN:
 
 * causal (top-left) -> diagonal band right bound 0, TOP_LEFT alignment;
-* window (left, right) -> left bound ``left + 1`` (cuDNN keeps ``j > i - left_bound``), right bound ``right``;
+* causal bottom-right -> the same band with BOTTOM_RIGHT alignment (cuDNN shifts the diagonal by
+  ``Sk - Sq``, or per batch entry by ``seq_len_kv - seq_len_q`` with padding, as the reference does);
+* window (left, right) -> left bound ``left + 1`` (cuDNN keeps ``j > i + off - left_bound``), right bound
+  ``right``, with the alignment of the causal mask;
 * padding -> cuDNN padding mask with ``seq_len_q`` / ``seq_len_kv`` int32 tensors;
-* segment ids -> an additive ``[B, 1, Sq, Sk]`` bias (0 / -inf) built here, added to any user bias
-  (cuDNN's fused kernels take no per-token ids);
+* segment ids -> an additive ``[B, 1, Sq, Sk]`` mask (0 / -inf) built here and applied to any user bias
+  (-inf where masked, whatever the bias holds; cuDNN's fused kernels take no per-token ids);
+* segment positions, or a bottom-right mask with segment ids or a bias (cuDNN's bottom-right mask
+  takes no bias) -> the causal and window rules go into that additive mask too ("folded"), and cuDNN
+  gets no diagonal band (its band compares indices, not positions);
 * dropout -> cuDNN Philox dropout; int64 seed and offset read on the device from the first of the
   op's per-(batch, head) uint32[4] seeds of this shard (so shards draw different masks).
 
@@ -40,8 +46,9 @@ from te_ops.fused_attention.reference import Residuals
 
 MODULE = "_native_cudnn"
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-_PADDING = ("padding", "padding_causal")
-_CAUSAL = ("causal", "padding_causal")
+_PADDING = reference.PADDING
+_CAUSAL = reference.CAUSAL
+_BOTTOM_RIGHT = reference.BOTTOM_RIGHT
 
 
 # ----------------------------------------------------------------------------------------------
@@ -83,34 +90,52 @@ def query(ints: tuple[int, ...], scale: float, dropout: float) -> tuple[str | No
     return None, int(ws.value)
 
 
-def _graph_config(*, dtype, q_shape, k_shape, v_shape, bias_shape, has_segments, mask_type, window):
-    """The ints of te_fused_attention_query minus (device, backward)."""
+def folded(*, mask_type, has_bias, has_segments, has_positions) -> bool:
+    """Whether the causal and window rules go into the additive mask instead of cuDNN's diagonal band:
+    with segment positions (cuDNN's band compares indices), and for a bottom-right mask when an
+    additive mask or bias exists anyway (cuDNN's bottom-right band refuses a bias)."""
+    if has_segments and has_positions:
+        return True
+    return mask_type in _BOTTOM_RIGHT and (has_segments or has_bias)
+
+
+def _graph_config(
+    *, dtype, q_shape, k_shape, v_shape, bias_shape, has_segments, mask_type, window, has_positions=False
+):
+    """The ints of te_fused_attention_query minus (device, backward, stats, dbias)."""
     b, s_q, hq, d = q_shape
     _, s_k, hk, _ = k_shape
     dv = v_shape[3]
+    fold = folded(
+        mask_type=mask_type, has_bias=bias_shape is not None, has_segments=has_segments, has_positions=has_positions
+    )
     bias_b = bias_h = 0
     if bias_shape is not None:
         bias_b, bias_h = bias_shape[0], bias_shape[1]
-    if has_segments:
+    if has_segments or (fold and mask_type in _PADDING):  # a per-batch-entry mask
         bias_b, bias_h = b, (bias_h if bias_h else 1)
     left_bound = right_bound = -1
-    if mask_type in _CAUSAL:
+    if mask_type in _CAUSAL and not fold:
         right_bound = 0
-    if window is not None:
+    if window is not None and not fold:
         left, right = window
         if left >= 0:
             left_bound = left + 1
         if right >= 0 and mask_type not in _CAUSAL:
             right_bound = right
+    bottom_right = int(mask_type in _BOTTOM_RIGHT and not fold)
     io = 0 if jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) else 1
-    return io, b, s_q, s_k, hq, hk, d, dv, bias_b, bias_h, int(mask_type in _PADDING), left_bound, right_bound
+    return (
+        io, b, s_q, s_k, hq, hk, d, dv, bias_b, bias_h, int(mask_type in _PADDING), left_bound, right_bound,
+        bottom_right,
+    )  # fmt: skip
 
 
 def _ints(
     cfg, backward: bool, *, stats: bool = True, dbias: bool = False, device: int = 0
 ) -> tuple[int, ...]:
-    io, *rest = cfg
-    return (device, io, int(backward), *rest, int(stats or backward), int(backward and dbias))
+    io, *rest, bottom_right = cfg
+    return (device, io, int(backward), *rest, int(stats or backward), int(backward and dbias), bottom_right)
 
 
 def unsupported_reason(
@@ -121,6 +146,7 @@ def unsupported_reason(
     v_shape,
     bias_shape=None,
     has_segments=False,
+    has_positions=False,
     mask_type="none",
     window=None,
     scale=1.0,
@@ -138,6 +164,7 @@ def unsupported_reason(
         has_segments=has_segments,
         mask_type=mask_type,
         window=window,
+        has_positions=has_positions,
     )
     for backward in (False, True):
         why, _ = query(_ints(cfg, backward, dbias=bias_shape is not None), float(scale), float(dropout_rate))
@@ -158,53 +185,58 @@ def _band(xp, a, n_other, lo, hi):
     return xp.maximum(0, a - lo) <= xp.minimum(n_other - 1, a + hi)
 
 
-def _valid(b, s_q, s_k, *, mask_type, window, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids):
+def _visible(b, s_q, s_k, masks):
+    """reference.visible for the mask arguments of one call (a dict, see forward)."""
+    return reference.visible(b, s_q, s_k, **masks)
+
+
+def _valid(b, s_q, s_k, masks):
     """(row_valid [B|1, Sq] or None, col_valid [B|1, Sk] or None); None: every row (key) is visible."""
-    if mask_type == "none" and window is None and q_segment_ids is None:
+    mask_type, window = masks["mask_type"], masks["window"]
+    if mask_type == "none" and window is None and masks["q_segment_ids"] is None:
         return None, None
-    if q_segment_ids is not None:
-        vis = reference.visible(
-            b,
-            s_q,
-            s_k,
-            mask_type=mask_type,
-            window=window,
-            q_seqlens=q_seqlens,
-            kv_seqlens=kv_seqlens,
-            q_segment_ids=q_segment_ids,
-            kv_segment_ids=kv_segment_ids,
-        )[:, 0]
+    if masks["q_segment_ids"] is not None:
+        vis = _visible(b, s_q, s_k, masks)[:, 0]
         return vis.any(-1), vis.any(-2)
     big = s_q + s_k + 1
     left = window[0] if window is not None and window[0] >= 0 else big
     right = window[1] if window is not None and window[1] >= 0 else big
     if mask_type in _CAUSAL:
         right = min(right, 0)
+    bottom_right = mask_type in _BOTTOM_RIGHT
     if mask_type not in _PADDING:
         # Static shapes and bounds: decide with numpy, and skip the where() passes (a full extra read and
         # write of the output and gradients) whenever every row and every key is visible, e.g. plain causal.
-        row_np, col_np = _band(np, np.arange(s_q), s_k, left, right), _band(np, np.arange(s_k), s_q, right, left)
+        # Query i's diagonal is at key i + off.
+        off = s_k - s_q if bottom_right else 0
+        row_np = _band(np, np.arange(s_q) + off, s_k, left, right)
+        col_np = _band(np, np.arange(s_k) - off, s_q, right, left)
         # Built from iota, not from the numpy arrays: a numpy constant would become a closed-over
         # constant of the traced function, which custom_partitioning (our sharding rule) rejects.
-        row = None if row_np.all() else _band(jnp, jnp.arange(s_q), s_k, left, right)[None]
-        col = None if col_np.all() else _band(jnp, jnp.arange(s_k), s_q, right, left)[None]
+        row = None if row_np.all() else _band(jnp, jnp.arange(s_q) + off, s_k, left, right)[None]
+        col = None if col_np.all() else _band(jnp, jnp.arange(s_k) - off, s_q, right, left)[None]
         return row, col
     i = jnp.arange(s_q)[None, :]
     j = jnp.arange(s_k)[None, :]
-    qlen, kvlen = q_seqlens[:, None], kv_seqlens[:, None]
-    row = _band(jnp, i, kvlen, left, right) & (i < qlen)
-    col = _band(jnp, j, qlen, right, left) & (j < kvlen)
+    qlen, kvlen = masks["q_seqlens"][:, None], masks["kv_seqlens"][:, None]
+    off = kvlen - qlen if bottom_right else 0
+    row = _band(jnp, i + off, kvlen, left, right) & (i < qlen)
+    col = _band(jnp, j - off, qlen, right, left) & (j < kvlen)
     return row, col
 
 
-def _bias_for_cudnn(q, bias, q_segment_ids, kv_segment_ids):
-    """The additive bias cuDNN receives (user bias + segment mask), in q's dtype, or None."""
+def _bias_for_cudnn(q, k, bias, masks, fold):
+    """The additive bias cuDNN receives, in q's dtype, or None: the user bias, set to -inf where the
+    rules that cuDNN does not apply itself (segment ids; folded causal/window rules) hide the key."""
     total = None if bias is None else bias.astype(q.dtype)
-    if q_segment_ids is not None:
-        same = (q_segment_ids[:, :, None] == kv_segment_ids[:, None, :])[:, None]
-        seg = jnp.where(same, jnp.zeros((), q.dtype), jnp.array(-jnp.inf, q.dtype))
-        total = seg if total is None else total + seg
-    return total
+    if fold:
+        keep = _visible(q.shape[0], q.shape[1], k.shape[1], masks)
+    elif masks["q_segment_ids"] is not None:
+        keep = (masks["q_segment_ids"][:, :, None] == masks["kv_segment_ids"][:, None, :])[:, None]
+    else:
+        return total
+    base = jnp.zeros((), q.dtype) if total is None else total
+    return jnp.where(keep, base, jnp.array(-jnp.inf, q.dtype))
 
 
 def _operands(q, bias_total, q_seqlens, kv_seqlens, seed, mask_type):
@@ -221,7 +253,7 @@ def _operands(q, bias_total, q_seqlens, kv_seqlens, seed, mask_type):
 
 
 def _attrs(cfg, scale, dropout_rate, has_bias, stats=None, need_dbias=None):
-    _, _, _, _, _, _, _, _, _, _, padding, left_bound, right_bound = cfg
+    _, _, _, _, _, _, _, _, _, _, padding, left_bound, right_bound, bottom_right = cfg
     extra = {} if stats is None else {"stats": np.int32(stats)}
     if need_dbias is not None:
         extra["need_dbias"] = np.int32(need_dbias)
@@ -233,11 +265,14 @@ def _attrs(cfg, scale, dropout_rate, has_bias, stats=None, need_dbias=None):
         padding=np.int32(padding),
         left_bound=np.int32(left_bound),
         right_bound=np.int32(right_bound),
+        bottom_right=np.int32(bottom_right),
     )
 
 
-def _setup(q, k, v, bias, q_segment_ids, mask_type, window):
-    has_seg = q_segment_ids is not None
+def _setup(q, k, v, bias, masks):
+    """(graph config, folded) for one call; masks: the mask arguments of reference.visible."""
+    has_seg, has_pos = masks["q_segment_ids"] is not None, masks["q_segment_pos"] is not None
+    mask_type = masks["mask_type"]
     cfg = _graph_config(
         dtype=q.dtype,
         q_shape=q.shape,
@@ -246,9 +281,24 @@ def _setup(q, k, v, bias, q_segment_ids, mask_type, window):
         bias_shape=None if bias is None else bias.shape,
         has_segments=has_seg,
         mask_type=mask_type,
-        window=window,
+        window=masks["window"],
+        has_positions=has_pos,
     )
-    return cfg
+    fold = folded(mask_type=mask_type, has_bias=bias is not None, has_segments=has_seg, has_positions=has_pos)
+    return cfg, fold
+
+
+def _masks(mask_type, window, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, q_segment_pos, kv_segment_pos):
+    return dict(
+        mask_type=mask_type,
+        window=window,
+        q_seqlens=q_seqlens,
+        kv_seqlens=kv_seqlens,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        q_segment_pos=q_segment_pos,
+        kv_segment_pos=kv_segment_pos,
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -266,6 +316,8 @@ def forward(
     q_segment_ids=None,
     kv_segment_ids=None,
     seed=None,
+    q_segment_pos=None,
+    kv_segment_pos=None,
     *,
     mask_type: str,
     window,
@@ -275,7 +327,10 @@ def forward(
 ):
     b, s_q, hq, _ = q.shape
     s_k = k.shape[1]
-    cfg = _setup(q, k, v, bias, q_segment_ids, mask_type, window)
+    masks = _masks(
+        mask_type, window, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, q_segment_pos, kv_segment_pos
+    )
+    cfg, fold = _setup(q, k, v, bias, masks)
     stats = True
     if not need_stats:  # inference graph (no statistics), as jax's cuDNN path uses outside autodiff
         why, ws = query(_ints(cfg, False, stats=False), float(scale), float(dropout_rate))
@@ -284,7 +339,7 @@ def forward(
         why, ws = query(_ints(cfg, False), float(scale), float(dropout_rate))
     if why is not None:
         raise RuntimeError(f"te_ops.fused_attention: cuDNN cannot run this forward configuration: {why}")
-    bias_total = _bias_for_cudnn(q, bias, q_segment_ids, kv_segment_ids)
+    bias_total = _bias_for_cudnn(q, k, bias, masks, fold)
     out, lse, _ = _native.ffi_call(
         "te_fused_attention_fwd",
         (
@@ -298,21 +353,14 @@ def forward(
         *_operands(q, bias_total, q_seqlens, kv_seqlens, seed, mask_type),
         **_attrs(cfg, scale, dropout_rate, bias_total is not None, stats=int(stats)),
     )
-    row, _ = _valid(
-        b,
-        s_q,
-        s_k,
-        mask_type=mask_type,
-        window=window,
-        q_seqlens=q_seqlens,
-        kv_seqlens=kv_seqlens,
-        q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids,
-    )
+    row, _ = _valid(b, s_q, s_k, masks)
     if row is not None:
         out = jnp.where(row[:, :, None, None], out, jnp.zeros((), out.dtype))
         lse = jnp.where(row[:, None, :], lse, jnp.inf)
-    res = Residuals(q, k, v, bias, out, lse, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, seed)
+    res = Residuals(
+        q, k, v, bias, out, lse, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, seed, q_segment_pos,
+        kv_segment_pos,
+    )
     return out, res
 
 
@@ -320,28 +368,22 @@ def backward(res: Residuals, g, *, mask_type: str, window, scale: float, dropout
     q, k, v, bias = res.q, res.k, res.v, res.bias
     b, s_q, hq, d = q.shape
     s_k = k.shape[1]
-    cfg = _setup(q, k, v, bias, res.q_segment_ids, mask_type, window)
+    masks = _masks(
+        mask_type, window, res.q_seqlens, res.kv_seqlens, res.q_segment_ids, res.kv_segment_ids,
+        res.q_segment_pos, res.kv_segment_pos,
+    )  # fmt: skip
+    cfg, fold = _setup(q, k, v, bias, masks)
     why, ws = query(_ints(cfg, True, dbias=bias is not None), float(scale), float(dropout_rate))
     if why is not None:
         raise RuntimeError(f"te_ops.fused_attention: cuDNN cannot run this backward configuration: {why}")
-    row, col = _valid(
-        b,
-        s_q,
-        s_k,
-        mask_type=mask_type,
-        window=window,
-        q_seqlens=res.q_seqlens,
-        kv_seqlens=res.kv_seqlens,
-        q_segment_ids=res.q_segment_ids,
-        kv_segment_ids=res.kv_segment_ids,
-    )
+    row, col = _valid(b, s_q, s_k, masks)
     g = g.astype(q.dtype)
     out, lse = res.out, res.lse
     if row is not None:
         g = jnp.where(row[:, :, None, None], g, jnp.zeros((), g.dtype))
         out = jnp.where(row[:, :, None, None], out, jnp.zeros((), out.dtype))
         lse = jnp.where(row[:, None, :], lse, jnp.inf)
-    bias_total = _bias_for_cudnn(q, bias, res.q_segment_ids, res.kv_segment_ids)
+    bias_total = _bias_for_cudnn(q, k, bias, masks, fold)
     dbias_shape = bias_total.shape if bias is not None else (1,)
     dq, dk, dv, dbias, _ = _native.ffi_call(
         "te_fused_attention_bwd",
@@ -369,17 +411,7 @@ def backward(res: Residuals, g, *, mask_type: str, window, scale: float, dropout
         dv = jnp.where(col[:, :, None, None], dv, zero)
     if bias is None:
         return dq, dk, dv, None
-    vis = reference.visible(
-        b,
-        s_q,
-        s_k,
-        mask_type=mask_type,
-        window=window,
-        q_seqlens=res.q_seqlens,
-        kv_seqlens=res.kv_seqlens,
-        q_segment_ids=res.q_segment_ids,
-        kv_segment_ids=res.kv_segment_ids,
-    )
+    vis = _visible(b, s_q, s_k, masks)
     if vis is not None:
         if dbias.shape[0] == 1 and vis.shape[0] != 1:
             vis = vis.any(0, keepdims=True)  # a batch-broadcast bias position counts if any batch sees it

@@ -2,25 +2,31 @@
 
 Signatures shared by every fused_attention implementation::
 
-    forward(q, k, v, bias, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, seed, *, mask_type,
-            window, scale, dropout_rate, need_stats=True) -> (out, Residuals)
+    forward(q, k, v, bias, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, seed, q_segment_pos,
+            kv_segment_pos, *, mask_type, window, scale, dropout_rate, need_stats=True) -> (out, Residuals)
     backward(res: Residuals, g, *, mask_type, window, scale, dropout_rate) -> (dq, dk, dv, dbias)
 
 Shapes: ``q [B, Sq, Hq, D]``, ``k [B, Sk, Hk, D]``, ``v [B, Sk, Hk, Dv]``, ``out [B, Sq, Hq, Dv]``;
 ``bias [B|1, Hq|1, Sq, Sk]`` (already broadcast to full Sq, Sk by the api); ``q_seqlens`` /
-``kv_seqlens`` int32 ``[B]``; segment ids int32 ``[B, Sq]`` / ``[B, Sk]``; ``seed`` uint32
+``kv_seqlens`` int32 ``[B]``; segment ids and segment positions int32 ``[B, Sq]`` / ``[B, Sk]``; ``seed`` uint32
 ``[B, Hq, 4]``: one dropout seed per (batch, query head),
 derived from the JAX PRNG key by the api (None when dropout is off), so that a shard of the batch or
 head axes holds the seeds of exactly its own rows. Query head ``h`` reads key/value
 head ``h // (Hq // Hk)`` (GQA/MQA).
 
-Mask rules (a key j is visible to query i of batch b when ALL that apply hold):
+Mask rules (a key j is visible to query i of batch b when ALL that apply hold). Write
+``qp = q_segment_pos[b, i]`` and ``kp = kv_segment_pos[b, j]`` when segment positions are given (they
+come only with segment ids), else ``qp = i`` and ``kp = j``; and ``off`` for the diagonal offset: 0, or
+with a ``*_bottom_right`` mask type ``Sk - Sq`` (``kv_seqlens[b] - q_seqlens[b]`` with padding):
 
-* ``causal`` / ``padding_causal``: ``j <= i`` -- top-left aligned, as in
+* ``causal`` / ``padding_causal``: ``kp <= qp`` -- top-left aligned, as in
   ``jax.nn.dot_product_attention(is_causal=True)``: query 0 sees key 0 whatever Sq and Sk are.
-* ``padding`` / ``padding_causal``: ``i < q_seqlens[b]`` and ``j < kv_seqlens[b]``.
+* ``causal_bottom_right`` / ``padding_causal_bottom_right``: ``j <= i + off`` -- the last query sees
+  the last (valid) key, as in TransformerEngine's bottom-right causal masks.
+* ``padding`` / ``padding_causal[_bottom_right]``: ``i < q_seqlens[b]`` and ``j < kv_seqlens[b]``.
 * segment ids: ``q_segment_ids[b, i] == kv_segment_ids[b, j]``.
-* ``window = (left, right)``: ``i - left <= j <= i + right``; -1 on a side means unbounded.
+* ``window = (left, right)``: ``qp + off - left <= kp <= qp + off + right``; -1 on a side means
+  unbounded.
 
 Scores and non-finite values, per query row i (of one batch element and head), with V_i its
 visible keys and ``s_ij = scale * (q_i . k_j) + bias_ij`` in fp32 for j in V_i:
@@ -67,6 +73,13 @@ class Residuals(NamedTuple):
     q_segment_ids: jax.Array | None
     kv_segment_ids: jax.Array | None
     seed: jax.Array | None  # uint32[B, Hq, 4] dropout seeds, None without dropout
+    q_segment_pos: jax.Array | None = None  # int32 [B, Sq] positions inside each packed segment
+    kv_segment_pos: jax.Array | None = None  # int32 [B, Sk]
+
+
+CAUSAL = ("causal", "padding_causal", "causal_bottom_right", "padding_causal_bottom_right")
+PADDING = ("padding", "padding_causal", "padding_causal_bottom_right")
+BOTTOM_RIGHT = ("causal_bottom_right", "padding_causal_bottom_right")
 
 
 def visible(
@@ -80,26 +93,37 @@ def visible(
     kv_seqlens=None,
     q_segment_ids=None,
     kv_segment_ids=None,
+    q_segment_pos=None,
+    kv_segment_pos=None,
 ) -> jax.Array | None:
     """Bool ``[B|1, 1, Sq, Sk]``: True where key j is visible to query i (None: everything is)."""
-    i = jnp.arange(s_q)[:, None]
-    j = jnp.arange(s_k)[None, :]
     keep = None
 
     def both(a, c):
         return c if a is None else a & c
 
-    if mask_type in ("causal", "padding_causal"):
-        keep = both(keep, (j <= i)[None, None])
-    if window is not None:
-        left, right = window
-        w = jnp.ones((s_q, s_k), bool)
-        if left >= 0:
-            w = w & (j >= i - left)
-        if right >= 0:
-            w = w & (j <= i + right)
-        keep = both(keep, w[None, None])
-    if mask_type in ("padding", "padding_causal"):
+    if mask_type in CAUSAL or window is not None:
+        # rel[b, i, j] = kp - qp - off (see the module docstring): causal keeps rel <= 0, the window
+        # -left <= rel <= right.
+        qp = jnp.arange(s_q)[None, :] if q_segment_pos is None else q_segment_pos  # [1|B, Sq]
+        kp = jnp.arange(s_k)[None, :] if kv_segment_pos is None else kv_segment_pos  # [1|B, Sk]
+        rel = kp[:, None, :] - qp[:, :, None]  # [1|B, Sq, Sk]
+        if mask_type in BOTTOM_RIGHT:
+            if mask_type in PADDING:
+                rel = rel - (kv_seqlens - q_seqlens)[:, None, None]
+            else:
+                rel = rel - (s_k - s_q)
+        if mask_type in CAUSAL:
+            keep = both(keep, rel <= 0)
+        if window is not None:
+            left, right = window
+            if left >= 0:
+                keep = both(keep, rel >= -left)
+            if right >= 0:
+                keep = both(keep, rel <= right)
+        if keep is not None:
+            keep = keep[:, None]
+    if mask_type in PADDING:
         qv = jnp.arange(s_q)[None, :] < q_seqlens[:, None]  # [B, Sq]
         kv = jnp.arange(s_k)[None, :] < kv_seqlens[:, None]  # [B, Sk]
         keep = both(keep, (qv[:, :, None] & kv[:, None, :])[:, None])
@@ -184,7 +208,8 @@ def contract(eq: str, a: jax.Array, b: jax.Array) -> jax.Array:
     return jax.lax.cond(jnp.all(jnp.isfinite(b)), plain, with_nonfinite, a, b)
 
 
-def _keep(q, k, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, mask_type, window):
+def _keep(q, k, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, q_segment_pos, kv_segment_pos, mask_type,
+          window):  # fmt: skip
     return visible(
         q.shape[0],
         q.shape[1],
@@ -195,6 +220,8 @@ def _keep(q, k, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, mask_type,
         kv_seqlens=kv_seqlens,
         q_segment_ids=q_segment_ids,
         kv_segment_ids=kv_segment_ids,
+        q_segment_pos=q_segment_pos,
+        kv_segment_pos=kv_segment_pos,
     )
 
 
@@ -208,6 +235,8 @@ def forward(
     q_segment_ids=None,
     kv_segment_ids=None,
     seed=None,
+    q_segment_pos=None,
+    kv_segment_pos=None,
     *,
     mask_type: str,
     window: tuple[int, int] | None,
@@ -218,14 +247,19 @@ def forward(
     del (
         need_stats
     )  # False: the caller discards the statistics (inference); the reference computes them anyway
-    keep = _keep(q, k, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, mask_type, window)
+    keep = _keep(
+        q, k, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, q_segment_pos, kv_segment_pos, mask_type, window
+    )
     p, lse = _probs(q, k, bias, keep, scale)
     if dropout_rate > 0.0:
         drop = dropout_keep(seed, p.shape, dropout_rate)
         p = jnp.where(drop, p / jnp.float32(1.0 - dropout_rate), 0.0)
     vf = _expand_kv(v, q.shape[2])
     out = contract("bhqk,bkhd->bqhd", p, vf).astype(q.dtype)
-    res = Residuals(q, k, v, bias, out, lse, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, seed)
+    res = Residuals(
+        q, k, v, bias, out, lse, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, seed, q_segment_pos,
+        kv_segment_pos,
+    )
     return out, res
 
 
@@ -234,7 +268,8 @@ def backward(res: Residuals, g, *, mask_type: str, window, scale: float, dropout
     b, s_q, hq, _ = q.shape
     hk = k.shape[2]
     keep = _keep(
-        q, k, res.q_seqlens, res.kv_seqlens, res.q_segment_ids, res.kv_segment_ids, mask_type, window
+        q, k, res.q_seqlens, res.kv_seqlens, res.q_segment_ids, res.kv_segment_ids, res.q_segment_pos,
+        res.kv_segment_pos, mask_type, window,
     )
     # Recompute P from the saved statistics (as a flash backward does): p = exp(s - lse); lse = +inf
     # on rows without a finite visible score gives 0, lse = NaN on NaN rows gives NaN.

@@ -5,8 +5,10 @@ heads ``(h g)`` for GQA, so a group of query heads stays with its key/value head
 head-dim axes are replicated. A bias broadcast over batch (or heads) keeps that axis replicated,
 so its gradient needs no cross-shard reduction: no collective at all.
 
+Segment positions shard like the segment ids (batch only).
+
 vmap: ``custom_partitioning`` has no batching rule, so the vmapped axis is folded into the batch
-axis (axis 0 of every operand, the dropout seeds too); a bias broadcast over the batch stays
+axis (axis 0 of every operand, the dropout seeds and segment positions too); a bias broadcast over the batch stays
 broadcast, and the bias gradient is summed back over what was broadcast.
 
 Operands, in order: ``q, k, v`` (forward and inference) or ``q, k, v, out, g, lse`` (backward),
@@ -25,7 +27,9 @@ import jax.numpy as jnp
 from te_ops._core import partitioning as P
 
 # Optional array operands, in the order every internal function takes them.
-OPTIONAL = ("bias", "q_seqlens", "kv_seqlens", "q_segment_ids", "kv_segment_ids", "seed")
+OPTIONAL = (
+    "bias", "q_seqlens", "kv_seqlens", "q_segment_ids", "kv_segment_ids", "seed", "q_segment_pos", "kv_segment_pos"
+)
 
 
 def n_leading(stage: str) -> int:
@@ -72,9 +76,9 @@ def factor_strings(shapes, present: Sequence[bool], stage: str):
             replicated += [f for f in (bb, bh) if f in ("bb", "bh")]
         elif name in ("q_seqlens", "kv_seqlens"):
             ops.append("b")
-        elif name == "q_segment_ids":
+        elif name in ("q_segment_ids", "q_segment_pos"):
             ops.append("b sq")
-        elif name == "kv_segment_ids":
+        elif name in ("kv_segment_ids", "kv_segment_pos"):
             ops.append("b sk")
         elif name == "seed":
             ops.append(f"b {qh} r")
