@@ -1,5 +1,6 @@
-"""Grouped GEMM benchmark: te_ops.grouped_dense (Triton persistent grouped GEMM) vs jax.lax.ragged_dot
-and vs the equal-groups batched einsum (x reshaped [G, M/G, K] @ kernels: the speed of light for a
+"""Grouped GEMM benchmark: te_ops.grouped_dense (Triton persistent grouped GEMM) vs jax.lax.ragged_dot,
+vs torch._grouped_mm (PyTorch's CUTLASS grouped GEMM, when torch is installed: the best grouped GEMM
+on Hopper to match) and vs the equal-groups batched einsum (x reshaped [G, M/G, K] @ kernels: the speed of light for a
 grouped GEMM of this size), in the same process.
 
 TFLOP/s counts useful FLOPs: 2*M*K*N forward, 3x that for forward+backward (dx, dkernels). Group
@@ -142,12 +143,160 @@ def sweep(x, w, s, dy, reps):
     return rows, best
 
 
+
+# --- torch._grouped_mm (CUTLASS, in the GPU image's PyTorch) side by side, same process ---------------
+# (name, M, K, N, G): equal groups of M / G rows, as measured for the issue's targets, and the same
+# shapes with uneven groups.
+TORCH_CASES = [
+    ("K7168 N4096 G8", 32768, 7168, 4096, 8),
+    ("K7168 N4096 G32", 65536, 7168, 4096, 32),
+    ("K7168 N4096 G128", 65536, 7168, 4096, 128),
+]
+
+
+def uneven_sizes_aligned(m, g, align=16, seed=0):
+    """Dirichlet group sizes (every group >= align rows) that are multiples of ``align`` and sum to m:
+    uneven, and valid for torch._grouped_mm's offset alignment."""
+    rng = np.random.default_rng(seed)
+    units = m // align
+    w = rng.dirichlet(np.full(g, 2.0))
+    sizes = np.maximum(1, np.floor(w * (units - g)).astype(np.int64) + 1)
+    sizes[np.argmax(sizes)] += units - sizes.sum()
+    assert sizes.sum() == units and sizes.min() >= 1
+    return jnp.asarray(sizes * align, jnp.int32)
+
+
+def _torch_timer(torch, fn, calls):
+    """Mean ms per call of ``calls`` back-to-back calls of a torch function (CUDA events)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / calls
+
+
+def _jax_timer(fn, args, calls):
+    import time
+
+    t0 = time.perf_counter()
+    out = None
+    for _ in range(calls):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t0) * 1e3 / calls
+
+
+def _alternatives(torch, x, w, s, dy, tx, tws, tdy, offs, calls, with_einsum):
+    """The timed alternatives of one case: name, stage -> a function timing ``calls`` calls (ms each)."""
+    fns = {
+        ("ours", "forward"): lambda: _jax_timer(jax.jit(ours), (x, w, s), calls),
+        ("ours", "forward+backward"): lambda: _jax_timer(jax.jit(fwd_bwd(ours)), (x, w, s, dy), calls),
+    }
+    if with_einsum:
+        fns[("batched einsum (equal groups)", "forward")] = lambda: _jax_timer(jax.jit(einsum_equal), (x, w, s), calls)
+        fns[("batched einsum (equal groups)", "forward+backward")] = lambda: _jax_timer(
+            jax.jit(fwd_bwd(einsum_equal)), (x, w, s, dy), calls
+        )
+    for lay, tw in tws.items():
+        fns[(f"torch._grouped_mm ({lay})", "forward")] = lambda tw=tw: _torch_timer(
+            torch, lambda: torch._grouped_mm(tx, tw, offs=offs), calls
+        )
+
+        def torch_fb(tw=tw):
+            a = tx.detach().requires_grad_(True)
+            b = tw.detach().requires_grad_(True)
+
+            def step():
+                torch._grouped_mm(a, b, offs=offs).backward(tdy)
+
+            return _torch_timer(torch, step, calls)
+
+        fns[(f"torch._grouped_mm ({lay})", "forward+backward")] = torch_fb
+    return fns
+
+
+def _rows(label, ms, flops, err):
+    rows = []
+    for stage in ("forward", "forward+backward"):
+        torch_best = min((t for (impl, st), t in ms.items() if st == stage and impl.startswith("torch")), default=None)
+        einsum = ms.get(("batched einsum (equal groups)", stage))
+        fl = flops * (3 if stage == "forward+backward" else 1)
+        for (impl, st), t in ms.items():
+            if st != stage:
+                continue
+            row = {
+                "case": label,
+                "impl": impl,
+                "stage": stage,
+                "ms": t,
+                "TFLOPs": fl / t / 1e9,
+                "vs_torch_best": (torch_best / t) if torch_best else None,
+                "vs_einsum": (einsum / t) if einsum else None,
+            }
+            if impl == "ours":
+                row["max_rel_diff_vs_torch"] = err
+                if stage == "forward" and torch_best:
+                    row.update(target=">= torch._grouped_mm (best layout)", meets_target=bool(t <= torch_best))
+                if stage == "forward+backward" and einsum:
+                    row.update(target=">= 0.95x batched einsum", meets_target=bool(einsum / t >= 0.95))
+            rows.append(row)
+            print(f"{label:34s} {impl:34s} {stage:17s} {t:8.3f} ms {fl / t / 1e9:7.1f} TFLOP/s", flush=True)
+    return rows
+
+
+def torch_side_by_side(repeats, calls):
+    """ours vs torch._grouped_mm (row-major and column-major weights; the faster one counts) vs the
+    equal-groups batched einsum, forward and forward+backward, rounds interleaved (A B, B A, ...)."""
+    try:
+        import torch
+    except ImportError as e:
+        print(f"torch is not importable ({e}): no torch._grouped_mm comparison", flush=True)
+        return []
+    if not hasattr(torch, "_grouped_mm") or not torch.cuda.is_available():
+        print("torch._grouped_mm / CUDA not available in torch: no comparison", flush=True)
+        return []
+    import statistics
+
+    rows = []
+    for ci, (name, m, k, n, g) in enumerate(TORCH_CASES):
+        x, w, dy = make_args(m, k, n, g, seed=10 + ci)
+        # torch gets the same numbers as JAX
+        tx = torch.from_numpy(np.asarray(x.astype(jnp.float32))).to("cuda", torch.bfloat16)
+        tw_row = torch.from_numpy(np.asarray(w.astype(jnp.float32))).to("cuda", torch.bfloat16)
+        tws = {"row-major w": tw_row, "column-major w": tw_row.transpose(-2, -1).contiguous().transpose(-2, -1)}
+        tdy = torch.from_numpy(np.asarray(dy.astype(jnp.float32))).to("cuda", torch.bfloat16)
+        for groups in ("equal", "uneven"):
+            s = jnp.full((g,), m // g, jnp.int32) if groups == "equal" else uneven_sizes_aligned(m, g, seed=ci)
+            offs = torch.tensor(np.cumsum(np.asarray(s)), device="cuda", dtype=torch.int32)
+            err = rel_err(jax.jit(ours)(x, w, s), torch._grouped_mm(tx, tw_row, offs=offs).float().cpu().numpy())
+            fns = _alternatives(torch, x, w, s, dy, tx, tws, tdy, offs, calls, with_einsum=groups == "equal")
+            samples = {}
+            for key, f in fns.items():  # warm-up (compiles); a failing alternative is reported and left out
+                try:
+                    f()
+                    samples[key] = []
+                except Exception as e:
+                    print(f"{name} {groups} {key}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            keys = list(samples)
+            for r in range(repeats):
+                for key in keys if r % 2 == 0 else reversed(keys):
+                    samples[key].append(fns[key]())
+            ms = {key: statistics.median(v) for key, v in samples.items()}
+            rows += _rows(f"{name} M{m} {groups} groups", ms, 2.0 * m * k * n, err)
+        del tx, tws, tw_row, tdy
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--only", default=None, help="substring of a case name")
     parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument("--no-torch", action="store_true", help="skip the torch._grouped_mm comparison")
     parser.add_argument(
         "--no-ragged", action="store_true", help="skip jax.lax.ragged_dot (a dense expansion: slow)"
     )
@@ -159,6 +308,8 @@ def main():
         return
     print("defaults:", tri.DEFAULT_FWD, tri.DEFAULT_DX, tri.DEFAULT_WGRAD, "SMs:", tri.num_sms(), flush=True)
     rows, sweep_rows, best_cfg = [], [], None
+    torch_rows = [] if args.no_torch else torch_side_by_side(args.repeats, args.calls)
+    report.torch_rows = torch_rows
     for ci, (name, m, k, n, g) in enumerate(CASES):
         if args.only and args.only not in name:
             continue
@@ -253,6 +404,12 @@ def report(rows, sweep_rows, best_cfg, final):
     if final:
         cols = ["case", "impl", "stage", "ms", "TFLOPs", "vs_einsum", "target_TFLOPs", "meets_target"]
         _timing.print_table("grouped_dense (bf16)", rows, cols)
+        if getattr(report, "torch_rows", None):
+            _timing.print_table(
+                "grouped_dense vs torch._grouped_mm (bf16)",
+                report.torch_rows,
+                ["case", "impl", "stage", "ms", "TFLOPs", "vs_torch_best", "vs_einsum", "meets_target"],
+            )
         if sweep_rows:
             _timing.print_table(
                 "tile-configuration sweep (M131072 K4096 N1024 G64)",
@@ -270,6 +427,7 @@ def report(rows, sweep_rows, best_cfg, final):
             "dtype": "bfloat16",
             "complete": final,
             "rows": rows,
+            "torch_rows": getattr(report, "torch_rows", []),
             "sweep": sweep_rows,
             "best": best_json,
             "defaults": {
