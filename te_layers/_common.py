@@ -149,22 +149,28 @@ def attention_apply(
     kv_seqlens: jax.Array | None = None,
     q_segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
+    q_segment_pos: jax.Array | None = None,
+    kv_segment_pos: jax.Array | None = None,
     window_size: tuple[int, int] | None = None,
     scale: float | None = None,
     dropout_rate: float = 0.0,
     rng: jax.Array | None = None,
     deterministic: bool = True,
 ) -> jax.Array:
-    """``te_ops.fused_attention`` with dropout turned off when deterministic."""
+    """``te_ops.fused_attention`` with dropout turned off when deterministic; the kv segment ids and
+    positions default to the query ones when q and k have the same length (self-attention)."""
     rate = 0.0 if deterministic else float(dropout_rate)
     if rate > 0.0 and rng is None:
         raise ValueError("te_layers.attention_apply: rng is required when dropout_rate > 0 and deterministic=False.")
     if kv_segment_ids is None:
         kv_segment_ids = q_segment_ids if q_segment_ids is not None and q.shape[1] == k.shape[1] else None
+    if kv_segment_pos is None:
+        kv_segment_pos = q_segment_pos if q_segment_pos is not None and q.shape[1] == k.shape[1] else None
     return fused_attention(
         q, k, v, bias=bias, mask_type=mask_type, q_seqlens=q_seqlens, kv_seqlens=kv_seqlens,
-        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, window_size=window_size, scale=scale,
-        dropout_rate=rate, rng=rng if rate > 0.0 else None,
+        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, q_segment_pos=q_segment_pos,
+        kv_segment_pos=kv_segment_pos, window_size=window_size, scale=scale, dropout_rate=rate,
+        rng=rng if rate > 0.0 else None,
     )  # fmt: skip
 
 
@@ -180,18 +186,19 @@ def split_qkv(qkv: jax.Array, num_heads: int, num_kv_heads: int, head_dim: int):
 
 
 def heads_attention(
-    q, k, v, *, use_rope, rope_theta, positions, kv_positions, segment_ids, **attn_kw
+    q, k, v, *, use_rope, rope_theta, positions, kv_positions, segment_ids, segment_pos=None, **attn_kw
 ) -> jax.Array:
-    """RoPE on q/k, fused attention, heads merged: ``[B, Sq, Nq * Dv]``."""
+    """RoPE on q/k, fused attention, heads merged: ``[B, Sq, Nq * Dv]``. ``segment_pos`` (positions
+    inside the packed segments) steers the causal mask and the window, and is the default RoPE position."""
     b, sq = q.shape[:2]
     if use_rope:
         if positions is None:
-            positions = positions_from_segments(segment_ids, b, sq)
+            positions = segment_pos if segment_pos is not None else positions_from_segments(segment_ids, b, sq)
         if kv_positions is None:
             kv_positions = positions if k.shape[1] == sq else positions_from_segments(None, b, k.shape[1])
         q = rotary_embedding(q, positions, rope_theta)
         k = rotary_embedding(k, kv_positions, rope_theta)
-    out = attention_apply(q, k, v, q_segment_ids=segment_ids, **attn_kw)
+    out = attention_apply(q, k, v, q_segment_ids=segment_ids, q_segment_pos=segment_pos, **attn_kw)
     return out.reshape(b, sq, -1)
 
 

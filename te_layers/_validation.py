@@ -475,7 +475,8 @@ def token_input(layer: str, x: Any, dtype: Any, in_features: int | None, *, rout
 
 def mha_inputs(layer: str, x: Any, inputs_kv: Any, *, dtype: Any, in_features: int | None,
                kv_features: int | None, fused_qkv: bool, use_rope: bool, mask_type: str, segment_ids: Any,
-               seqlens: Any, positions: Any) -> tuple[jax.Array, jax.Array | None]:  # fmt: skip
+               seqlens: Any, positions: Any,
+               segment_pos: Any = None) -> tuple[jax.Array, jax.Array | None]:  # fmt: skip
     """``x [B, S, H]``, ``inputs_kv [B, Skv, H]`` (cross-attention, fused_qkv=False only) and the
     optional per-token arguments."""
     x = compute_input(layer, "x", x, dtype, rank=3, layout="[B, S, H]")
@@ -495,13 +496,19 @@ def mha_inputs(layer: str, x: Any, inputs_kv: Any, *, dtype: Any, in_features: i
         if inputs_kv is not None and inputs_kv.shape[1] != s:
             raise ValueError(err(layer, f"segment_ids label the tokens of both x and inputs_kv, so inputs_kv must "
                                         f"have x's length {s} (axis 1), got shape {tuple(inputs_kv.shape)}."))
+    if segment_pos is not None:
+        if segment_ids is None:
+            raise ValueError(err(layer, "segment_pos (positions inside the packed segments) needs segment_ids; "
+                                        "pass segment_ids or drop segment_pos."))  # fmt: skip
+        int_input(layer, "segment_pos", segment_pos, (b, s), "[B, S]")
     padded = mask_type.startswith("padding")
     if padded and seqlens is None:
         raise ValueError(err(layer, f"seqlens (int [B], valid tokens per sequence) is required with "
                                     f"mask_type={mask_type!r}."))  # fmt: skip
     if seqlens is not None:
         if not padded:
-            raise ValueError(err(layer, f"seqlens are only used with mask_type 'padding' or 'padding_causal', got "
+            raise ValueError(err(layer, "seqlens are only used with a padding mask_type ('padding', "
+                                        "'padding_causal' or 'padding_causal_bottom_right'), got "
                                         f"mask_type={mask_type!r}."))  # fmt: skip
         int_input(layer, "seqlens", seqlens, (b,), "[B]")
     if positions is not None:

@@ -332,7 +332,8 @@ INPUT_CASES = [
     ("MultiHeadAttention", {}, (_x((B, S, H)),), dict(segment_ids=jnp.zeros((B, S + 1), jnp.int32)), ValueError,
      "segment_ids must have shape [B, S] = (2, 8), got (2, 9)."),
     ("MultiHeadAttention", {}, (_x((B, S, H)),), dict(seqlens=jnp.full((B,), S)), ValueError,
-     "seqlens are only used with mask_type 'padding' or 'padding_causal', got mask_type='causal'."),
+     "seqlens are only used with a padding mask_type ('padding', 'padding_causal' or "
+     "'padding_causal_bottom_right'), got mask_type='causal'."),
     ("MultiHeadAttention", dict(mask_type="padding"), (_x((B, S, H)),), {}, ValueError,
      "seqlens (int [B], valid tokens per sequence) is required with mask_type='padding'."),
     ("MultiHeadAttention", dict(mask_type="padding"), (_x((B, S, H)),), dict(seqlens=jnp.full((B, 1), S)),
