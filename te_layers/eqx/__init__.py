@@ -107,12 +107,14 @@ class DotProductAttention(eqx.Module):
         V.flag("DotProductAttention", "inference", self.inference)
 
     def __call__(self, q, k, v, *, bias=None, q_seqlens=None, kv_seqlens=None, q_segment_ids=None,
-                 kv_segment_ids=None, key=None, inference: bool | None = None):  # fmt: skip
+                 kv_segment_ids=None, q_segment_pos=None, kv_segment_pos=None, key=None,
+                 inference: bool | None = None):  # fmt: skip
         q, k, v = V.attention_inputs("DotProductAttention", q, k, v)
         inf = self.inference if inference is None else inference
         return C.attention_apply(
             q, k, v, mask_type=self.mask_type, bias=bias, q_seqlens=q_seqlens, kv_seqlens=kv_seqlens,
-            q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, window_size=self.window_size,
+            q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, q_segment_pos=q_segment_pos,
+            kv_segment_pos=kv_segment_pos, window_size=self.window_size,
             scale=self.scale, dropout_rate=self.dropout_rate,
             rng=_dropout_key("DotProductAttention", self.dropout_rate, inf, key), deterministic=inf,
         )  # fmt: skip
@@ -121,7 +123,7 @@ class DotProductAttention(eqx.Module):
 class MultiHeadAttention(eqx.Module):
     """Multi-head (GQA) self- or cross-attention with optional fused QKV projection and RoPE.
 
-    Call: ``mha(x, inputs_kv=None, *, segment_ids=None, seqlens=None, positions=None, bias=None,
+    Call: ``mha(x, inputs_kv=None, *, segment_ids=None, segment_pos=None, seqlens=None, positions=None, bias=None,
     key=None, inference=None)`` -> ``[B, S, out_features or in_features]``.
     """
 
@@ -172,13 +174,14 @@ class MultiHeadAttention(eqx.Module):
         self.use_rope, self.rope_theta = use_rope, rope_theta
         self.dropout_rate, self.inference = dropout_rate, inference
 
-    def __call__(self, x, inputs_kv=None, *, segment_ids=None, seqlens=None, positions=None, bias=None,
-                 key=None, inference: bool | None = None):  # fmt: skip
+    def __call__(self, x, inputs_kv=None, *, segment_ids=None, segment_pos=None, seqlens=None, positions=None,
+                 bias=None, key=None, inference: bool | None = None):  # fmt: skip
         in_features = (self.qkv if self.qkv is not None else self.query).kernel.shape[0]
         x, inputs_kv = V.mha_inputs(
             "MultiHeadAttention", x, inputs_kv, dtype=self.out.dtype, in_features=in_features,
             kv_features=in_features, fused_qkv=self.qkv is not None, use_rope=self.use_rope,
             mask_type=self.mask_type, segment_ids=segment_ids, seqlens=seqlens, positions=positions,
+            segment_pos=segment_pos,
         )  # fmt: skip
         inf = self.inference if inference is None else inference
         nq, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -193,7 +196,7 @@ class MultiHeadAttention(eqx.Module):
         padded = self.mask_type.startswith("padding")
         o = C.heads_attention(
             q, k, v, use_rope=self.use_rope, rope_theta=self.rope_theta, positions=positions, kv_positions=None,
-            segment_ids=segment_ids, mask_type=self.mask_type, bias=bias,
+            segment_ids=segment_ids, segment_pos=segment_pos, mask_type=self.mask_type, bias=bias,
             q_seqlens=seqlens if padded else None, kv_seqlens=seqlens if padded and inputs_kv is None else None,
             window_size=self.window_size, dropout_rate=self.dropout_rate,
             rng=_dropout_key("MultiHeadAttention", self.dropout_rate, inf, key), deterministic=inf,

@@ -110,12 +110,14 @@ class DotProductAttention(nn.Module):
         super().__post_init__()
 
     def __call__(self, q, k, v, *, bias=None, q_seqlens=None, kv_seqlens=None, q_segment_ids=None,
-                 kv_segment_ids=None, deterministic: bool = True):  # fmt: skip
+                 kv_segment_ids=None, q_segment_pos=None, kv_segment_pos=None,
+                 deterministic: bool = True):  # fmt: skip
         q, k, v = V.attention_inputs("DotProductAttention", q, k, v)
         rng = self.make_rng(self.dropout_rng) if (self.dropout_rate > 0 and not deterministic) else None
         return C.attention_apply(
             q, k, v, mask_type=self.mask_type, bias=bias, q_seqlens=q_seqlens, kv_seqlens=kv_seqlens,
-            q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, window_size=self.window_size,
+            q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, q_segment_pos=q_segment_pos,
+            kv_segment_pos=kv_segment_pos, window_size=self.window_size,
             scale=self.scale, dropout_rate=self.dropout_rate, rng=rng, deterministic=deterministic,
         )  # fmt: skip
 
@@ -123,7 +125,7 @@ class DotProductAttention(nn.Module):
 class MultiHeadAttention(nn.Module):
     """Multi-head (GQA) self- or cross-attention with optional fused QKV projection and RoPE.
 
-    Call: ``mha(x, inputs_kv=None, *, segment_ids=None, seqlens=None, positions=None, bias=None,
+    Call: ``mha(x, inputs_kv=None, *, segment_ids=None, segment_pos=None, seqlens=None, positions=None, bias=None,
     deterministic=True)`` -> ``[B, S, out_features or H]``.
     """
 
@@ -159,14 +161,15 @@ class MultiHeadAttention(nn.Module):
         )  # fmt: skip
 
     @nn.compact
-    def __call__(self, x, inputs_kv=None, *, segment_ids=None, seqlens=None, positions=None, bias=None,
-                 deterministic: bool = True):  # fmt: skip
+    def __call__(self, x, inputs_kv=None, *, segment_ids=None, segment_pos=None, seqlens=None, positions=None,
+                 bias=None, deterministic: bool = True):  # fmt: skip
         nq, d, nkv = self.num_heads, self.head_dim, self._check()
         first = "qkv" if self.fused_qkv else "query"
         x, inputs_kv = V.mha_inputs(
             "MultiHeadAttention", x, inputs_kv, dtype=self.dtype, in_features=_stored_dim(self, (first, "kernel"), 0),
             kv_features=_stored_dim(self, ("key", "kernel"), 0), fused_qkv=self.fused_qkv, use_rope=self.use_rope,
             mask_type=self.mask_type, segment_ids=segment_ids, seqlens=seqlens, positions=positions,
+            segment_pos=segment_pos,
         )  # fmt: skip
         proj = lambda n, name: Dense(  # noqa: E731
             n, use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype, kernel_init=self.kernel_init,
@@ -183,7 +186,7 @@ class MultiHeadAttention(nn.Module):
         padded = self.mask_type.startswith("padding")
         o = C.heads_attention(
             q, k, v, use_rope=self.use_rope, rope_theta=self.rope_theta, positions=positions, kv_positions=None,
-            segment_ids=segment_ids, mask_type=self.mask_type, bias=bias,
+            segment_ids=segment_ids, segment_pos=segment_pos, mask_type=self.mask_type, bias=bias,
             q_seqlens=seqlens if padded else None, kv_seqlens=seqlens if padded and inputs_kv is None else None,
             window_size=self.window_size, dropout_rate=self.dropout_rate, rng=rng, deterministic=deterministic,
         )  # fmt: skip

@@ -112,12 +112,14 @@ class DotProductAttention(nnx.Module):
         self.rngs = _dropout_stream(rngs, dropout_rate)
 
     def __call__(self, q, k, v, *, bias=None, q_seqlens=None, kv_seqlens=None, q_segment_ids=None,
-                 kv_segment_ids=None, deterministic: bool | None = None, rngs=None):  # fmt: skip
+                 kv_segment_ids=None, q_segment_pos=None, kv_segment_pos=None, deterministic: bool | None = None,
+                 rngs=None):  # fmt: skip
         q, k, v = V.attention_inputs("DotProductAttention", q, k, v)
         det = self.deterministic if deterministic is None else deterministic
         return C.attention_apply(
             q, k, v, mask_type=self.mask_type, bias=bias, q_seqlens=q_seqlens, kv_seqlens=kv_seqlens,
-            q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, window_size=self.window_size,
+            q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, q_segment_pos=q_segment_pos,
+            kv_segment_pos=kv_segment_pos, window_size=self.window_size,
             scale=self.scale, dropout_rate=self.dropout_rate, rng=_dropout_key(self, rngs, det), deterministic=det,
         )  # fmt: skip
 
@@ -139,7 +141,7 @@ def _dropout_key(mod, rngs, deterministic):
 class MultiHeadAttention(nnx.Module):
     """Multi-head (GQA) self- or cross-attention with optional fused QKV projection and RoPE.
 
-    Call: ``mha(x, inputs_kv=None, *, segment_ids=None, seqlens=None, positions=None, bias=None,
+    Call: ``mha(x, inputs_kv=None, *, segment_ids=None, segment_pos=None, seqlens=None, positions=None, bias=None,
     deterministic=None)`` -> ``[B, S, out_features or in_features]``.
     """
 
@@ -178,12 +180,12 @@ class MultiHeadAttention(nnx.Module):
         self.out = proj(num_heads * d, out_features or in_features, out_kernel_axes)
         self.rngs = _dropout_stream(rngs, dropout_rate)
 
-    def __call__(self, x, inputs_kv=None, *, segment_ids=None, seqlens=None, positions=None, bias=None,
-                 deterministic: bool | None = None, rngs=None):  # fmt: skip
+    def __call__(self, x, inputs_kv=None, *, segment_ids=None, segment_pos=None, seqlens=None, positions=None,
+                 bias=None, deterministic: bool | None = None, rngs=None):  # fmt: skip
         x, inputs_kv = V.mha_inputs(
             "MultiHeadAttention", x, inputs_kv, dtype=self.dtype, in_features=self.in_features,
             kv_features=self.in_features, fused_qkv=self.fused_qkv, use_rope=self.use_rope, mask_type=self.mask_type,
-            segment_ids=segment_ids, seqlens=seqlens, positions=positions,
+            segment_ids=segment_ids, seqlens=seqlens, positions=positions, segment_pos=segment_pos,
         )  # fmt: skip
         det = self.deterministic if deterministic is None else deterministic
         nq, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -198,7 +200,7 @@ class MultiHeadAttention(nnx.Module):
         padded = self.mask_type.startswith("padding")
         o = C.heads_attention(
             q, k, v, use_rope=self.use_rope, rope_theta=self.rope_theta, positions=positions, kv_positions=None,
-            segment_ids=segment_ids, mask_type=self.mask_type, bias=bias,
+            segment_ids=segment_ids, segment_pos=segment_pos, mask_type=self.mask_type, bias=bias,
             q_seqlens=seqlens if padded else None, kv_seqlens=seqlens if padded and inputs_kv is None else None,
             window_size=self.window_size, dropout_rate=self.dropout_rate, rng=_dropout_key(self, rngs, det),
             deterministic=det,
