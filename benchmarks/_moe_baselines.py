@@ -201,7 +201,7 @@ def capacity_moe(h, router_kernel, wi, wo, *, topk: int, capacity_factor: float,
         y = jnp.einsum("ecf,efd->ecd", a, wo).reshape(e * cap, d)
     with jax.named_scope("combine"):
         out = combine(y, w, slots.slot_of, slots.slot_src, slots.slot_pair)
-    return out, aux, 1.0 - slots.kept / (t * topk)
+    return out, aux, (t * topk - slots.kept) / (t * topk)
 
 
 def rope(x, theta=10000.0):

@@ -1,4 +1,6 @@
-"""examples/train_moe.py at tiny sizes: the loss falls, and the PNG, checkpoint and baseline timing appear."""
+"""examples/train_moe.py at tiny sizes (the loss falls; PNG, checkpoint and baseline timing appear) and
+benchmarks/train_moe.py: the capacity-padded MoE of the strong baseline against a dense reference, the
+FLOP count, the trace classifier of --profile on a hand-built trace, and a --tiny --profile run on CPU."""
 
 import json
 import os
@@ -22,3 +24,201 @@ def test_train_moe_loss_falls(tmp_path):
     assert summary["checkpoint"] and os.path.exists(summary["checkpoint"])
     assert summary["te_layers_tokens_per_s"] > 0 and summary["baseline_tokens_per_s"] > 0
     assert "tokens/s" in proc.stdout and "baseline" in proc.stdout
+
+
+# ------------------------------------------------------------------------------------------------
+# benchmarks/train_moe.py: the strong plain-JAX baseline, the FLOP count, the profile classifier
+# ------------------------------------------------------------------------------------------------
+
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+
+def _moe_inputs(t=24, d=16, e=4, f=8, seed=0):
+    import jax
+
+    ks = jax.random.split(jax.random.key(seed), 4)
+    h = jax.random.normal(ks[0], (t, d))
+    router = jax.random.normal(ks[1], (d, e))
+    wi = jax.random.normal(ks[2], (e, d, 2 * f)) * 0.3
+    wo = jax.random.normal(ks[3], (e, f, d)) * 0.3
+    return h, router, wi, wo
+
+
+def _dense_moe_reference(h, router, wi, wo, topk, keep=None):
+    """Every expert on every token (dense per-expert FFN), then the router-weighted sum of each token's
+    top-k experts; ``keep [T, k]`` (optional) zeroes the dropped (token, choice) pairs."""
+    import _moe_baselines as mb
+    import jax
+    import jax.numpy as jnp
+
+    f = wo.shape[1]
+    w, idx, aux = mb.route(h, router, topk, 0.01)
+    z = jnp.einsum("td,edf->tef", h, wi)
+    y = jnp.einsum("tef,efd->ted", jax.nn.silu(z[..., :f]) * z[..., f:], wo)
+    sel = jnp.take_along_axis(y, idx[:, :, None], 1)
+    if keep is not None:
+        w = w * keep
+    return (w[:, :, None] * sel).sum(1), aux
+
+
+def test_capacity_moe_equals_dense_reference_without_drops():
+    import _moe_baselines as mb
+    import jax
+    import numpy as np
+
+    h, router, wi, wo = _moe_inputs()
+    topk, e = 2, wi.shape[0]
+    cf = e / topk  # capacity = T: no expert can overflow
+
+    def ours(*a):
+        out, aux, dropped = mb.capacity_moe(*a, topk=topk, capacity_factor=cf, aux_coeff=0.01)
+        return out, aux, dropped
+
+    out, aux, dropped = jax.jit(ours)(h, router, wi, wo)
+    ref, ref_aux = _dense_moe_reference(h, router, wi, wo, topk)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(aux, ref_aux, rtol=1e-6)
+    assert float(dropped) == 0.0
+
+    # Gradients through the custom-VJP gathers (dispatch, combine) and the router weights.
+    def loss(fn):
+        return lambda *a: (fn(*a)[0] ** 2).sum() + fn(*a)[1]
+
+    g_ours = jax.jit(jax.grad(loss(ours), argnums=(0, 1, 2, 3)))(h, router, wi, wo)
+    g_ref = jax.grad(loss(lambda *a: _dense_moe_reference(*a, topk)), argnums=(0, 1, 2, 3))(h, router, wi, wo)
+    for name, a, b in zip(("h", "router", "wi", "wo"), g_ours, g_ref, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(np.abs(b).max()), err_msg=name)
+
+
+def test_capacity_moe_drops_pairs_past_capacity_first_choices_first():
+    import _moe_baselines as mb
+    import jax
+    import numpy as np
+
+    h, router, wi, wo = _moe_inputs(t=40, seed=1)
+    topk, e, t = 2, wi.shape[0], h.shape[0]
+    cf = 0.6
+    cap = mb.capacity(cf, t, topk, e)
+    _, idx, _ = mb.route(h, router, topk, 0.0)
+    idx = np.asarray(idx)
+    # GShard priority: all first choices (tokens in order), then all second choices; first cap per expert kept.
+    keep = np.zeros((t, topk), np.float32)
+    used = np.zeros(e, int)
+    for j in range(topk):
+        for i in range(t):
+            if used[idx[i, j]] < cap:
+                keep[i, j] = 1.0
+                used[idx[i, j]] += 1
+    assert 0 < keep.sum() < t * topk  # the case drops some pairs and keeps others
+    out, _, dropped = jax.jit(lambda *a: mb.capacity_moe(*a, topk=topk, capacity_factor=cf))(h, router, wi, wo)
+    ref, _ = _dense_moe_reference(h, router, wi, wo, topk, keep=keep)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(float(dropped), 1 - keep.sum() / (t * topk), rtol=1e-6)
+
+
+def test_train_flops_formula_and_peak_table():
+    import _moe_baselines as mb
+
+    cfg = dict(d_model=1024, layers=4, heads=16, kv_heads=4, experts=16, topk=2, ffn=2048)
+    fl = mb.train_flops_per_token(cfg, seq=1024)
+    per_layer = 1024 * (16 + 8) * 64 + 1024 * 1024 + 1024 * 16 + 2 * 3 * 1024 * 2048
+    assert fl["active_params"] == 4 * per_layer + 1024 * 256
+    assert fl["total"] == 6 * fl["active_params"] + 12 * 4 * 1024 * 1024
+    assert mb.peak_tflops("h200") == 989.0 and mb.peak_tflops("cpu") is None
+    assert mb.capacity(1.25, 16384, 2, 16) == 2560 and mb.capacity(1.0, 16384, 2, 16) == 2048
+
+
+def _trace_fixture():
+    """A Chrome trace-event dict shaped like jax.profiler's GPU trace: 2 steps of hand-placed kernels."""
+    meta = [
+        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "pid": 1, "tid": 7, "name": "thread_name", "args": {"name": "Stream #7(Compute)"}},
+        {"ph": "M", "pid": 1, "tid": 8, "name": "thread_name", "args": {"name": "Stream #8"}},
+        {"ph": "M", "pid": 1, "tid": 90, "name": "thread_name", "args": {"name": "XLA Ops"}},
+        {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/host:CPU"}},
+        {"ph": "M", "pid": 2, "tid": 1, "name": "thread_name", "args": {"name": "python"}},
+    ]
+    kernels = [  # (name, scope, category, duration us), run back to back on stream 7 with 1 us gaps
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_execute_kernel__5x_cublas", "", "GEMM", 10),
+        ("nvjet_hsh_128x256_64x4_1x2_h_bz_coopA_TNT", "jit(step)/MoELM/block0/qkv/dot_general", "GEMM", 6),
+        ("gemm_fusion_dot_42", "", "GEMM", 2),
+        ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x64", "", "attention", 8),
+        ("loop_exponential_fusion", "jit(step)/jvp(MoELM)/block0/sdpa/exp", "attention", 3),
+        ("grouped_gemm_kernel", "", "grouped GEMM", 12),
+        ("grouped_wgrad_kernel", "", "grouped GEMM", 9),
+        ("dispatch_kernel", "", "permutation", 2),
+        ("combine_bwd_kernel", "", "permutation", 2),
+        ("loop_gather_fusion", "jit(step)/transpose(jvp(MoELM))/block0/dispatch/gather", "permutation", 2),
+        ("DeviceRadixSortOnesweepKernel", "", "permutation", 1),
+        ("void te::router::RowForwardKernel<__nv_bfloat16, 1, 4>(te::router::RowParams)", "", "router", 1),
+        ("input_reduce_fusion_3", "jit(step)/jvp(MoELM)/block0/router/reduce_max", "router", 1),
+        ("loop_multiply_fusion", "jit(step)/transpose(jvp(MoELM))/block0/ln1/mul", "norms", 2),
+        ("input_reduce_fusion", "jit(step)/jvp(MoELM)/ln_f/reduce_sum", "norms", 1),
+        ("loop_add_fusion_12", "jit(step)/add", "optimizer/elementwise", 4),
+        ("void te::dense::act::ActForwardKernel<float>(Params)", "", "optimizer/elementwise", 1),
+        ("Memset", "", "other", 1),
+    ]
+    evs, t = [], 0.0
+    for _ in range(2):
+        for name, scope, _, dur in kernels:
+            args = {"hlo_op": "fusion.1", "tf_op": scope} if scope else {}
+            evs.append({"ph": "X", "pid": 1, "tid": 7, "ts": t, "dur": dur, "name": name, "args": args})
+            t += dur + 1.0
+        t += 20.0  # host gap between steps
+    # A kernel overlapping on another stream (counts in its category, not twice in idle), and
+    # events that are not kernels: the XLA Ops summary line and the host.
+    evs.append({"ph": "X", "pid": 1, "tid": 8, "ts": 0.0, "dur": 5.0, "name": "loop_convert_fusion", "args": {}})
+    evs.append({"ph": "X", "pid": 1, "tid": 90, "ts": 0.0, "dur": 50.0, "name": "fusion.1", "args": {}})
+    evs.append({"ph": "X", "pid": 2, "tid": 1, "ts": 0.0, "dur": 500.0, "name": "PjitFunction(step)", "args": {}})
+    return {"displayTimeUnit": "ns", "traceEvents": meta + evs}, kernels
+
+
+def test_profile_classifier_on_hand_built_trace(tmp_path):
+    import gzip
+    import json
+
+    import _profile
+
+    assert {"grouped_gemm_kernel", "grouped_wgrad_kernel"} <= _profile.GROUPED_GEMM_KERNELS
+    assert {"dispatch_kernel", "combine_kernel", "combine_bwd_kernel"} <= _profile.PERMUTATION_KERNELS
+    trace, kernels = _trace_fixture()
+    for name, scope, cat, _ in kernels:
+        assert _profile.classify_kernel(name, scope) == cat, (name, scope)
+    d = tmp_path / "plugins" / "profile" / "run1"
+    d.mkdir(parents=True)
+    with gzip.open(d / "host.trace.json.gz", "wt") as f:
+        json.dump(trace, f)
+    events = _profile.trace_dir_events(str(tmp_path))
+    assert len(events) == 2 * len(kernels) + 1  # stream kernels only
+    r = _profile.breakdown(events, steps=2)
+    expect = {c: sum(dur for _, _, cat, dur in kernels if cat == c) / 1e3 for c in _profile.CATEGORIES}
+    expect["optimizer/elementwise"] += 5.0 / 2 / 1e3  # the overlapping convert fusion, once in two steps
+    for c in _profile.CATEGORIES:
+        assert abs(r["categories"][c] - expect[c]) < 1e-9, c
+    busy = sum(dur for *_, dur in kernels) / 1e3  # per step; the overlap adds nothing to the union
+    span = (2 * sum(dur + 1.0 for *_, dur in kernels) + 20.0 - 1.0) / 2 / 1e3
+    assert abs(r["busy_ms"] - busy) < 1e-9 and abs(r["span_ms"] - span) < 1e-9
+    assert abs(r["idle_ms"] - (span - busy)) < 1e-9
+    assert r["top"]["grouped GEMM"][0]["kernel"] == "grouped_gemm_kernel"
+    assert _profile.breakdown([], steps=3)["kernels"] == 0
+
+
+def test_benchmark_tiny_profile_runs_on_cpu(tmp_path):
+    cmd = [sys.executable, "benchmarks/train_moe.py", "--tiny", "--profile", "--models", "te_layers,strong_cf1.25",
+           "--rounds", "1", "--steps", "1", "--warmup", "0", "--profile-steps", "1"]  # fmt: skip
+    env = dict(os.environ, TE_BENCH_OUT=str(tmp_path))
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "no GPU kernels in the trace" in proc.stdout
+    d = json.loads((tmp_path / "train_moe_profile.json").read_text())
+    models = {m["name"]: m for m in d["models"]}
+    assert set(models) == {"te_layers", "strong_cf1.25"}
+    for m in models.values():
+        assert m["error"] is None and m["tokens_per_s"] > 0 and m["final_loss"] > 0 and m["mfu"] is None
+    assert models["strong_cf1.25"]["attention"] == "xla" and 0 <= models["strong_cf1.25"]["dropped_fraction"] < 1
+    assert d["rows"][0]["baseline"] == "strong_cf1.25" and d["rows"][0]["speedup"] > 0
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import perf_table
+
+    rows = list(perf_table.READERS["train_moe"](d))
+    assert len(rows) == 1 and rows[0].alternative_ms == models["strong_cf1.25"]["ms_per_step"]
