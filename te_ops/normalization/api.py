@@ -221,8 +221,9 @@ def rms_norm(
 
     Gradients: x (and residual, which gets the same gradient: ``h = x + residual``), including the
     cotangent of the returned ``h``; gamma, reduced over every leading axis in float32 and cast to
-    gamma's dtype. No zero-size or non-finite special cases beyond the formula: a row of zeros has
-    ``rstd = 1 / sqrt(eps)`` and output 0; NaN or inf in a row makes that row's output NaN.
+    gamma's dtype. No special cases beyond the formula: a row of zeros has ``rstd = 1 / sqrt(eps)``
+    and output 0; a NaN makes its whole row NaN; an infinity gives ``rstd = 0``, so output 0 at the
+    row's finite positions and NaN at the infinite ones.
 
     Args:
       x: ``[..., H]`` float32, bfloat16 or float16 (float64 on the reference), rank >= 1, H >= 1.
@@ -275,7 +276,8 @@ def layer_norm(
 
     Gradients: x (and residual, the same gradient), including the cotangent of the returned ``h``;
     gamma and beta, reduced over every leading axis in float32 and cast to their dtypes. A constant
-    row has ``var = 0`` and output ``beta``; NaN or inf in a row makes that row's output NaN.
+    row has ``var = 0`` and output ``beta``; a NaN or an infinity makes its whole row NaN (the
+    mean is then infinite or NaN).
 
     Args:
       x: ``[..., H]`` float32, bfloat16 or float16 (float64 on the reference), rank >= 1, H >= 1.
