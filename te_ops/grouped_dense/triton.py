@@ -57,6 +57,9 @@ class GemmConfig:
     num_warps: int = 8
     num_stages: int = 3
     FLATTEN: bool = False  # let Triton fuse the tile loop with the K loop (overlaps a tile's epilogue)
+    # A and B tiles through device-side TMA descriptors (Hopper), where K is a multiple of BK; the
+    # pointer-load kernel otherwise. Descriptors are built in the kernel (global scratch memory).
+    USE_TMA: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +177,7 @@ def grouped_gemm(a, b, group_sizes, bias, *, trans_b: bool, cfg: GemmConfig):
             HAS_BIAS=bias is not None,
             EVEN_K=(kc % cfg.BK == 0),
             FLATTEN=bool(cfg.FLATTEN),
+            USE_TMA=bool(cfg.USE_TMA) and kc % cfg.BK == 0,
         ),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,

@@ -67,8 +67,16 @@ def grouped_gemm_kernel(
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
     FLATTEN: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
-    """a: [M, KC]; b: [G, KC, NOUT] (or [G, NOUT, KC] with TRANS_B); bias: [G, NOUT]; out: [M, NOUT]."""
+    """a: [M, KC]; b: [G, KC, NOUT] (or [G, NOUT, KC] with TRANS_B); bias: [G, NOUT]; out: [M, NOUT].
+
+    USE_TMA (only with EVEN_K): A and B tiles come through device-side TMA descriptors instead of
+    pointer loads. A's rows past the group's end then hold the next group's rows (or TMA's zero fill
+    past M): harmless, row i of the product depends only on row i of A and those rows are not
+    stored. B is read as a 2D [G * KC, NOUT] (or [G * NOUT, KC]) matrix: with KC a multiple of BK a
+    K tile never crosses into the next group, and columns past NOUT are zero-filled (or belong to
+    the next group with TRANS_B, and are not stored)."""
     KC = KC8 * 8
     NOUT = N8 * 8
     pid = tl.program_id(0)
@@ -84,6 +92,12 @@ def grouped_gemm_kernel(
     total = group_tiles + tail_m_tiles * n_tiles
     k_iters = tl.cdiv(KC, BK)
     offs_k = tl.arange(0, BK)
+    if USE_TMA:
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, KC], strides=[KC, 1], block_shape=[BM, BK])
+        if TRANS_B:
+            b_desc = tl.make_tensor_descriptor(b_ptr, shape=[G * NOUT, KC], strides=[KC, 1], block_shape=[BN, BK])
+        else:
+            b_desc = tl.make_tensor_descriptor(b_ptr, shape=[G * KC, NOUT], strides=[NOUT, 1], block_shape=[BK, BN])
     for t in tl.range(pid, total, num_programs, flatten=FLATTEN):
         in_group = t < group_tiles
         # the group of tile t: number of groups whose tiles all come before t
@@ -121,17 +135,28 @@ def grouped_gemm_kernel(
             b_ptrs = b_ptr + g64 * KC * NOUT + offs_k[:, None].to(tl.int64) * NOUT + cols_ld[None, :]
             b_step = BK * NOUT
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for ki in range(0, iters):
-            if EVEN_K:
-                a = tl.load(a_ptrs)
-                b = tl.load(b_ptrs)
-            else:
-                k_ok = offs_k < KC - ki * BK
-                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-            acc = tl.dot(a, b, acc)
-            a_ptrs += BK
-            b_ptrs += b_step
+        if USE_TMA:
+            a_row = row0 + mt * BM
+            for ki in range(0, iters):
+                k0 = ki * BK
+                a = a_desc.load([a_row, k0])
+                if TRANS_B:
+                    b = b_desc.load([g * NOUT + nt * BN, k0]).T
+                else:
+                    b = b_desc.load([g * KC + k0, nt * BN])
+                acc = tl.dot(a, b, acc)
+        else:
+            for ki in range(0, iters):
+                if EVEN_K:
+                    a = tl.load(a_ptrs)
+                    b = tl.load(b_ptrs)
+                else:
+                    k_ok = offs_k < KC - ki * BK
+                    a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+                    b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+                acc = tl.dot(a, b, acc)
+                a_ptrs += BK
+                b_ptrs += b_step
         if HAS_BIAS:
             bias = tl.load(bias_ptr + g64 * NOUT + cols_ld, mask=(cols < NOUT) & in_group, other=0.0)
             acc += bias.to(tl.float32)[None, :]

@@ -97,6 +97,32 @@ def test_triton_matches_reference(shape, dtype, with_bias):
     assert np.all(np.asarray(got[2][empty], np.float32) == 0), "empty groups must get zero dkernels"
 
 
+# The TMA-descriptor variant of the forward/dx kernel (opt-in GemmConfig.USE_TMA): K a multiple of
+# BK (its precondition) and not (it must fall back to pointer loads), N not a multiple of BN, the
+# last group ending at M (TMA zero fill) and before it (tail rows), bias on and off.
+TMA_CASES = [((2048, 256, 512, 8), BF16, True), ((1000, 128, 200, 5), F16, False), ((1000, 136, 200, 5), BF16, False)]
+
+
+@needs_triton
+@pytest.mark.parametrize("shape,dtype,with_bias", TMA_CASES)
+@pytest.mark.parametrize("fill", [0.85, 1.0])
+def test_tma_variant_matches_reference(shape, dtype, with_bias, fill):
+    from te_ops.grouped_dense import triton as tri
+
+    m, k, n, g = shape
+    x, w, b, dy = make(sum(shape) + 1, m, k, n, g, dtype)
+    s = np.asarray(uneven_sizes(m + g + 1, g, m, fill=fill, zeros=min(2, g - 1)))
+    if fill == 1.0:
+        s[np.argmax(s)] += m - s.sum()  # the groups cover every row
+    s = jnp.asarray(s)
+    b = b if with_bias else None
+    cfg = tri.GemmConfig(USE_TMA=True)
+    with tri.config_override(cfg, cfg, None):
+        got = run("triton", x, w, s, b, dy)
+    want = run("reference", x, w, s, b, dy)
+    check(got, want, dtype)
+
+
 @needs_triton
 def test_edge_sizes_one_executable():
     """All rows in one group, all groups empty, sizes summing past M (clipped), tiny groups: one
