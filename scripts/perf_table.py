@@ -36,7 +36,7 @@ PERF_PAGE = ROOT / "docs" / "performance.md"
 START = "<!-- perf-table:start -->"
 END = "<!-- perf-table:end -->"
 # Ops in table order; results files of other ops follow alphabetically.
-OP_ORDER = ("softmax", "dense", "router", "attention", "permutation", "grouped_dense", "train_moe")
+OP_ORDER = ("softmax", "norm", "dense", "router", "attention", "permutation", "grouped_dense", "train_moe")
 
 
 @dataclass(frozen=True)
