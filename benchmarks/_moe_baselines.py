@@ -1,4 +1,5 @@
-"""The strong plain-JAX baseline of benchmarks/train_moe.py, and the model FLOP count it reports.
+"""The plain-JAX baselines of benchmarks/train_moe.py (``StrongBlock``, ``RaggedDotBlock``; both plug into
+examples/train_moe.py's ``MoELM`` as ``block=``), and the model FLOP count the benchmark reports.
 
 ``StrongBlock`` is the te_layers decoder block (examples/train_moe.py ``Block``) written the way a
 strong JAX engineer would write it without te_ops:
@@ -248,4 +249,55 @@ class StrongBlock(nn.Module):
                                          capacity_factor=c["capacity_factor"], aux_coeff=c["aux_coeff"])  # fmt: skip
         self.sow("intermediates", "aux_loss", aux)
         self.sow("intermediates", "dropped_fraction", dropped)
+        return x + out.reshape(b, s, hdim)
+
+
+class RaggedDotBlock(nn.Module):
+    """The same block as plain Flax + jnp the straightforward way: XLA attention, argsort dispatch,
+    ``jax.lax.ragged_dot`` experts (fp32 outputs), scatter-add combine. No tokens are dropped."""
+
+    cfg: dict
+
+    @nn.compact
+    def __call__(self, x, deterministic=True):
+        c = self.cfg
+        dt, nh, nkv = c["dtype"], c["heads"], c["kv_heads"]
+        d = c["d_model"] // nh
+        b, s, hdim = x.shape
+        h = nn.RMSNorm(dtype=dt, name="ln1")(x)
+        qkv = nn.Dense((nh + 2 * nkv) * d, use_bias=False, dtype=dt, name="qkv")(h)
+        q, k, v = jnp.split(qkv, [nh * d, (nh + nkv) * d], -1)
+        q, k, v = q.reshape(b, s, nh, d), k.reshape(b, s, nkv, d), v.reshape(b, s, nkv, d)
+        with jax.named_scope("sdpa"):  # scope names let benchmarks/_profile.py attribute XLA's kernels
+            o = jax.nn.dot_product_attention(rope(q), rope(k), v, is_causal=True, implementation="xla")
+        x = x + nn.Dense(hdim, use_bias=False, dtype=dt, name="out")(o.reshape(b, s, nh * d))
+        h = nn.RMSNorm(dtype=dt, name="ln2")(x).reshape(-1, hdim)
+        # router (fp32), top-k, switch aux loss
+        e, kk, f = c["experts"], c["topk"], c["ffn"]
+        logits = nn.Dense(e, use_bias=False, dtype=jnp.float32, name="router")(h.astype(jnp.float32))
+        with jax.named_scope("router"):
+            vals, idx = jax.lax.top_k(logits, kk)
+            w = jax.nn.softmax(vals, -1)
+            scores = jax.nn.softmax(logits, -1)
+            _, aux_idx = jax.lax.top_k(scores, kk)
+            tpe_aux = jnp.zeros((e,), jnp.float32).at[aux_idx.reshape(-1)].add(1.0)
+            t = h.shape[0]
+            aux = e * c["aux_coeff"] / (kk * t * t) * jnp.sum(scores.sum(0) * tpe_aux)
+        self.sow("intermediates", "aux_loss", aux)
+        init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", -2, -1, (0,))
+        wi = self.param("wi", init, (e, hdim, 2 * f), jnp.float32).astype(dt)
+        wo = self.param("wo", init, (e, f, hdim), jnp.float32).astype(dt)
+        with jax.named_scope("dispatch"):
+            flat_e = idx.reshape(-1)
+            order = jnp.argsort(flat_e, stable=True)
+            tok = order // kk
+            sizes = jnp.bincount(flat_e, length=e).astype(jnp.int32)
+            rows = h[tok].astype(dt)
+        with jax.named_scope("experts"):
+            z = jax.lax.ragged_dot(rows, wi, sizes, preferred_element_type=jnp.float32)
+            z = (jax.nn.silu(z[:, :f]) * z[:, f:]).astype(dt)
+            y = jax.lax.ragged_dot(z, wo, sizes, preferred_element_type=jnp.float32)
+        with jax.named_scope("combine"):
+            y = y * w.reshape(-1)[order][:, None]
+            out = jnp.zeros((t, hdim), jnp.float32).at[tok].add(y).astype(dt)
         return x + out.reshape(b, s, hdim)

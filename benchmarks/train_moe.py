@@ -9,7 +9,7 @@ Models (same config, same optimizer ``train_moe.make_optimizer``, same data batc
   ``StrongBlock``): cuDNN attention via ``jax.nn.dot_product_attention(implementation="cudnn")`` and
   GShard-style capacity-padded experts (batched einsums, index-gather dispatch/combine), for each
   capacity factor in ``--capacity-factors`` (default 1.25 and 1.0; pairs past capacity are dropped).
-* ``ragged_dot``: examples/train_moe.py ``BaselineBlock`` (XLA attention, argsort dispatch,
+* ``ragged_dot``: ``_moe_baselines.RaggedDotBlock`` (XLA attention, argsort dispatch,
   ``jax.lax.ragged_dot`` experts, scatter-add combine).
 
 Each model compiles and runs ``--warmup`` steps, then ``--rounds`` rounds of ``--steps`` back-to-back
@@ -70,7 +70,7 @@ def build_models(cfg: dict, names: list[str]) -> dict[str, tuple]:
         if name == "te_layers":
             out[name] = (ex.MoELM(cfg), "te_layers (te_ops fused ops)", {})
         elif name == "ragged_dot":
-            out[name] = (ex.MoELM(cfg, block=ex.BaselineBlock), RAGGED_LABEL, {"attention": "xla"})
+            out[name] = (ex.MoELM(cfg, block=mb.RaggedDotBlock), RAGGED_LABEL, {"attention": "xla"})
         elif name.startswith("strong_cf"):
             cf = float(name[len("strong_cf") :])
             impl = mb.attention_implementation(cfg["dtype"]) or "xla"

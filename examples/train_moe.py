@@ -14,11 +14,10 @@ summary.json into --out.
     python examples/sample.py --prompt "The import statement"
     python examples/train_moe.py --steps 2000 --batch 64 --seq 256 --d-model 512 --layers 8 \
         --heads 8 --kv-heads 2 --experts 16 --topk 2 --ffn 1024 --dtype bfloat16   # GPU
-    python examples/train_moe.py --baseline           # also time the same model in plain flax + jnp
 
-``--baseline`` builds the same architecture with plain Flax and jnp (XLA attention through
-``jax.nn.dot_product_attention``, argsort token dispatch, ``jax.lax.ragged_dot`` experts) and times
-training steps of both models in this process, printing tokens/s side by side.
+benchmarks/train_moe.py times this model against the same architecture written in plain JAX (cuDNN
+attention with capacity-padded batched-einsum experts, and XLA attention with ``jax.lax.ragged_dot``
+experts), in one process on the same batches.
 """
 
 from __future__ import annotations
@@ -81,70 +80,6 @@ class MoELM(nn.Module):
             x = self.block(c, name=f"block{i}")(x, deterministic)
         x = nn.RMSNorm(dtype=c["dtype"], name="ln_f")(x)
         return embed.attend(x.astype(jnp.float32))  # tied output embedding, fp32 logits
-
-
-# ----------------------------------------------------------------------------------------------
-# Baseline: the same architecture in plain Flax + jnp
-# ----------------------------------------------------------------------------------------------
-
-
-def _rope(x, theta=10000.0):
-    b, s, n, d = x.shape
-    half = d // 2
-    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    ang = jnp.arange(s, dtype=jnp.float32)[:, None, None] * freq
-    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
-    return jnp.concatenate([x1 * jnp.cos(ang) - x2 * jnp.sin(ang), x2 * jnp.cos(ang) + x1 * jnp.sin(ang)],
-                           -1).astype(x.dtype)  # fmt: skip
-
-
-class BaselineBlock(nn.Module):
-    cfg: dict
-
-    @nn.compact
-    def __call__(self, x, deterministic=True):
-        c = self.cfg
-        dt, nh, nkv = c["dtype"], c["heads"], c["kv_heads"]
-        d = c["d_model"] // nh
-        b, s, hdim = x.shape
-        h = nn.RMSNorm(dtype=dt, name="ln1")(x)
-        qkv = nn.Dense((nh + 2 * nkv) * d, use_bias=False, dtype=dt, name="qkv")(h)
-        q, k, v = jnp.split(qkv, [nh * d, (nh + nkv) * d], -1)
-        q, k, v = q.reshape(b, s, nh, d), k.reshape(b, s, nkv, d), v.reshape(b, s, nkv, d)
-        with jax.named_scope("sdpa"):  # scope names let benchmarks/_profile.py attribute the kernels
-            o = jax.nn.dot_product_attention(_rope(q), _rope(k), v, is_causal=True, implementation="xla")
-        x = x + nn.Dense(hdim, use_bias=False, dtype=dt, name="out")(o.reshape(b, s, nh * d))
-        h = nn.RMSNorm(dtype=dt, name="ln2")(x).reshape(-1, hdim)
-        # router (fp32), top-k, switch aux loss
-        e, kk, f = c["experts"], c["topk"], c["ffn"]
-        logits = nn.Dense(e, use_bias=False, dtype=jnp.float32, name="router")(h.astype(jnp.float32))
-        with jax.named_scope("router"):
-            vals, idx = jax.lax.top_k(logits, kk)
-            w = jax.nn.softmax(vals, -1)
-            scores = jax.nn.softmax(logits, -1)
-            _, aux_idx = jax.lax.top_k(scores, kk)
-            tpe_aux = jnp.zeros((e,), jnp.float32).at[aux_idx.reshape(-1)].add(1.0)
-            t = h.shape[0]
-            aux = e * c["aux_coeff"] / (kk * t * t) * jnp.sum(scores.sum(0) * tpe_aux)
-        self.sow("intermediates", "aux_loss", aux)
-        # argsort dispatch, ragged_dot experts, scatter-add combine
-        init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", -2, -1, (0,))
-        wi = self.param("wi", init, (e, hdim, 2 * f), jnp.float32).astype(dt)
-        wo = self.param("wo", init, (e, f, hdim), jnp.float32).astype(dt)
-        with jax.named_scope("dispatch"):
-            flat_e = idx.reshape(-1)
-            order = jnp.argsort(flat_e, stable=True)
-            tok = order // kk
-            sizes = jnp.bincount(flat_e, length=e).astype(jnp.int32)
-            rows = h[tok].astype(dt)
-        with jax.named_scope("experts"):
-            z = jax.lax.ragged_dot(rows, wi, sizes, preferred_element_type=jnp.float32)
-            z = (jax.nn.silu(z[:, :f]) * z[:, f:]).astype(dt)
-            y = jax.lax.ragged_dot(z, wo, sizes, preferred_element_type=jnp.float32)
-        with jax.named_scope("combine"):
-            y = y * w.reshape(-1)[order][:, None]
-            out = jnp.zeros((t, hdim), jnp.float32).at[tok].add(y).astype(dt)
-        return x + out.reshape(b, s, hdim)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -319,26 +254,6 @@ def plot_losses(path, steps, losses, val_curve, title):
     plt.close(fig)
 
 
-def time_steps(model, cfg, args, n_steps, label):
-    """tokens/s of n_steps training steps (after one compile step) for ``model``."""
-    x0 = jnp.zeros((args.batch, args.seq), jnp.int32)
-    params = jax.jit(model.init)(jax.random.key(args.seed), x0)["params"]
-    tx = optax.adamw(args.lr)
-    opt_state = tx.init(params)
-    step = make_train_step(model, tx)
-    it = batches(load_data(args.data_dir, args.seq)[0], args.batch, args.seq, args.seed + 1)
-    x, y = next(it)
-    params, opt_state, ce, _ = step(params, opt_state, x, y, jax.random.key(0))
-    jax.block_until_ready(ce)
-    t0 = time.perf_counter()
-    for i in range(n_steps):
-        x, y = next(it)
-        params, opt_state, ce, _ = step(params, opt_state, x, y, jax.random.key(i))
-    jax.block_until_ready(ce)
-    dt = time.perf_counter() - t0
-    return args.batch * args.seq * n_steps / dt, float(ce)
-
-
 # ----------------------------------------------------------------------------------------------
 
 
@@ -371,12 +286,7 @@ def parse_args(argv=None):
                          "of valid.txt)")
     ap.add_argument("--expert-parallel", action="store_true",
                     help="shard the experts over all devices (mesh axis 'ep'); experts and tokens must divide")
-    ap.add_argument("--baseline", action="store_true",
-                    help="also time the same model in plain flax + jnp and print tokens/s side by side")
-    ap.add_argument("--baseline-steps", type=int, default=20)
     ap.add_argument("--no-checkpoint", action="store_true")
-    ap.add_argument("--benchmark-only", action="store_true",
-                    help="skip the training run: only the tokens/s comparison with the baseline (implies --baseline)")
     args = ap.parse_args(argv)
     for name in ("steps", "batch", "seq", "eval_every", "eval_tokens"):
         if getattr(args, name) < 1:
@@ -393,8 +303,6 @@ def main(argv=None):
     if args.expert_parallel:
         cfg["mesh"] = jax.sharding.Mesh(np.array(jax.devices()), ("ep",))
         cfg["expert_axis"] = "ep"
-    if args.benchmark_only:
-        return _compare(args, cfg, {})
     model = MoELM(cfg)
     train, valid, corpus = load_data(args.data_dir, args.seq)
     it = batches(train, args.batch, args.seq, args.seed + 1)
@@ -465,27 +373,6 @@ def main(argv=None):
         print(f"checkpoint: {summary['checkpoint']}  (sample: python examples/sample.py --checkpoint "
               f"{summary['checkpoint']})")
 
-    if args.baseline:
-        return _compare(args, cfg, summary)
-    with open(os.path.join(args.out, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
-    return summary
-
-
-def _compare(args, cfg, summary):
-    """tokens/s of te_layers vs the plain flax + jnp model (same architecture), same process."""
-    n = args.baseline_steps
-    ours, ce_ours = time_steps(MoELM(cfg), cfg, args, n, "te_layers")
-    base_cfg = {k_: v for k_, v in cfg.items() if k_ not in ("mesh", "expert_axis")}
-    theirs, ce_theirs = time_steps(MoELM(base_cfg, block=BaselineBlock), base_cfg, args, n, "baseline")
-    summary.update(te_layers_tokens_per_s=ours, baseline_tokens_per_s=theirs, ratio=ours / theirs,
-                   timed_steps=n, batch=args.batch, seq=args.seq, backend=jax.default_backend(),
-                   device=str(jax.devices()[0].device_kind), config={k_: str(v) for k_, v in cfg.items()},
-                   last_loss_te_layers=ce_ours, last_loss_baseline=ce_theirs)  # fmt: skip
-    print(f"\ntokens/s over {n} training steps (batch {args.batch} x seq {args.seq}, {jax.default_backend()}):")
-    print(f"  {'te_layers (te_ops fused ops)':<46}{ours:>14,.0f}")
-    print(f"  {'baseline (flax + XLA attention + ragged_dot)':<46}{theirs:>14,.0f}")
-    print(f"  {'ratio te_layers / baseline':<46}{ours / theirs:>14.2f}")
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     return summary
