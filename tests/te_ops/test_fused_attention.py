@@ -464,7 +464,11 @@ def _emulated_ffi_call(target, result_shapes, *args, **attrs):
         q, k, v, out, g, lse, bias, ql, kl, _seed = args
     b, s_q, hq, _ = q.shape
     s_k = k.shape[1]
+    br = int(attrs["bottom_right"])
+    assert not (br and has_bias and (lb >= 0 or rb >= 0)), "cuDNN's bottom-right band takes no bias"
     i, j = jnp.arange(s_q)[:, None], jnp.arange(s_k)[None]
+    if br and (lb >= 0 or rb >= 0):  # BOTTOM_RIGHT: query i sits at key i + (Sk - Sq), per batch with padding
+        i = i + ((kl - ql)[:, None, None, None] if padding else s_k - s_q)
     keep = jnp.ones((1, 1, s_q, s_k), bool)
     if rb >= 0:
         keep = keep & (j <= i + rb)
