@@ -66,7 +66,14 @@ CASES = {
     "head_dim_256": dict(d=256, mask_type="causal"),
     "dv_64_d_128": dict(d=128, dv=64),
     "odd_lengths": dict(sq=100, sk=77, mask_type="padding_causal", lens=True),
-}
+    # bottom-right causal masks (cuDNN BOTTOM_RIGHT band; with a bias: folded into the additive mask)
+    "causal_bottom_right_sq_lt_sk": dict(mask_type="causal_bottom_right", sq=128, sk=320),
+    "padding_causal_bottom_right_sq_gt_sk": dict(mask_type="padding_causal_bottom_right", sq=256, sk=128, lens=True),
+    "causal_bottom_right_window_bias": dict(mask_type="causal_bottom_right", sq=128, sk=320, window=(64, 0),
+                                            bias=(1, 4)),
+    # packed cross-attention with per-segment positions (folded into the additive mask)
+    "packed_positions_causal_window": dict(mask_type="causal", sq=256, sk=320, window=(48, 0), packed=True),
+}  # fmt: skip
 
 
 def _case(name, dtype, seed=0):
@@ -92,12 +99,30 @@ def _case(name, dtype, seed=0):
             seg[0, cut[i] : cut[i + 1]] = i + 1
         seg[1] = np.repeat(np.arange(4), sq // 4 + 1)[:sq] + 10
         kw["q_segment_ids"] = kw["kv_segment_ids"] = jnp.asarray(seg)
+    if c.pop("packed", False):
+        kw.update(_packed(b, sq, sk))
     bias = None
     if "bias" in c:
         bb, bh = c.pop("bias")
         bias = jax.random.normal(jax.random.key(seed + 9), (bb, bh, sq, sk), F32).astype(dtype)
     assert not c, c
     return (q, k, v, g, bias), kw
+
+
+def _packed(b, sq, sk):
+    """Packed cross-attention: 3 segments per row; each query segment is the last tokens of its kv
+    segment (query positions continue the kv positions, which restart at 0 per segment)."""
+    q_cut, k_cut = [0, sq // 4, sq // 2 + 5, sq], [0, sk // 3, sk // 2 + 20, sk]
+    qs, ks = np.zeros((b, sq), np.int32), np.zeros((b, sk), np.int32)
+    qp, kp = np.zeros((b, sq), np.int32), np.zeros((b, sk), np.int32)
+    for r in range(b):
+        for i in range(3):
+            nq, nk = q_cut[i + 1] - q_cut[i], k_cut[i + 1] - k_cut[i]
+            qs[r, q_cut[i] : q_cut[i + 1]] = ks[r, k_cut[i] : k_cut[i + 1]] = i + 1 + 10 * r
+            kp[r, k_cut[i] : k_cut[i + 1]] = np.arange(nk)
+            qp[r, q_cut[i] : q_cut[i + 1]] = np.arange(nq) + (nk - nq if r == 0 else 0)
+    return dict(q_segment_ids=jnp.asarray(qs), kv_segment_ids=jnp.asarray(ks), q_segment_pos=jnp.asarray(qp),
+                kv_segment_pos=jnp.asarray(kp))  # fmt: skip
 
 
 # Every case in bfloat16; a representative subset in float16 (keeps the file well under a minute).
@@ -115,6 +140,7 @@ def test_native_matches_reference(case, dtype):
         v_shape=v.shape,
         bias_shape=None if bias is None else bias.shape,
         has_segments="q_segment_ids" in kw,
+        has_positions="q_segment_pos" in kw,
         mask_type=kw.get("mask_type", "none"),
         window=kw.get("window_size"),
         scale=1 / np.sqrt(q.shape[3]),
@@ -305,7 +331,8 @@ def _visible(b, s_q, s_k, kw):
 
     return ref.visible(b, s_q, s_k, mask_type=kw.get("mask_type", "none"), window=kw.get("window_size"),
                        q_seqlens=kw.get("q_seqlens"), kv_seqlens=kw.get("kv_seqlens"),
-                       q_segment_ids=kw.get("q_segment_ids"), kv_segment_ids=kw.get("kv_segment_ids"))
+                       q_segment_ids=kw.get("q_segment_ids"), kv_segment_ids=kw.get("kv_segment_ids"),
+                       q_segment_pos=kw.get("q_segment_pos"), kv_segment_pos=kw.get("kv_segment_pos"))
 
 
 def _check_nonfinite(out, want, exempt, dtype, what):
