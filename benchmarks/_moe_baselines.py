@@ -32,14 +32,15 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-# Dense bf16 tensor-core peak (TFLOP/s, no sparsity) per results-folder device name
-# (_timing.device_folder of the device kind); MFU is reported against it, None elsewhere.
-PEAK_BF16_TFLOPS = {"h200": 989.0, "h100": 989.0, "h100-pcie": 756.0, "h800": 989.0, "a100": 312.0}
+# Dense bf16 tensor-core peak (TFLOP/s, no sparsity) by device kind (jax's device_kind, lower case,
+# first matching substring wins); MFU is reported against it, None for other devices and CPUs.
+PEAK_BF16_TFLOPS = (("h200", 989.0), ("h100 pcie", 756.0), ("h100", 989.0), ("h800", 989.0), ("a100", 312.0))
 
 
-def peak_tflops(device_folder: str) -> float | None:
-    """Dense bf16 peak of the device (``PEAK_BF16_TFLOPS``), None for CPUs and unlisted devices."""
-    return PEAK_BF16_TFLOPS.get(device_folder)
+def peak_tflops(device_kind: str) -> float | None:
+    """Dense bf16 peak of the device (``PEAK_BF16_TFLOPS``), e.g. "NVIDIA H200" -> 989; None if unlisted."""
+    kind = device_kind.lower()
+    return next((peak for key, peak in PEAK_BF16_TFLOPS if key in kind), None)
 
 
 def train_flops_per_token(cfg: dict, seq: int, vocab: int = 256) -> dict[str, float]:
@@ -113,7 +114,7 @@ def capacity_slots(idx: jax.Array, num_experts: int, cap: int) -> Slots:
     dest = jnp.where(keep, sorted_e * cap + rank, s)  # s: out of range, dropped by the scatters below
     slot_pair = jnp.full((s,), n, jnp.int32).at[dest].set(order, mode="drop")
     slot_src = jnp.where(slot_pair < n, slot_pair % t, t)
-    slot_of = jnp.zeros((n,), jnp.int32).at[order].set(dest).reshape(k, t).T
+    slot_of = jnp.zeros((n,), jnp.int32).at[order].set(dest, unique_indices=True).reshape(k, t).T  # a permutation
     return Slots(slot_src, slot_of, slot_pair, keep.sum())
 
 

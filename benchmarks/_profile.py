@@ -118,6 +118,7 @@ def _jit_kernel_names(*rel_paths: str) -> frozenset[str]:
 
 GROUPED_GEMM_KERNELS = _jit_kernel_names("grouped_dense/triton_kernels.py")
 PERMUTATION_KERNELS = _jit_kernel_names("permutation/triton_kernels.py", "permutation/gluon_kernels.py")
+NORM_KERNELS = _jit_kernel_names("normalization/triton_kernels.py")
 
 _RE = dict(
     # cuDNN fused attention (jax's cudnn path and te_ops.fused_attention: "cudnn_generated_..._sdpa_..."),
@@ -157,8 +158,8 @@ def classify_kernel(name: str, scope: str = "") -> str:
     """The category (one of ``CATEGORIES``) of a GPU kernel from its name and, for XLA's own
     kernels, the name scope of the op it came from (``scope``: the event's op-name text, may be "").
 
-    Library and te_ops kernels are placed by name first (cuDNN attention, our Triton grouped GEMM
-    and permutation kernels, te_ops router/norm kernels, cuBLAS/CUTLASS GEMMs); XLA fusions
+    Library and te_ops kernels are placed by name first (cuDNN attention, our Triton grouped GEMM,
+    permutation and normalization kernels, te_ops router kernels, cuBLAS/CUTLASS GEMMs); XLA fusions
     (``loop_*_fusion``, ``input_*_fusion``, ...) by the scope of their op: attention core, router,
     dispatch/combine, norms; whatever is left (the optimizer update, activations, casts, residual
     adds, the loss) is optimizer/elementwise.
@@ -173,7 +174,7 @@ def classify_kernel(name: str, scope: str = "") -> str:
         return "permutation"
     if _RE["router"].search(name):
         return "router"
-    if _RE["norms"].search(name):
+    if base in NORM_KERNELS or _RE["norms"].search(name):
         return "norms"
     if _SCOPE["attention"].search(path):
         return "attention"  # XLA attention: its batched GEMMs and softmax fusions

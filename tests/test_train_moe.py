@@ -122,7 +122,8 @@ def test_train_flops_formula_and_peak_table():
     per_layer = 1024 * (16 + 8) * 64 + 1024 * 1024 + 1024 * 16 + 2 * 3 * 1024 * 2048
     assert fl["active_params"] == 4 * per_layer + 1024 * 256
     assert fl["total"] == 6 * fl["active_params"] + 12 * 4 * 1024 * 1024
-    assert mb.peak_tflops("h200") == 989.0 and mb.peak_tflops("cpu") is None
+    assert mb.peak_tflops("NVIDIA H200") == 989.0 and mb.peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert mb.peak_tflops("cpu") is None
     assert mb.capacity(1.25, 16384, 2, 16) == 2560 and mb.capacity(1.0, 16384, 2, 16) == 2048
 
 
@@ -151,6 +152,7 @@ def _trace_fixture():
         ("void te::router::RowForwardKernel<__nv_bfloat16, 1, 4>(te::router::RowParams)", "", "router", 1),
         ("input_reduce_fusion_3", "jit(step)/jvp(MoELM)/block0/router/reduce_max", "router", 1),
         ("loop_multiply_fusion", "jit(step)/transpose(jvp(MoELM))/block0/ln1/mul", "norms", 2),
+        ("norm_fwd_kernel", "", "norms", 1),
         ("input_reduce_fusion", "jit(step)/jvp(MoELM)/ln_f/reduce_sum", "norms", 1),
         ("loop_add_fusion_12", "jit(step)/add", "optimizer/elementwise", 4),
         ("void te::dense::act::ActForwardKernel<float>(Params)", "", "optimizer/elementwise", 1),
@@ -179,6 +181,7 @@ def test_profile_classifier_on_hand_built_trace(tmp_path):
 
     assert {"grouped_gemm_kernel", "grouped_wgrad_kernel"} <= _profile.GROUPED_GEMM_KERNELS
     assert {"dispatch_kernel", "combine_kernel", "combine_bwd_kernel"} <= _profile.PERMUTATION_KERNELS
+    assert "norm_fwd_kernel" in _profile.NORM_KERNELS
     trace, kernels = _trace_fixture()
     for name, scope, cat, _ in kernels:
         assert _profile.classify_kernel(name, scope) == cat, (name, scope)
