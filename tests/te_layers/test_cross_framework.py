@@ -89,3 +89,56 @@ def test_same_parameters_same_outputs():
     np.testing.assert_allclose(np.asarray(y_eqx), np.asarray(y_lin), rtol=1e-6, atol=1e-6)
     assert float(aux_lin) > 0
     np.testing.assert_allclose([float(aux_nnx), float(aux_eqx)], [float(aux_lin)] * 2, rtol=1e-6)
+
+
+def test_attention_segment_positions_and_bottom_right_agree_across_frameworks():
+    """DotProductAttention's q_segment_pos/kv_segment_pos and bottom-right masks, MultiHeadAttention's
+    segment_pos: the same keywords in every framework, the same numbers as te_ops.fused_attention."""
+    import equinox as eqx
+
+    from te_ops.fused_attention import fused_attention
+
+    kq, kk, kv = jax.random.split(jax.random.key(1), 3)
+    sq, sk = 8, 12
+    q = jax.random.normal(kq, (A.B, sq, A.NH, A.D))
+    k = jax.random.normal(kk, (A.B, sk, A.NKV, A.D))
+    v = jax.random.normal(kv, (A.B, sk, A.NKV, A.D))
+    qseg = jnp.array([[1] * 3 + [2] * 5] * A.B, jnp.int32)
+    kseg = jnp.array([[1] * 5 + [2] * 7] * A.B, jnp.int32)
+    qpos = jnp.array([[2, 3, 4, 2, 3, 4, 5, 6]] * A.B, jnp.int32)  # queries are the last tokens of each segment
+    kpos = jnp.array([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]] * A.B, jnp.int32)
+    packed = dict(q_segment_ids=qseg, kv_segment_ids=kseg, q_segment_pos=qpos, kv_segment_pos=kpos)
+    for mask_type, call_kw in (("causal", packed), ("causal_bottom_right", {})):
+        want = fused_attention(q, k, v, mask_type=mask_type, window_size=(3, 0), **call_kw)
+        lin = te_linen.DotProductAttention(mask_type=mask_type, window_size=(3, 0))
+        got = [
+            lin.apply({}, q, k, v, **call_kw),
+            te_nnx.DotProductAttention(mask_type=mask_type, window_size=(3, 0))(q, k, v, **call_kw),
+            te_eqx.DotProductAttention(mask_type=mask_type, window_size=(3, 0))(q, k, v, **call_kw),
+        ]
+        for y in got:
+            np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-6, atol=1e-6, err_msg=mask_type)
+    # positions change the mask (the index-based one differs here)
+    by_pos = fused_attention(q, k, v, mask_type="causal", window_size=(3, 0), **packed)
+    by_index = fused_attention(q, k, v, mask_type="causal", window_size=(3, 0), q_segment_ids=qseg,
+                               kv_segment_ids=kseg)  # fmt: skip
+    assert not np.allclose(np.asarray(by_index), np.asarray(by_pos))
+
+    # MultiHeadAttention: segment_pos steers the mask (and RoPE); same parameters, same outputs
+    x = jax.random.normal(jax.random.key(2), (A.B, A.S, A.H))
+    seg = jnp.array([[1] * 6 + [2] * (A.S - 6)] * A.B, jnp.int32)
+    spos = jnp.array([list(range(6)) + [i // 2 for i in range(A.S - 6)]] * A.B, jnp.int32)  # pairs share a position
+    lin = te_linen.MultiHeadAttention(A.NH, A.D, num_kv_heads=A.NKV, use_bias=True, name="attn")
+    params = jax.jit(lambda key: nn.meta.unbox(lin.init(key, x, segment_ids=seg, segment_pos=spos)))(
+        jax.random.key(4))["params"]
+    y_lin = lin.apply({"params": params}, x, segment_ids=seg, segment_pos=spos)
+    y_plain = lin.apply({"params": params}, x, segment_ids=seg)
+    assert not np.allclose(np.asarray(y_lin), np.asarray(y_plain), atol=1e-4)
+    n = A.load_nnx(te_nnx.MultiHeadAttention(A.H, A.NH, A.D, num_kv_heads=A.NKV, use_bias=True, rngs=nnx.Rngs(0)),
+                   params)  # fmt: skip
+    e = A.load_eqx(te_eqx.MultiHeadAttention(A.H, A.NH, A.D, num_kv_heads=A.NKV, use_bias=True,
+                                             key=jax.random.key(0)), params)  # fmt: skip
+    y_nnx = n(x, segment_ids=seg, segment_pos=spos)
+    y_eqx = eqx.filter_jit(lambda m: m(x, segment_ids=seg, segment_pos=spos))(e)
+    np.testing.assert_allclose(np.asarray(y_nnx), np.asarray(y_lin), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(y_eqx), np.asarray(y_lin), rtol=1e-6, atol=1e-6)

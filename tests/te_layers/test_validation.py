@@ -331,6 +331,11 @@ INPUT_CASES = [
      "segment_ids must be an integer array [B, S], got dtype float32."),
     ("MultiHeadAttention", {}, (_x((B, S, H)),), dict(segment_ids=jnp.zeros((B, S + 1), jnp.int32)), ValueError,
      "segment_ids must have shape [B, S] = (2, 8), got (2, 9)."),
+    ("MultiHeadAttention", {}, (_x((B, S, H)),), dict(segment_pos=jnp.zeros((B, S), jnp.int32)), ValueError,
+     "segment_pos (positions inside the packed segments) needs segment_ids; pass segment_ids or drop segment_pos."),
+    ("MultiHeadAttention", {}, (_x((B, S, H)),),
+     dict(segment_ids=jnp.zeros((B, S), jnp.int32), segment_pos=jnp.zeros((B, S - 1), jnp.int32)), ValueError,
+     "segment_pos must have shape [B, S] = (2, 8), got (2, 7)."),
     ("MultiHeadAttention", {}, (_x((B, S, H)),), dict(seqlens=jnp.full((B,), S)), ValueError,
      "seqlens are only used with a padding mask_type ('padding', 'padding_causal' or "
      "'padding_causal_bottom_right'), got mask_type='causal'."),
