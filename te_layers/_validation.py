@@ -524,3 +524,33 @@ def mha_inputs(layer: str, x: Any, inputs_kv: Any, *, dtype: Any, in_features: i
             raise ValueError(err(layer, f"positions must have shape [B, S] = {(b, s)}, got "
                                         f"{tuple(positions.shape)}."))  # fmt: skip
     return x, inputs_kv
+
+
+# ----------------------------------------------------------------------------------------------
+# Normalization layers (RMSNorm, LayerNorm)
+# ----------------------------------------------------------------------------------------------
+
+
+def check_norm(layer: str, *, sizes: dict[str, Any], epsilon: Any, zero_centered_gamma: Any, dtype: Any,
+               param_dtype: Any, scale_axes: Any, bias_axes: Any = ABSENT) -> None:  # fmt: skip
+    """RMSNorm / LayerNorm: feature size (NNX, Equinox), epsilon > 0, flags, dtypes, axes."""
+    _sizes(layer, sizes)
+    real(layer, "epsilon", epsilon, lo=0.0, lo_open=True, fix="It keeps 1 / sqrt(var + epsilon) finite, e.g. 1e-6.")
+    flag(layer, "zero_centered_gamma", zero_centered_gamma)
+    compute_dtype_arg(layer, dtype)
+    param_dtype_arg(layer, "param_dtype", param_dtype)
+    axes(layer, "scale_axes", scale_axes, 1)
+    if bias_axes is not ABSENT:
+        axes(layer, "bias_axes", bias_axes, 1)
+
+
+def norm_inputs(layer: str, x: Any, residual: Any, dtype: Any, in_features: int | None):
+    """``x [..., H]`` (H = the layer's features when known) and an optional residual of x's shape."""
+    x = compute_input(layer, "x", x, dtype, min_rank=1, layout="[..., H]")
+    features(layer, "x", x, in_features)
+    if residual is not None:
+        residual = compute_input(layer, "residual", residual, dtype, min_rank=1, layout="[..., H]")
+        if tuple(residual.shape) != tuple(x.shape):
+            raise ValueError(err(layer, f"residual must have x's shape {tuple(x.shape)}, got "
+                                        f"{tuple(residual.shape)}."))  # fmt: skip
+    return x, residual

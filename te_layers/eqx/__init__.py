@@ -1,5 +1,5 @@
 """Equinox modules on te_ops: Dense, Softmax, DotProductAttention, MultiHeadAttention, TopKRouter,
-MoEBlock.
+MoEBlock, RMSNorm, LayerNorm (in ``norm.py``).
 
 Conventions: input sizes at construction and a keyword-only ``key`` (``jax.random`` key) for the
 initialisers; configuration in static fields, parameters as array fields (stored in
@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec
 
 from te_layers import _common as C
 from te_layers import _validation as V
+from te_layers.eqx.norm import LayerNorm, RMSNorm
 
 Initializer = Callable[..., jax.Array]
 Axes = Sequence[str | None] | None
@@ -332,9 +333,11 @@ def logical_axes(model: Any) -> Any:
 __all__ = [
     "Dense",
     "DotProductAttention",
+    "LayerNorm",
     "MoEAux",
     "MoEBlock",
     "MultiHeadAttention",
+    "RMSNorm",
     "Softmax",
     "TopKRouter",
     "logical_axes",

@@ -1,5 +1,5 @@
 """Flax Linen modules on te_ops: Dense, Softmax, DotProductAttention, MultiHeadAttention, TopKRouter,
-MoEBlock.
+MoEBlock, RMSNorm, LayerNorm (in ``norm.py``).
 
 Conventions: dataclass fields for configuration, ``self.param`` wrapped in
 ``nn.with_logical_partitioning`` (logical axis names, mapped to mesh axes with
@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from te_layers import _common as C
 from te_layers import _validation as V
+from te_layers.linen.norm import LayerNorm, RMSNorm
 
 Initializer = Callable[..., jax.Array]
 Axes = Sequence[str | None] | None
@@ -358,8 +359,10 @@ def collect_aux_loss(intermediates: Any) -> jax.Array:
 __all__ = [
     "Dense",
     "DotProductAttention",
+    "LayerNorm",
     "MoEBlock",
     "MultiHeadAttention",
+    "RMSNorm",
     "Softmax",
     "TopKRouter",
     "collect_aux_loss",

@@ -1,5 +1,5 @@
 """Flax NNX modules on te_ops: Dense, Softmax, DotProductAttention, MultiHeadAttention, TopKRouter,
-MoEBlock.
+MoEBlock, RMSNorm, LayerNorm (in ``norm.py``).
 
 Conventions: input sizes given at construction, parameters created eagerly from ``rngs``
 (``rngs.params``), ``nnx.Param`` carrying ``out_sharding`` logical axis metadata (what
@@ -27,6 +27,7 @@ from flax import nnx
 
 from te_layers import _common as C
 from te_layers import _validation as V
+from te_layers.nnx.norm import LayerNorm, RMSNorm
 
 Initializer = Callable[..., jax.Array]
 Axes = Sequence[str | None] | None
@@ -316,8 +317,10 @@ __all__ = [
     "Dense",
     "DotProductAttention",
     "ExpertBias",
+    "LayerNorm",
     "MoEBlock",
     "MultiHeadAttention",
+    "RMSNorm",
     "Softmax",
     "TokensPerExpert",
     "TopKRouter",
