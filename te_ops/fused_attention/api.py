@@ -323,9 +323,10 @@ def fused_attention(
     ``v`` or ``bias`` at a pair that is masked (or has probability 0) can still reach the rows of
     the same tile as NaN, and with segment ids (applied as an additive -inf mask) a masked NaN
     ``k`` makes the row NaN. Keep padding and masked positions finite when using it. With segment
-    positions, or with a bottom-right mask and segment ids, the causal and window rules go into that
-    additive mask too. cuDNN runs bottom-right masks without bias and dropout only (a
-    ``*_bottom_right`` call with a bias or dropout runs on the reference with ``implementation=None``).
+    positions, or with a bottom-right mask and segment ids or a bias, the causal and window rules go
+    into that additive mask too (cuDNN's own masks compare indices, and its bottom-right mask takes no
+    bias). Where cuDNN refuses a configuration (e.g. a bottom-right mask with dropout),
+    ``implementation=None`` runs the reference.
 
     Args:
       q: ``[B, Sq, Hq, D]`` bfloat16/float16 (float32 on the reference path only).
