@@ -10,8 +10,9 @@ the same parameters give the same outputs in all three:
 * ``te_layers.eqx`` — Equinox (keyword-only ``key``; MoE modules return the aux loss alongside the
   output).
 
-Each provides ``Dense``, ``Softmax``, ``DotProductAttention``, ``MultiHeadAttention`` (fused QKV,
-GQA, RoPE, masks and packed segments, dropout), ``TopKRouter`` and ``MoEBlock`` (router ->
+Each provides ``Dense``, ``Softmax``, ``RMSNorm``, ``LayerNorm`` (optionally fused with the residual
+addition), ``DotProductAttention``, ``MultiHeadAttention`` (fused QKV, GQA, RoPE, masks and packed
+segments, dropout), ``TopKRouter`` and ``MoEBlock`` (router ->
 token_dispatch -> grouped-GEMM expert FFN (gated SiLU/GELU) -> token_combine, optional expert
 parallelism over a mesh axis and aux-loss-free expert-bias balancing). Import the flavour you use
 (``from te_layers import linen as tel``); this package itself imports no framework.
