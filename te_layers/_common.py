@@ -199,7 +199,7 @@ def heads_attention(
         q = rotary_embedding(q, positions, rope_theta)
         k = rotary_embedding(k, kv_positions, rope_theta)
     out = attention_apply(q, k, v, q_segment_ids=segment_ids, q_segment_pos=segment_pos, **attn_kw)
-    return out.reshape(b, sq, -1)
+    return out.reshape(b, sq, out.shape[2] * out.shape[3])  # explicit size: -1 is ambiguous when B or Sq is 0
 
 
 # ----------------------------------------------------------------------------------------------

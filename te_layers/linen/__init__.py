@@ -46,6 +46,21 @@ def _stored_dim(mod: nn.Module, path: Sequence[str], axis: int) -> int | None:
     return nn.meta.unbox(node).shape[axis]
 
 
+def _dropout_key(mod: nn.Module, layer: str, stream: str, deterministic: bool) -> jax.Array | None:
+    """A key from the ``stream`` RNG stream for dropout on a training call, None otherwise; a missing stream
+    raises here (Flax's own error would not name the layer or how to pass the key)."""
+    if mod.dropout_rate <= 0 or deterministic:
+        return None
+    if not mod.has_rng(stream):
+        name = "dropout_rng" if layer == "DotProductAttention" else "rngs"
+        raise ValueError(
+            V.err(layer, f"dropout (dropout_rate={mod.dropout_rate}) with deterministic=False needs the {stream!r} RNG "
+                         f"stream ({name}): pass rngs={{{stream!r}: key}} to apply/init, or call with "
+                         "deterministic=True.")
+        )  # fmt: skip
+    return mod.make_rng(stream)
+
+
 class Dense(nn.Module):
     """``activation(x @ kernel + bias)`` on ``te_ops.dense``: kernel ``[in, features]``, bias ``[features]``."""
 
@@ -114,7 +129,7 @@ class DotProductAttention(nn.Module):
                  kv_segment_ids=None, q_segment_pos=None, kv_segment_pos=None,
                  deterministic: bool = True):  # fmt: skip
         q, k, v = V.attention_inputs("DotProductAttention", q, k, v)
-        rng = self.make_rng(self.dropout_rng) if (self.dropout_rate > 0 and not deterministic) else None
+        rng = _dropout_key(self, "DotProductAttention", self.dropout_rng, deterministic)
         return C.attention_apply(
             q, k, v, mask_type=self.mask_type, bias=bias, q_seqlens=q_seqlens, kv_seqlens=kv_seqlens,
             q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, q_segment_pos=q_segment_pos,
@@ -183,7 +198,7 @@ class MultiHeadAttention(nn.Module):
             q = proj(nq * d, "query")(x).reshape(b, s, nq, d)
             k = proj(nkv * d, "key")(kv_in).reshape(b, kv_in.shape[1], nkv, d)
             v = proj(nkv * d, "value")(kv_in).reshape(b, kv_in.shape[1], nkv, d)
-        rng = self.make_rng("dropout") if (self.dropout_rate > 0 and not deterministic) else None
+        rng = _dropout_key(self, "MultiHeadAttention", "dropout", deterministic)
         padded = self.mask_type.startswith("padding")
         o = C.heads_attention(
             q, k, v, use_rope=self.use_rope, rope_theta=self.rope_theta, positions=positions, kv_positions=None,

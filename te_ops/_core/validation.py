@@ -156,7 +156,8 @@ def check_implementation(op: str, implementation: Any, names: Sequence[str]) -> 
     message names the public function rather than its registry family)."""
     if implementation is not None and not (isinstance(implementation, str) and implementation in tuple(names)):
         raise ValueError(
-            err(op, f"implementation must be None (best available) or one of {sorted(names)}, got {implementation!r}.")
+            err(op, f"unknown implementation={implementation!r}; expected None (best available) or one of "
+                    f"{sorted(names)}.")
         )
     return implementation
 
