@@ -5,6 +5,9 @@ benchmarks/results/<device>/norm.json (with a ``summary`` for scripts/perf_table
 
     python benchmarks/norm.py [--quick] [--target-only]
 
+A launch sweep at the target shape (SWEEP below) times the in-register kernels with other warp counts
+and numbers of backward programs, to tune the defaults in te_ops/normalization/triton.py.
+
 Target (issue "[2 of 5] End-to-end MoE training speed"): forward+backward >= 1.5x XLA at
 [16384, 4096] bfloat16.
 """
@@ -102,6 +105,33 @@ def bench_case(kind, shape, dtype, has_res, modes=("fwd", "fwd+bwd"), eps=1e-6):
     return rows
 
 
+# (ELEMS_PER_THREAD, BWD_PROGRAMS_PER_SM) of te_ops/normalization/triton.py; the first is the default.
+SWEEP = [(16, 4), (8, 4), (32, 4), (16, 1), (16, 2), (16, 8), (16, 16)]
+
+
+def sweep(kind, shape, dtype, has_res):
+    """fwd and fwd+bwd times of our kernels under each launch configuration (read at trace time, so
+    every configuration gets freshly jitted functions), with XLA's times for the same case."""
+    from te_ops.normalization import triton as tri
+
+    sets, _ = _arg_sets(shape, dtype, kind, has_res)
+    xla = {"fwd": _timing.time_fn(_fwd(xla_norm, kind, 1e-6), sets),
+           "fwd+bwd": _timing.time_fn(_fwd_bwd(xla_norm, kind, 1e-6), sets)}  # fmt: skip
+    default = (tri.ELEMS_PER_THREAD, tri.BWD_PROGRAMS_PER_SM)
+    rows = []
+    try:
+        for ept, per_sm in SWEEP:
+            tri.ELEMS_PER_THREAD, tri.BWD_PROGRAMS_PER_SM = ept, per_sm
+            fwd_ms = _timing.time_fn(_fwd(ours_norm, kind, 1e-6), sets)
+            both_ms = _timing.time_fn(_fwd_bwd(ours_norm, kind, 1e-6), sets)
+            rows.append({"op": kind, "residual": has_res, "elems_per_thread": ept, "bwd_programs_per_sm": per_sm,
+                         "warps": tri.fused_config(shape[-1])[2], "fwd_ms": fwd_ms, "fwd+bwd_ms": both_ms,
+                         "fwd_speedup": xla["fwd"] / fwd_ms, "fwd+bwd_speedup": xla["fwd+bwd"] / both_ms})  # fmt: skip
+    finally:
+        tri.ELEMS_PER_THREAD, tri.BWD_PROGRAMS_PER_SM = default
+    return rows
+
+
 def check_once(kind, shape, dtype, has_res):
     """Largest difference between ours and XLA on one case (printed next to the table)."""
     sets, _ = _arg_sets(shape, dtype, kind, has_res)
@@ -136,6 +166,12 @@ def main():
         rows += bench_case(*case)
     cols = ["op", "mode", "shape", "dtype", "residual", "ours_ms", "xla_ms", "ours_TBps", "xla_TBps", "speedup"]
     _timing.print_table("rms_norm / layer_norm (te_ops Triton vs XLA fused jnp, same process)", rows, cols)
+    sweep_rows = []
+    for kind in ("rms", "layer"):
+        sweep_rows += sweep(kind, target, bf16, False)
+    _timing.print_table(f"launch sweep at {target} bf16 (speedup = XLA ms / ours)", sweep_rows,
+                        ["op", "elems_per_thread", "bwd_programs_per_sm", "warps", "fwd_ms", "fwd+bwd_ms",
+                         "fwd_speedup", "fwd+bwd_speedup"])  # fmt: skip
     diffs = {f"{k} res={r}": check_once(k, target, bf16, r) for k in ("rms", "layer") for r in (False, True)}
     print("max relative |ours - xla| over outputs and gradients at the target shape:", diffs)
     shape_s = "x".join(map(str, target))
@@ -148,8 +184,8 @@ def main():
         "ours_ms": r["ours_ms"], "alternative": "XLA (fused jnp)", "alternative_ms": r["xla_ms"],
         "headline": r["shape"] == shape_s and r["dtype"] == "bfloat16" and r["mode"] == "fwd+bwd" and not r["residual"],
     } for r in rows]  # fmt: skip
-    _timing.write_json("norm", {"rows": rows, "targets": verdict, "max_rel_diff": diffs, "quick": args.quick,
-                                "summary": summary})  # fmt: skip
+    _timing.write_json("norm", {"rows": rows, "sweep": sweep_rows, "targets": verdict, "max_rel_diff": diffs,
+                                "quick": args.quick, "summary": summary})  # fmt: skip
     return 0
 
 

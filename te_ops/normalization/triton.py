@@ -2,7 +2,8 @@
 our Triton bridge (``te_ops._core.triton_bridge.triton_call``). Same signatures and residual layout
 as ``reference.py``.
 
-Launch plan (x flattened to ``[ROWS, H]``):
+Launch plan (x flattened to ``[ROWS, H]``; the module constants are read when a call is traced, so
+benchmarks/norm.py can sweep them):
 
 * H <= :data:`MAX_FUSED_H`: the whole row in registers. Tiles of ``BLOCK_R x BLOCK_H`` with
   ``BLOCK_H = next_pow2(H)`` and ``BLOCK_R`` rows (short rows share a program, so a program always
@@ -38,6 +39,7 @@ MAX_FUSED_H = 8192  # longest row held in registers (16 warps x 16 fp32 values p
 TILE_ELEMS = 4096  # elements per program for short rows (BLOCK_R = TILE_ELEMS // BLOCK_H rows)
 MAX_BLOCK_R = 64
 LOOP_BLOCK_H = 4096  # chunk of a long row
+ELEMS_PER_THREAD = 16  # in-register kernels: num_warps = tile elements / (32 * ELEMS_PER_THREAD), 1..16
 BWD_PROGRAMS_PER_SM = 4  # backward programs per SM (each writes one [H] row of partial sums)
 DPARAM_ROW_GROUPS_PER_SM = 2  # long rows: row groups per SM of the column-tiled parameter-gradient kernel
 
@@ -69,7 +71,7 @@ def fused_config(h: int) -> tuple[int, int, int]:
     """(BLOCK_R, BLOCK_H, num_warps) of the in-register kernels for rows of h <= MAX_FUSED_H."""
     block_h = max(16, _pow2(h))
     block_r = max(1, min(MAX_BLOCK_R, TILE_ELEMS // block_h))
-    warps = max(1, min(16, block_r * block_h // 512))
+    warps = max(1, min(16, block_r * block_h // (32 * ELEMS_PER_THREAD)))
     return block_r, block_h, warps
 
 
