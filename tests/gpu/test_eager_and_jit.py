@@ -114,8 +114,25 @@ def _sort_chunks():
     ), (x,)
 
 
+def _normalization():
+    x = jax.random.normal(_key(0), (64, 1024), jnp.bfloat16)
+    r = jax.random.normal(_key(1), (64, 1024), jnp.bfloat16)
+    gamma = 1 + 0.1 * jax.random.normal(_key(2), (1024,), jnp.float32)
+    beta = 0.1 * jax.random.normal(_key(3), (1024,), jnp.float32)
+
+    def make(impl):
+        def f(x, r, gamma, beta):
+            y, h = te_ops.layer_norm(x, gamma, beta, residual=r, implementation=impl)
+            return te_ops.rms_norm(y, gamma, implementation=impl) + h
+
+        return f
+
+    return "normalization", make, (x, r, gamma, beta)
+
+
 CASES = [
-    _softmax, _dense, _router, _aux_scores, _aux_loss, _attention, _grouped_dense, _dispatch_combine, _sort_chunks
+    _softmax, _dense, _router, _aux_scores, _aux_loss, _attention, _grouped_dense, _dispatch_combine, _sort_chunks,
+    _normalization,
 ]
 
 
