@@ -144,7 +144,8 @@ CONFIG_CASES = [
     ("Softmax", dict(scale=float("nan")), ValueError, "scale", "must be finite, got nan."),
     ("Softmax", dict(scale="1"), TypeError, "scale", "must be a finite Python float, got '1' (str)."),
     ("DotProductAttention", dict(mask_type="sliding"), ValueError, "mask_type",
-     "must be one of ['none', 'causal', 'padding', 'padding_causal'], got 'sliding'."),
+     "must be one of ['none', 'causal', 'padding', 'padding_causal', 'causal_bottom_right', "
+     "'padding_causal_bottom_right'], got 'sliding'."),
     ("DotProductAttention", dict(window_size=(3,)), ValueError, "window_size",
      "must be None or (left, right) with ints >= -1"),
     ("DotProductAttention", dict(window_size=(4, -2)), ValueError, "window_size", "must be None or (left, right)"),
