@@ -18,7 +18,7 @@ import numpy as np
 
 from te_ops._core import registry
 from te_ops._core.partitioning import match_vma
-from te_ops._core.validation import check_float, check_int_array, err, static_choice, static_float
+from te_ops._core.validation import check_float, check_int_array, err, is_array, static_choice, static_float
 from te_ops.fused_attention import native, reference, sharding
 from te_ops.fused_attention.reference import Residuals
 from te_ops.fused_attention.sharding import OPTIONAL
@@ -248,9 +248,31 @@ def _build(mask_type, window, scale, dropout_rate, implementation, present):
     return op
 
 
+def _check_rng(rng: Any) -> jax.Array:
+    """A JAX PRNG key: a typed key array of shape () or a raw uint32[2] key."""
+    if not is_array(rng):
+        raise TypeError(
+            _err(f"rng must be a JAX PRNG key (e.g. jax.random.key(0)), got {type(rng).__name__} {rng!r:.60}.")
+        )
+    rng = jnp.asarray(rng)
+    if jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key):
+        if rng.shape != ():
+            raise ValueError(_err(f"rng must be a single PRNG key (shape ()), got a key array of shape {rng.shape}."))
+        return rng
+    if rng.dtype != jnp.uint32 or rng.shape != (2,):
+        raise TypeError(
+            _err(
+                f"rng must be a JAX PRNG key: a typed key (jax.random.key(0)) or a raw uint32[2] key "
+                f"(jax.random.PRNGKey(0)), got {rng.dtype}{list(rng.shape)}."
+            )
+        )
+    return rng
+
+
 # ----------------------------------------------------------------------------------------------
 # Public API
 # ----------------------------------------------------------------------------------------------
+
 
 
 def fused_attention(
@@ -441,7 +463,7 @@ def fused_attention(
         opt["q_segment_pos"] = _check_ints("q_segment_pos", q_segment_pos, (b, s_q), "[B, Sq]")
         opt["kv_segment_pos"] = _check_ints("kv_segment_pos", kv_segment_pos, (b, s_k), "[B, Sk]")
     if dropout_rate > 0.0:
-        opt["seed"] = dropout_seeds(rng, b, hq)
+        opt["seed"] = dropout_seeds(_check_rng(rng), b, hq)
     present = tuple(opt[n] is not None for n in OPTIONAL)
     optional = tuple(opt[n] for n in OPTIONAL if opt[n] is not None)
     return _build(mask_type, window, scale, dropout_rate, implementation, present)(*match_vma(q, k, v, optional))

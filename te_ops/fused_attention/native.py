@@ -155,6 +155,11 @@ def unsupported_reason(
 ) -> str | None:
     if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
         return f"native (cuDNN) fused_attention supports bfloat16 and float16, got {jnp.dtype(dtype)}"
+    if 0 in (*q_shape, *k_shape, *v_shape):
+        return (
+            f"native (cuDNN) fused_attention needs non-empty inputs, got q {tuple(q_shape)}, k {tuple(k_shape)}, "
+            f"v {tuple(v_shape)} (the reference gives the defined result: zeros)"
+        )
     cfg = _graph_config(
         dtype=dtype,
         q_shape=q_shape,

@@ -167,7 +167,7 @@ def _probs(q, k, bias, keep, scale):
     # m is NaN for a row holding a NaN score and +inf for one holding +inf: exp() then gives NaN at
     # that position and the NaN sum makes the row NaN. A row with no finite score has m = -inf:
     # shifting by 0 instead gives exp(-inf) = 0 everywhere and a zero sum.
-    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.max(s, axis=-1, keepdims=True, initial=-jnp.inf)  # -inf also for Sk = 0 (no key at all)
     m = jnp.where(jnp.isneginf(m), 0.0, m)
     e = jnp.exp(s - m)
     total = jnp.sum(e, axis=-1, keepdims=True)
