@@ -75,7 +75,9 @@ if [ -z "${STEPS:-}" ]; then
   for b in softmax norm router dense attention permutation grouped_dense train_moe; do STEPS="$STEPS bench:$b"; done
 fi
 # Test files compile many kernels: with pytest-xdist available (the .whl/ wheels), run 4 workers per
-# file unless PYTEST_ARGS says otherwise (set PYTEST_ARGS= to run serially).
+# file unless PYTEST_ARGS says otherwise (set PYTEST_ARGS= to run serially). PYTEST_ARGS_<file stem>
+# (e.g. PYTEST_ARGS_test_fused_attention_gpu="-n 2") and TEST_TIMEOUT_<file stem> override them for one
+# file: every xdist worker pays the first cuDNN/Triton initialisation again.
 if [ -z "${PYTEST_ARGS+x}" ]; then
   if $PY -c "import xdist" 2>/dev/null; then PYTEST_ARGS="-n 4"; else PYTEST_ARGS=""; fi
   stamp "PYTEST_ARGS defaulted to '${PYTEST_ARGS}'"
@@ -89,8 +91,10 @@ for step in $STEPS; do
     # SIGINT first: pytest then stops like on Ctrl-C and still prints the failures it has seen.
     f="tests/gpu/$name.py"
     stamp "GPU tests: $f"
-    timeout -s INT -k 20 $(( left < ${TEST_TIMEOUT:-300} ? left - 25 : ${TEST_TIMEOUT:-300} )) $PY -m pytest -m gpu "$f" -q -rs \
-      -p no:cacheprovider -o junit_family=xunit2 --junitxml "$OUT/results/$name.xml" ${PYTEST_ARGS:-} \
+    v="PYTEST_ARGS_$name"; if [ -n "${!v+x}" ]; then file_args=${!v}; else file_args=${PYTEST_ARGS:-}; fi
+    v="TEST_TIMEOUT_$name"; file_timeout=${!v:-${TEST_TIMEOUT:-300}}
+    timeout -s INT -k 20 $(( left < file_timeout ? left - 25 : file_timeout )) $PY -m pytest -m gpu "$f" -q -rs \
+      -p no:cacheprovider -o junit_family=xunit2 --junitxml "$OUT/results/$name.xml" ${file_args:-} \
       || { rc=$?; test_rc=$rc; stamp "$f rc=$rc"; }
   elif [ -f "benchmarks/$name.py" ]; then
     # The first run of a benchmark writes benchmarks/results/<device>/<name>.json in this tree (or
