@@ -68,19 +68,21 @@ def build_models(cfg: dict, names: list[str]) -> dict[str, tuple]:
     out = {}
     for name in names:
         if name == "te_layers":
-            out[name] = (ex.MoELM(cfg), "te_layers (te_ops fused ops)", {})
+            out[name] = (ex.MoELM(dict(cfg, norm="te")), "te_layers (te_ops fused ops)", {})
+        elif name == "te_layers_flax_norm":  # the same with flax.linen.RMSNorm: what the fused norms bring
+            out[name] = (ex.MoELM(dict(cfg, norm="flax")), "te_layers with flax RMSNorm", {})
         elif name == "ragged_dot":
-            out[name] = (ex.MoELM(cfg, block=mb.RaggedDotBlock), RAGGED_LABEL, {"attention": "xla"})
+            out[name] = (ex.MoELM(dict(cfg, norm="flax"), block=mb.RaggedDotBlock), RAGGED_LABEL, {"attention": "xla"})
         elif name.startswith("strong_cf"):
             cf = float(name[len("strong_cf") :])
             impl = mb.attention_implementation(cfg["dtype"]) or "xla"
             label = f"plain JAX: {'cuDNN' if impl == 'cudnn' else 'XLA'} attention + capacity-padded einsum experts "
             label += f"(GShard), capacity factor {cf}"
-            out[name] = (ex.MoELM(dict(cfg, capacity_factor=cf), block=mb.StrongBlock), label,
+            out[name] = (ex.MoELM(dict(cfg, capacity_factor=cf, norm="flax"), block=mb.StrongBlock), label,
                          {"attention": impl, "capacity_factor": cf})  # fmt: skip
         else:
-            raise SystemExit(f"train_moe benchmark: unknown model {name!r} in --models; known: te_layers, ragged_dot, "
-                             "strong_cf<factor>")  # fmt: skip
+            raise SystemExit(f"train_moe benchmark: unknown model {name!r} in --models; known: te_layers, "
+                             "te_layers_flax_norm, ragged_dot, strong_cf<factor>")  # fmt: skip
     return out
 
 
@@ -127,7 +129,8 @@ def parse_args(argv=None):
     ap.add_argument("--batch", type=int, default=None, help="sequences per step (default 16; --tiny: 4)")
     ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 1024; --tiny: 32)")
     ap.add_argument("--models", default=None,
-                    help="comma-separated subset of te_layers, strong_cf<f> (one per --capacity-factors), ragged_dot")
+                    help="comma-separated subset of te_layers, strong_cf<f> (one per --capacity-factors), ragged_dot; "
+                         "also te_layers_flax_norm (te_layers with flax.linen.RMSNorm, not in the default set)")
     ap.add_argument("--capacity-factors", default="1.25,1.0")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per model after the compile step")
     ap.add_argument("--rounds", type=int, default=6, help="timing rounds (model order reversed every other round)")

@@ -49,18 +49,30 @@ from te_layers import linen as tel  # noqa: E402
 # ----------------------------------------------------------------------------------------------
 
 
+def rms_norm(c: dict, name: str) -> nn.Module:
+    """The model's RMSNorm: te_layers' fused one (``norm="te"``, the default) or flax's (``"flax"``).
+    Both hold one ``scale`` parameter [d_model], so checkpoints work with either."""
+    if c.get("norm", "te") == "flax":
+        return nn.RMSNorm(dtype=c["dtype"], name=name)
+    return tel.RMSNorm(dtype=c["dtype"], name=name)
+
+
 class Block(nn.Module):
     cfg: dict
 
     @nn.compact
     def __call__(self, x, deterministic=True):
         c = self.cfg
-        h = nn.RMSNorm(dtype=c["dtype"], name="ln1")(x)
-        x = x + tel.MultiHeadAttention(
+        h = rms_norm(c, "ln1")(x)
+        a = tel.MultiHeadAttention(
             c["heads"], c["d_model"] // c["heads"], num_kv_heads=c["kv_heads"], mask_type="causal", use_rope=True,
             dropout_rate=c["dropout"], dtype=c["dtype"], name="attn",
         )(h, deterministic=deterministic)  # fmt: skip
-        h = nn.RMSNorm(dtype=c["dtype"], name="ln2")(x)
+        if c.get("norm", "te") == "flax":
+            x = x + a
+            h = rms_norm(c, "ln2")(x)
+        else:  # residual add fused into the norm: h = norm(x + a), x = x + a
+            h, x = rms_norm(c, "ln2")(a, residual=x)
         return x + tel.MoEBlock(
             c["experts"], c["topk"], c["ffn"], aux_loss_coeff=c["aux_coeff"], dtype=c["dtype"],
             expert_axis=c.get("expert_axis"), mesh=c.get("mesh"), name="moe",
@@ -78,7 +90,7 @@ class MoELM(nn.Module):
         x = embed(tokens).astype(c["dtype"])
         for i in range(c["layers"]):
             x = self.block(c, name=f"block{i}")(x, deterministic)
-        x = nn.RMSNorm(dtype=c["dtype"], name="ln_f")(x)
+        x = rms_norm(c, "ln_f")(x)
         return embed.attend(x.astype(jnp.float32))  # tied output embedding, fp32 logits
 
 
@@ -164,12 +176,14 @@ def make_train_step(model, tx, donate: bool = False):
     return step
 
 
-MODEL_KEYS = ("d_model", "layers", "heads", "kv_heads", "experts", "topk", "ffn", "aux_coeff", "dropout", "dtype")
+MODEL_KEYS = ("d_model", "layers", "heads", "kv_heads", "experts", "topk", "ffn", "aux_coeff", "dropout", "dtype",
+              "norm")
 
 
 def model_config(cfg: dict) -> dict:
     """The JSON-serialisable part of ``cfg`` that rebuilds the model (no mesh: restore picks its own)."""
-    return {k: (jnp.dtype(cfg[k]).name if k == "dtype" else cfg[k]) for k in MODEL_KEYS}
+    return {k: (jnp.dtype(cfg[k]).name if k == "dtype" else cfg.get(k, "te" if k == "norm" else None))
+            for k in MODEL_KEYS}
 
 
 def save_checkpoint(ckpt_dir: str, params, meta: dict) -> str:
@@ -278,6 +292,8 @@ def parse_args(argv=None):
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--norm", default="te", choices=["te", "flax"],
+                    help="RMSNorm: te_layers' fused one (residual add fused in) or flax.linen.RMSNorm")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-every", type=int, default=50,
                     help="validation loss every this many steps (also before the first and after the last step)")
@@ -299,7 +315,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     cfg = dict(d_model=args.d_model, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
                experts=args.experts, topk=args.topk, ffn=args.ffn, aux_coeff=args.aux_coeff, dropout=args.dropout,
-               dtype=jnp.dtype(args.dtype))  # fmt: skip
+               dtype=jnp.dtype(args.dtype), norm=args.norm)  # fmt: skip
     if args.expert_parallel:
         cfg["mesh"] = jax.sharding.Mesh(np.array(jax.devices()), ("ep",))
         cfg["expert_axis"] = "ep"
