@@ -43,9 +43,14 @@ CANDIDATES = [  # the first is the current default (the sweep checks the others 
     ("128x128x64 w8 s4 gm8", G_(128, 128, 64, 8, 8, 4), W_(128, 128, 64, 8, 8, 4)),
     ("128x128x64 w8 s4 gm8 flat", G_(128, 128, 64, 8, 8, 4, True), W_(128, 128, 64, 16, 8, 4)),
     ("256x128x64 w8 s3 gm8", G_(256, 128, 64, 8, 8, 3), W_(256, 128, 64, 8, 8, 3)),
-    ("128x256x64 w8 s3 gm8 tma", G_(128, 256, 64, 8, 8, 3, USE_TMA=True), W_(128, 256, 64, 8, 8, 3)),
-    ("128x256x64 w8 s4 gm8 tma", G_(128, 256, 64, 8, 8, 4, USE_TMA=True), W_(128, 256, 64, 8, 8, 4)),
-    ("128x128x64 w8 s4 gm8 tma", G_(128, 128, 64, 8, 8, 4, USE_TMA=True), W_(128, 128, 64, 8, 8, 4)),
+    ("128x256x64 w8 s3 gm8 tma", G_(128, 256, 64, 8, 8, 3, USE_TMA=True), W_(128, 256, 64, 8, 8, 3, USE_TMA=True)),
+    ("128x256x64 w8 s4 gm8 tma", G_(128, 256, 64, 8, 8, 4, USE_TMA=True), W_(128, 256, 64, 8, 8, 4, USE_TMA=True)),
+    (
+        "128x256x64 w8 s3 gm8 flat tma",
+        G_(128, 256, 64, 8, 8, 3, True, USE_TMA=True),
+        W_(128, 256, 64, 4, 8, 3, USE_TMA=True),
+    ),
+    ("128x128x64 w8 s4 gm8 tma", G_(128, 128, 64, 8, 8, 4, USE_TMA=True), W_(128, 128, 64, 8, 8, 4, USE_TMA=True)),
 ]
 # (name, M, K, N, G)
 CASES = [

@@ -72,6 +72,7 @@ class WgradConfig:
     GROUP_K: int = 8
     num_warps: int = 8
     num_stages: int = 3
+    USE_TMA: bool = False  # whole row steps through TMA descriptors, the group's last partial step masked
 
 
 DEFAULT_FWD = GemmConfig()
@@ -202,7 +203,9 @@ def grouped_wgrad(x, dy, group_sizes, g: int, *, cfg: WgradConfig, out_dtype):
         np.int32(g),
         out_shape=[SDS((g, k, n), out_dtype)],
         grid=(grid,),
-        constexprs=dict(BKO=cfg.BKO, BN=cfg.BN, BR=cfg.BR, BLOCK_G=max(16, _pow2(g)), GROUP_K=cfg.GROUP_K),
+        constexprs=dict(
+            BKO=cfg.BKO, BN=cfg.BN, BR=cfg.BR, BLOCK_G=max(16, _pow2(g)), GROUP_K=cfg.GROUP_K, USE_TMA=bool(cfg.USE_TMA)
+        ),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         name="te_grouped_wgrad",

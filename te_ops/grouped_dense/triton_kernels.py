@@ -180,8 +180,13 @@ def grouped_wgrad_kernel(
     BR: tl.constexpr,
     BLOCK_G: tl.constexpr,
     GROUP_K: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
-    """dw[g] = x[rows of g]^T @ dy[rows of g]; x: [M, K], dy: [M, N], dw: [G, K, N] (fp32 accumulation)."""
+    """dw[g] = x[rows of g]^T @ dy[rows of g]; x: [M, K], dy: [M, N], dw: [G, K, N] (fp32 accumulation).
+
+    USE_TMA: the whole BR-row steps of the group come through TMA descriptors (no mask needed: every
+    row belongs to the group; columns past K / N are zero-filled); the last partial step, whose rows
+    must stop at the group's end, keeps the masked pointer loads."""
     K = K8 * 8
     N = N8 * 8
     pid = tl.program_id(0)
@@ -210,9 +215,19 @@ def grouped_wgrad_kernel(
     offs_r = tl.arange(0, BR)
     acc = tl.zeros((BKO, BN), dtype=tl.float32)
     iters = tl.cdiv(r1 - r0, BR)
-    xt_ptrs = x_ptr + (r0 + offs_r).to(tl.int64)[None, :] * K + ks_ld[:, None]  # [BKO, BR] view of x^T
-    dy_ptrs = dy_ptr + (r0 + offs_r).to(tl.int64)[:, None] * N + ns_ld[None, :]  # [BR, BN]
-    for i in range(0, iters):
+    i0 = 0
+    if USE_TMA:
+        x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[K, 1], block_shape=[BR, BKO])
+        dy_desc = tl.make_tensor_descriptor(dy_ptr, shape=[M, N], strides=[N, 1], block_shape=[BR, BN])
+        i0 = (r1 - r0) // BR
+        for i in range(0, i0):
+            r = r0 + i * BR
+            a = x_desc.load([r, kt * BKO]).T
+            b = dy_desc.load([r, nt * BN])
+            acc = tl.dot(a, b, acc)
+    xt_ptrs = x_ptr + (r0 + i0 * BR + offs_r).to(tl.int64)[None, :] * K + ks_ld[:, None]  # [BKO, BR] view of x^T
+    dy_ptrs = dy_ptr + (r0 + i0 * BR + offs_r).to(tl.int64)[:, None] * N + ns_ld[None, :]  # [BR, BN]
+    for i in range(i0, iters):
         r_ok = offs_r < r1 - r0 - i * BR
         a = tl.load(xt_ptrs, mask=r_ok[None, :], other=0.0)
         b = tl.load(dy_ptrs, mask=r_ok[:, None], other=0.0)

@@ -97,7 +97,7 @@ def test_triton_matches_reference(shape, dtype, with_bias):
     assert np.all(np.asarray(got[2][empty], np.float32) == 0), "empty groups must get zero dkernels"
 
 
-# The TMA-descriptor variant of the forward/dx kernel (opt-in GemmConfig.USE_TMA): K a multiple of
+# The TMA-descriptor variants of the forward/dx and dkernels kernels (opt-in USE_TMA): K a multiple of
 # BK (its precondition) and not (it must fall back to pointer loads), N not a multiple of BN, the
 # last group ending at M (TMA zero fill) and before it (tail rows), bias on and off.
 TMA_CASES = [((2048, 256, 512, 8), BF16, True), ((1000, 128, 200, 5), F16, False), ((1000, 136, 200, 5), BF16, False)]
@@ -117,7 +117,7 @@ def test_tma_variant_matches_reference(shape, dtype, with_bias, fill):
     s = jnp.asarray(s)
     b = b if with_bias else None
     cfg = tri.GemmConfig(USE_TMA=True)
-    with tri.config_override(cfg, cfg, None):
+    with tri.config_override(cfg, cfg, tri.WgradConfig(USE_TMA=True)):
         got = run("triton", x, w, s, b, dy)
     want = run("reference", x, w, s, b, dy)
     check(got, want, dtype)

@@ -411,6 +411,14 @@ def test_triton_kernels_edge_sizes_under_interpreter():
 
 
 @needs_triton
+def test_triton_tma_kernels_under_interpreter():
+    """The TMA-descriptor variant (GemmConfig.USE_TMA; K a multiple of BK, else the pointer loads) on
+    the general and the clipped / negative-size cases: A tiles that run into the next group or past M,
+    B tiles read from the 2D [G * K, N] / [G * N, K] view."""
+    _run_interpreter("--interpret-tma")
+
+
+@needs_triton
 def test_triton_lowering_for_sm90_without_gpu(monkeypatch):
     """Lowers fwd + bwd for CUDA here (kernels compiled for sm_90, jaxlib's launcher stubbed): the
     kernels compile, use wgmma, fit in shared memory, and a new M reuses the compiled kernels."""
@@ -496,7 +504,7 @@ _EDGE_CASES = [
 ]
 
 
-def _interpret_main(cases=_INTERPRET_CASES, bias_modes=(True, False)) -> int:
+def _interpret_main(cases=_INTERPRET_CASES, bias_modes=(True, False), tma=False) -> int:
     sys.path.insert(0, ROOT)
     from tests.te_ops import _triton_interpret as ti  # sets TRITON_INTERPRET=1 before triton loads
 
@@ -507,8 +515,8 @@ def _interpret_main(cases=_INTERPRET_CASES, bias_modes=(True, False)) -> int:
 
     tri.tb.triton_call = ti.interpreted_call
     tri.num_sms = lambda: 3  # a few persistent programs, each walking several tiles
-    cfg = tri.GemmConfig(BM=16, BN=16, BK=16, GROUP_M=2, num_warps=4, num_stages=2, FLATTEN=True)
-    wcfg = tri.WgradConfig(BKO=16, BN=16, BR=16, GROUP_K=2, num_warps=4, num_stages=2)
+    cfg = tri.GemmConfig(BM=16, BN=16, BK=16, GROUP_M=2, num_warps=4, num_stages=2, FLATTEN=True, USE_TMA=tma)
+    wcfg = tri.WgradConfig(BKO=16, BN=16, BR=16, GROUP_K=2, num_warps=4, num_stages=2, USE_TMA=tma)
     rng = np.random.default_rng(0)
     failures = 0
     for m, k, n, sizes in cases:
@@ -551,3 +559,5 @@ if __name__ == "__main__" and "--interpret" in sys.argv:
     sys.exit(1 if _interpret_main() else 0)
 if __name__ == "__main__" and "--interpret-edge" in sys.argv:
     sys.exit(1 if _interpret_main(_EDGE_CASES, bias_modes=(True,)) else 0)
+if __name__ == "__main__" and "--interpret-tma" in sys.argv:
+    sys.exit(1 if _interpret_main(_INTERPRET_CASES + _EDGE_CASES[:7], bias_modes=(True,), tma=True) else 0)
