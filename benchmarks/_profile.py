@@ -269,17 +269,22 @@ def breakdown(events: list[KernelEvent], steps: int, step_ms: float | None = Non
     ``step_ms``: the step time to split (default: the trace's span, first kernel start to last kernel
     end, over ``steps``). Idle = step time - the time at least one kernel runs (overlapping kernels
     on several streams count once), so busy categories + idle can exceed the step time by the overlap.
-    ``top`` lists each category's three largest kernels.
+    ``top`` lists each category's twenty largest kernels (time per step, launches per step and the
+    name scope of the first launch, which says where an XLA fusion came from).
     """
     if not events:
         return {"steps": steps, "kernels": 0, "categories": {}, "busy_ms": None, "span_ms": None,
                 "step_ms": step_ms, "idle_ms": None, "top": {}}  # fmt: skip
     cat_us = dict.fromkeys(CATEGORIES, 0.0)
     per_kernel: dict[tuple[str, str], float] = collections.defaultdict(float)
+    launches: dict[tuple[str, str], int] = collections.defaultdict(int)
+    scopes: dict[tuple[str, str], str] = {}
     for ev in events:
         cat = classify_kernel(ev.name, ev.scope)
         cat_us[cat] += ev.dur_us
         per_kernel[(cat, ev.name)] += ev.dur_us
+        launches[(cat, ev.name)] += 1
+        scopes.setdefault((cat, ev.name), _scope_path(ev.scope))
     t0 = min(ev.start_us for ev in events)
     t1 = max(ev.start_us + ev.dur_us for ev in events)
     span_ms = (t1 - t0) / steps / 1e3
@@ -287,8 +292,10 @@ def breakdown(events: list[KernelEvent], steps: int, step_ms: float | None = Non
     step = span_ms if step_ms is None else step_ms
     top: dict[str, list] = collections.defaultdict(list)
     for (cat, name), us in sorted(per_kernel.items(), key=lambda kv: -kv[1]):
-        if len(top[cat]) < 3:
-            top[cat].append({"kernel": name, "ms_per_step": us / steps / 1e3})
+        if len(top[cat]) < 20:
+            top[cat].append({"kernel": name, "ms_per_step": us / steps / 1e3,
+                             "launches_per_step": launches[(cat, name)] / steps,
+                             "scope": scopes[(cat, name)][:200]})  # fmt: skip
     return {
         "steps": steps,
         "kernels": len(events),
@@ -310,6 +317,7 @@ def print_breakdown(title: str, r: dict) -> None:
         ms = r["categories"].get(cat, 0.0)
         share = 100 * ms / r["step_ms"] if r["step_ms"] else 0.0
         print(f"  {cat:<24}{ms:9.3f} ms  {share:5.1f}%")
-        for k in r["top"].get(cat, []):
-            print(f"      {k['ms_per_step']:8.3f} ms  {k['kernel'][:110]}")
+        for k in r["top"].get(cat, [])[: 10 if cat == "optimizer/elementwise" else 3]:
+            scope = f"  [{k['scope'][-60:]}]" if k.get("scope") else ""
+            print(f"      {k['ms_per_step']:8.3f} ms  {k['kernel'][:80]}{scope}")
     print(f"  {'idle':<24}{r['idle_ms']:9.3f} ms  {100 * r['idle_ms'] / r['step_ms']:5.1f}%")

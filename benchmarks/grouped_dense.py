@@ -40,9 +40,8 @@ CANDIDATES = [  # the first is the current default (the sweep checks the others 
     ("128x256x64 w8 s3 gm8", G_(128, 256, 64, 8, 8, 3), W_(128, 256, 64, 8, 8, 3)),
     ("128x256x64 w8 s4 gm8", G_(128, 256, 64, 8, 8, 4), W_(128, 256, 64, 8, 8, 4)),
     ("128x256x64 w8 s3 gm8 flat", G_(128, 256, 64, 8, 8, 3, True), W_(128, 256, 64, 4, 8, 3)),
-    ("128x128x64 w8 s4 gm8", G_(128, 128, 64, 8, 8, 4), W_(128, 128, 64, 8, 8, 4)),
+    ("128x128x64 w4 s4 gm8", G_(128, 128, 64, 8, 4, 4), W_(128, 128, 64, 8, 4, 4)),
     ("128x128x64 w8 s4 gm8 flat", G_(128, 128, 64, 8, 8, 4, True), W_(128, 128, 64, 16, 8, 4)),
-    ("256x128x64 w8 s3 gm8", G_(256, 128, 64, 8, 8, 3), W_(256, 128, 64, 8, 8, 3)),
     ("128x256x64 w8 s3 gm8 tma", G_(128, 256, 64, 8, 8, 3, USE_TMA=True), W_(128, 256, 64, 8, 8, 3, USE_TMA=True)),
     ("128x256x64 w8 s4 gm8 tma", G_(128, 256, 64, 8, 8, 4, USE_TMA=True), W_(128, 256, 64, 8, 8, 4, USE_TMA=True)),
     (
@@ -50,12 +49,23 @@ CANDIDATES = [  # the first is the current default (the sweep checks the others 
         G_(128, 256, 64, 8, 8, 3, True, USE_TMA=True),
         W_(128, 256, 64, 4, 8, 3, USE_TMA=True),
     ),
+    (
+        "128x256x64 w8 s4 gm8 flat tma",
+        G_(128, 256, 64, 8, 8, 4, True, USE_TMA=True),
+        W_(128, 256, 64, 4, 8, 4, USE_TMA=True),
+    ),
     ("128x128x64 w8 s4 gm8 tma", G_(128, 128, 64, 8, 8, 4, USE_TMA=True), W_(128, 128, 64, 8, 8, 4, USE_TMA=True)),
+    ("256x128x64 w8 s3 gm8 tma", G_(256, 128, 64, 8, 8, 3, USE_TMA=True), W_(256, 128, 64, 8, 8, 3, USE_TMA=True)),
+    ("128x256x128 w8 s2 gm8 tma", G_(128, 256, 128, 8, 8, 2, USE_TMA=True), W_(128, 256, 128, 8, 8, 2, USE_TMA=True)),
 ]
 # (name, M, K, N, G)
 CASES = [
     ("M131072 K4096 N1024 G64", 131072, 4096, 1024, 64),
     ("DeepSeek-like M65536 K7168 N2048 G32", 65536, 7168, 2048, 32),
+    # the expert GEMMs of benchmarks/train_moe.py's training step (16 x 1024 tokens, top-2, 16 experts):
+    # gate/up projection d1024 -> 2 x 2048 and down projection 2048 -> 1024
+    ("train wi M32768 K1024 N4096 G16", 32768, 1024, 4096, 16),
+    ("train wo M32768 K2048 N1024 G16", 32768, 2048, 1024, 16),
 ]
 TARGETS = {"M131072 K4096 N1024 G64": {"forward": 570.0, "forward+backward": 500.0}}
 
@@ -110,7 +120,7 @@ def rel_err(a, b):
     return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-6))
 
 
-def sweep(x, w, s, dy, reps):
+def sweep(x, w, s, dy, reps, case=""):
     """Times the forward, dx and dkernels kernels of every candidate on their own."""
     m, k = x.shape
     n = w.shape[2]
@@ -126,7 +136,7 @@ def sweep(x, w, s, dy, reps):
         }
         args = {"fwd": (x, w, s), "dx": (dy, w, s), "dkernels": (x, dy, s)}
         for kname, fn in kernels.items():
-            row = {"config": name, "kernel": kname}
+            row = {"case": case, "config": name, "kernel": kname}
             try:
                 out = jax.block_until_ready(fn(*args[kname]))
                 if kname not in first:
@@ -149,7 +159,6 @@ def sweep(x, w, s, dy, reps):
                 flush=True,
             )
     return rows, best
-
 
 
 # --- torch._grouped_mm (CUTLASS, in the GPU image's PyTorch) side by side, same process ---------------
@@ -304,10 +313,14 @@ def main():
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--only", default=None, help="substring of a case name")
     parser.add_argument("--no-sweep", action="store_true")
-    parser.add_argument("--no-torch", action="store_true", help="skip the torch._grouped_mm comparison")
     parser.add_argument(
-        "--no-ragged", action="store_true", help="skip jax.lax.ragged_dot (a dense expansion: slow)"
+        "--sweep-on",
+        default=None,
+        help="comma-separated substrings of the case names to sweep (default: the first case)",
     )
+    parser.add_argument("--sweep-only", action="store_true", help="stop after the sweeps")
+    parser.add_argument("--no-torch", action="store_true", help="skip the torch._grouped_mm comparison")
+    parser.add_argument("--no-ragged", action="store_true", help="skip jax.lax.ragged_dot (a dense expansion: slow)")
     args = parser.parse_args()
     why = tri.tb.unavailable_reason()
     if why or jax.devices()[0].platform != "gpu":
@@ -325,11 +338,16 @@ def main():
         s = uneven_sizes(m, g, seed=ci)
         s_eq = jnp.full((g,), m // g, jnp.int32)
         flops = 2.0 * m * k * n
-        if ci == 0 and not args.no_sweep:
-            sweep_rows, best = sweep(x, w, s, dy, (3, args.calls))
+        swept = (ci == 0) if args.sweep_on is None else any(p in name for p in args.sweep_on.split(","))
+        if swept and not args.no_sweep:
+            case_rows, best = sweep(x, w, s, dy, (3, args.calls), case=name)
+            sweep_rows += case_rows
             if {"fwd", "dx", "dkernels"} <= set(best):
                 best_cfg = (best["fwd"][2], best["dx"][2], best["dkernels"][2])
-                print("best per kernel:", {k_: v[0] for k_, v in best.items()}, flush=True)
+                print(f"best per kernel at {name}:", {k_: v[0] for k_, v in best.items()}, flush=True)
+        if args.sweep_only:
+            report(rows, sweep_rows, best_cfg, final=False)
+            continue
         variants = [("ours (defaults)", None)]
         if best_cfg is not None:
             variants.append(("ours (best per kernel)", best_cfg))
@@ -338,9 +356,7 @@ def main():
         fb_o, fb_e = jax.jit(fwd_bwd(ours))(x, w, s_eq, dy), jax.jit(fwd_bwd(einsum_equal))(x, w, s_eq, dy)
         err_b = max(rel_err(a, b) for a, b in zip(fb_o, fb_e, strict=True))
         del fb_o, fb_e
-        print(
-            f"{name}: max rel diff vs einsum (equal groups) fwd {err_f:.2e} fwd+bwd {err_b:.2e}", flush=True
-        )
+        print(f"{name}: max rel diff vs einsum (equal groups) fwd {err_f:.2e} fwd+bwd {err_b:.2e}", flush=True)
         timings = {}
         for vname, cfg in variants:
             for stage, maker, arg_set, fl in (
@@ -376,8 +392,7 @@ def main():
                 except Exception as e:
                     print(f"{vname} {stage} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
         base = {
-            st: timings.get(("batched einsum (equal groups)", st), (None,))[0]
-            for st in ("forward", "forward+backward")
+            st: timings.get(("batched einsum (equal groups)", st), (None,))[0] for st in ("forward", "forward+backward")
         }
         for (vname, stage), (t, fl) in timings.items():
             target = TARGETS.get(name, {}).get(stage) if vname.startswith("ours") else None
@@ -406,9 +421,7 @@ def main():
 def report(rows, sweep_rows, best_cfg, final):
     best_json = None
     if best_cfg is not None:
-        best_json = {
-            k_: dataclasses.asdict(c) for k_, c in zip(("fwd", "dx", "dkernels"), best_cfg, strict=True)
-        }
+        best_json = {k_: dataclasses.asdict(c) for k_, c in zip(("fwd", "dx", "dkernels"), best_cfg, strict=True)}
     if final:
         cols = ["case", "impl", "stage", "ms", "TFLOPs", "vs_einsum", "target_TFLOPs", "meets_target"]
         _timing.print_table("grouped_dense (bf16)", rows, cols)
@@ -420,9 +433,9 @@ def report(rows, sweep_rows, best_cfg, final):
             )
         if sweep_rows:
             _timing.print_table(
-                "tile-configuration sweep (M131072 K4096 N1024 G64)",
+                "tile-configuration sweep",
                 sweep_rows,
-                ["config", "kernel", "ms", "TFLOPs", "rel_diff_vs_first", "error"],
+                ["case", "config", "kernel", "ms", "TFLOPs", "rel_diff_vs_first", "error"],
             )
         if best_json:
             print(
