@@ -57,6 +57,11 @@ CANDIDATES = [  # the first is the current default (the sweep checks the others 
     ("128x128x64 w8 s4 gm8 tma", G_(128, 128, 64, 8, 8, 4, USE_TMA=True), W_(128, 128, 64, 8, 8, 4, USE_TMA=True)),
     ("256x128x64 w8 s3 gm8 tma", G_(256, 128, 64, 8, 8, 3, USE_TMA=True), W_(256, 128, 64, 8, 8, 3, USE_TMA=True)),
     ("128x256x128 w8 s2 gm8 tma", G_(128, 256, 128, 8, 8, 2, USE_TMA=True), W_(128, 256, 128, 8, 8, 2, USE_TMA=True)),
+    # the Gluon warp-specialized Hopper kernel (forward / dx; the dkernels config is the default's)
+    ("ws 128x256x64 s3 gm8", G_(128, 256, 64, 8, 8, 3, GLUON_WS=True), W_(128, 256, 64, 8, 8, 4)),
+    ("ws 128x256x64 s3 gm1", G_(128, 256, 64, 1, 8, 3, GLUON_WS=True), W_(128, 256, 64, 8, 8, 4)),
+    ("ws 128x128x64 s4 gm8", G_(128, 128, 64, 8, 8, 4, GLUON_WS=True), W_(128, 256, 64, 8, 8, 4)),
+    ("ws 128x128x64 s5 gm8", G_(128, 128, 64, 8, 8, 5, GLUON_WS=True), W_(128, 256, 64, 8, 8, 4)),
 ]
 # (name, M, K, N, G)
 CASES = [
@@ -127,6 +132,8 @@ def sweep(x, w, s, dy, reps, case=""):
     flops = 2.0 * m * k * n
     rows, best, first = [], {}, {}
     for name, gc, wc in CANDIDATES:
+        if sweep.only and not any(p in name for p in sweep.only):
+            continue
         kernels = {
             "fwd": jax.jit(lambda x, w, s, gc=gc: tri.grouped_gemm(x, w, s, None, trans_b=False, cfg=gc)),
             "dx": jax.jit(lambda dy, w, s, gc=gc: tri.grouped_gemm(dy, w, s, None, trans_b=True, cfg=gc)),
@@ -159,6 +166,9 @@ def sweep(x, w, s, dy, reps, case=""):
                 flush=True,
             )
     return rows, best
+
+
+sweep.only = None
 
 
 # --- torch._grouped_mm (CUTLASS, in the GPU image's PyTorch) side by side, same process ---------------
@@ -319,9 +329,13 @@ def main():
         help="comma-separated substrings of the case names to sweep (default: the first case)",
     )
     parser.add_argument("--sweep-only", action="store_true", help="stop after the sweeps")
+    parser.add_argument(
+        "--candidates", default=None, help="comma-separated substrings: sweep only the candidates whose name has one"
+    )
     parser.add_argument("--no-torch", action="store_true", help="skip the torch._grouped_mm comparison")
     parser.add_argument("--no-ragged", action="store_true", help="skip jax.lax.ragged_dot (a dense expansion: slow)")
     args = parser.parse_args()
+    sweep.only = args.candidates.split(",") if args.candidates else None
     why = tri.tb.unavailable_reason()
     if why or jax.devices()[0].platform != "gpu":
         print(f"WARNING: the Triton grouped GEMM cannot run here ({why or 'no GPU'}); nothing to time")

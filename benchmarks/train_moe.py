@@ -37,6 +37,7 @@ if "--profile" in sys.argv[1:] and "xla_gpu_enable_command_buffer" not in os.env
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
@@ -69,6 +70,9 @@ def build_models(cfg: dict, names: list[str]) -> dict[str, tuple]:
     for name in names:
         if name == "te_layers":
             out[name] = (ex.MoELM(dict(cfg, norm="te")), "te_layers (te_ops fused ops)", {})
+        elif name == "te_layers_ws":  # te_layers with the Gluon warp-specialized grouped GEMM (fwd / dx)
+            out[name] = (ex.MoELM(dict(cfg, norm="te")), "te_layers, Gluon warp-specialized grouped GEMM",
+                         {"grouped_gemm": "gluon_ws"})  # fmt: skip
         elif name == "te_layers_flax_norm":  # the same with flax.linen.RMSNorm: what the fused norms bring
             out[name] = (ex.MoELM(dict(cfg, norm="flax")), "te_layers with flax RMSNorm", {})
         elif name == "ragged_dot":
@@ -86,11 +90,22 @@ def build_models(cfg: dict, names: list[str]) -> dict[str, tuple]:
     return out
 
 
+def _context(extra: dict):
+    """The trace-time setting a model variant needs (``grouped_gemm: gluon_ws``), else None."""
+    if extra.get("grouped_gemm") != "gluon_ws":
+        return None
+    from te_ops.grouped_dense import triton as tri
+
+    ws = tri.GemmConfig(GLUON_WS=True)
+    return lambda: tri.config_override(ws, ws, None)
+
+
 class Runner:
     """One model's training state and jitted step; every runner walks the same batch list in order."""
 
-    def __init__(self, model, batches, keys, tx, seed: int):
+    def __init__(self, model, batches, keys, tx, seed: int, context=None):
         self.model, self.batches, self.keys = model, batches, keys
+        self.context = context or contextlib.nullcontext  # trace-time settings (kernel configs)
         self.params = jax.jit(model.init)(jax.random.key(seed), batches[0][0])["params"]
         self.opt_state = tx.init(self.params)
         self.step = ex.make_train_step(model, tx, donate=jax.default_backend() != "cpu")  # CPU cannot donate
@@ -102,8 +117,9 @@ class Runner:
         ce = None
         for _ in range(n):
             x, y = self.batches[self.i % len(self.batches)]
-            self.params, self.opt_state, ce, _ = self.step(self.params, self.opt_state, x, y,
-                                                           self.keys[self.i % len(self.keys)])  # fmt: skip
+            with self.context():
+                self.params, self.opt_state, ce, _ = self.step(self.params, self.opt_state, x, y,
+                                                               self.keys[self.i % len(self.keys)])  # fmt: skip
             self.ces.append(ce)
             self.i += 1
         return ce
@@ -130,7 +146,8 @@ def parse_args(argv=None):
     ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 1024; --tiny: 32)")
     ap.add_argument("--models", default=None,
                     help="comma-separated subset of te_layers, strong_cf<f> (one per --capacity-factors), ragged_dot; "
-                         "also te_layers_flax_norm (te_layers with flax.linen.RMSNorm, not in the default set)")
+                         "also te_layers_flax_norm (te_layers with flax.linen.RMSNorm) and te_layers_ws (the Gluon "
+                         "warp-specialized grouped GEMM), not in the default set")
     ap.add_argument("--capacity-factors", default="1.25,1.0")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per model after the compile step")
     ap.add_argument("--rounds", type=int, default=6, help="timing rounds (model order reversed every other round)")
@@ -176,7 +193,7 @@ def main(argv=None):
         rec = records[name] = {"name": name, "label": label, **extra, "error": None}
         try:
             t0 = time.perf_counter()
-            r = Runner(model, batches, keys, tx, args.seed)
+            r = Runner(model, batches, keys, tx, args.seed, context=_context(extra))
             jax.block_until_ready(r.run(1))
             rec["compile_s"] = time.perf_counter() - t0
             jax.block_until_ready(r.run(args.warmup))

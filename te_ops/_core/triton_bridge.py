@@ -186,6 +186,7 @@ class KernelSpec:
     num_warps: int
     num_stages: int
     divisible_by_16: tuple[str, ...] = ()  # integer parameters promised to be multiples of 16
+    maxnreg: int | None = None  # register limit per thread (warp-specialized kernels redistribute it)
 
     @property
     def gluon(self) -> bool:
@@ -224,6 +225,7 @@ def cache_key(spec: KernelSpec, target: tuple) -> tuple:
         spec.num_warps,
         spec.num_stages,
         spec.divisible_by_16,
+        spec.maxnreg,
         tuple(target),
     )
 
@@ -334,9 +336,10 @@ def _compile_uncached(spec: KernelSpec, target: tuple) -> CompiledKernel:
         if ty.startswith("*") or name in spec.divisible_by_16
     }
     src = source_cls(spec.fn, signature, constexprs=dict(spec.constexprs), attrs=attrs)
-    k = triton.compile(
-        src, target=GPUTarget(*target), options={"num_warps": spec.num_warps, "num_stages": spec.num_stages}
-    )
+    options = {"num_warps": spec.num_warps, "num_stages": spec.num_stages}
+    if spec.maxnreg is not None:
+        options["maxnreg"] = spec.maxnreg
+    k = triton.compile(src, target=GPUTarget(*target), options=options)
     md = k.metadata
     unsupported = [n for n in ("launch_cooperative_grid", "launch_pdl") if getattr(md, n, False)]
     if getattr(md, "tmem_size", 0) or getattr(md, "tensordesc_meta", None) or unsupported:
@@ -564,6 +567,7 @@ def triton_call(
     zeroed_outputs: Sequence[int] = (),
     divisible_by_16: Sequence[str] = (),
     name: str | None = None,
+    maxnreg: int | None = None,
 ) -> list[jax.Array]:
     """Launches ``kernel`` on ``grid`` from JAX.
 
@@ -581,6 +585,9 @@ def triton_call(
         row accesses such as ``ptr + row * H``; a value that is not a multiple of 16 must not be
         named (it would select a different compiled kernel, not a wrong one). Other integer
         parameters are not value-specialised at all.
+      maxnreg: registers per thread the kernel may use (Triton's ``maxnreg``). A warp-specialized
+        Gluon kernel needs it: its partitions' ``setmaxnreg`` budgets are carved out of it, and the
+        default (255) would not fit the register file with a producer warpgroup added.
 
     Returns:
       The list of outputs.
@@ -638,6 +645,7 @@ def triton_call(
         int(num_warps),
         int(num_stages),
         tuple(sorted(divisible_by_16)),
+        None if maxnreg is None else int(maxnreg),
     )
     # map operand positions: args that are arrays, in order
     array_arg_pos = [k for k, a in enumerate(args) if _is_array(a)]

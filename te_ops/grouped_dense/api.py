@@ -53,38 +53,52 @@ def _validate(x, kernels, group_sizes, bias):
         )
     if kernels.ndim != 3:
         raise ValueError(
-            err(OP, f"kernels must have rank 3 [G, K, N], got shape {tuple(kernels.shape)}. Stack one [K, N] "
-                    "kernel per group.")
+            err(
+                OP,
+                f"kernels must have rank 3 [G, K, N], got shape {tuple(kernels.shape)}. Stack one [K, N] "
+                "kernel per group.",
+            )
         )
     m, k = x.shape
     g, k2, n = kernels.shape
     if k2 != k:
         raise ValueError(
-            err(OP, f"kernels must be [G, K, N] with K = x.shape[1] = {k}, got kernels shape "
-                    f"{tuple(kernels.shape)}. Transpose the kernels if they are [G, N, K].")
+            err(
+                OP,
+                f"kernels must be [G, K, N] with K = x.shape[1] = {k}, got kernels shape "
+                f"{tuple(kernels.shape)}. Transpose the kernels if they are [G, N, K].",
+            )
         )
     if g == 0:
         raise ValueError(
-            err(OP, f"kernels must have at least one group (G >= 1), got shape {tuple(kernels.shape)}. With no "
-                    "experts there is nothing to compute: skip the call.")
+            err(
+                OP,
+                f"kernels must have at least one group (G >= 1), got shape {tuple(kernels.shape)}. With no "
+                "experts there is nothing to compute: skip the call.",
+            )
         )
     if jnp.dtype(x.dtype) != jnp.dtype(kernels.dtype):
         raise TypeError(
-            err(OP, f"x and kernels must have the same dtype, got {jnp.dtype(x.dtype)} and "
-                    f"{jnp.dtype(kernels.dtype)}. Cast one of them, e.g. kernels.astype(x.dtype).")
+            err(
+                OP,
+                f"x and kernels must have the same dtype, got {jnp.dtype(x.dtype)} and "
+                f"{jnp.dtype(kernels.dtype)}. Cast one of them, e.g. kernels.astype(x.dtype).",
+            )
         )
     group_sizes = check_int_array(OP, "group_sizes", group_sizes, dtype=jnp.int32)
     if group_sizes.shape != (g,):
         raise ValueError(
-            err(OP, f"group_sizes must have shape [G] = ({g},) (one size per kernel), got shape "
-                    f"{tuple(group_sizes.shape)}.")
+            err(
+                OP,
+                f"group_sizes must have shape [G] = ({g},) (one size per kernel), got shape "
+                f"{tuple(group_sizes.shape)}.",
+            )
         )
     if bias is not None:
         bias = check_float(OP, "bias", bias)
         if bias.shape != (g, n):
             raise ValueError(
-                err(OP, f"bias must have shape [G, N] = ({g}, {n}), got {tuple(bias.shape)}. Pass one row "
-                        "per kernel.")
+                err(OP, f"bias must have shape [G, N] = ({g}, {n}), got {tuple(bias.shape)}. Pass one row per kernel.")
             )
     return x, kernels, group_sizes, bias
 

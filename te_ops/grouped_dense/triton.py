@@ -60,6 +60,11 @@ class GemmConfig:
     # A and B tiles through device-side TMA descriptors (Hopper), where K is a multiple of BK; the
     # pointer-load kernel otherwise. Descriptors are built in the kernel (global scratch memory).
     USE_TMA: bool = False
+    # Hopper (sm_90): the Gluon warp-specialized kernel (gluon_kernels.py: a TMA producer warp, two
+    # wgmma consumer warpgroups, num_stages-deep ring, TMA-store epilogue) where K is a multiple of
+    # BK; needs num_warps=8 and BM=128. Elsewhere (other GPUs, other K) the Triton kernel runs.
+    GLUON_WS: bool = False
+    maxnreg: int = 168  # GLUON_WS: 12 warps x 168 registers fit the register file; setmaxnreg moves them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,9 +88,7 @@ _override = threading.local()
 
 
 @contextlib.contextmanager
-def config_override(
-    fwd: GemmConfig | None = None, dx: GemmConfig | None = None, wgrad: WgradConfig | None = None
-):
+def config_override(fwd: GemmConfig | None = None, dx: GemmConfig | None = None, wgrad: WgradConfig | None = None):
     """Uses these tile configurations for grouped_dense calls traced inside the block (benchmarks)."""
     prev = getattr(_override, "value", None)
     _override.value = (fwd, dx, wgrad)
@@ -111,6 +114,28 @@ def _k():
     return triton_kernels
 
 
+def _gk():
+    from te_ops.grouped_dense import gluon_kernels
+
+    return gluon_kernels
+
+
+def gluon_ws_unavailable_reason() -> str | None:
+    """Why the Gluon warp-specialized kernel cannot run here (None if it can): it needs Gluon and
+    an sm_90 (Hopper) target, wgmma and setmaxnreg being Hopper instructions."""
+    why = tb.unavailable_reason(gluon=True)
+    if why:
+        return why
+    override = getattr(tb._target_override, "value", None)
+    if override is not None:
+        return None if tuple(override)[:2] == ("cuda", 90) else f"target {override} is not sm_90"
+    try:
+        cc = str(getattr(jax.devices("cuda")[0], "compute_capability", ""))
+    except RuntimeError:
+        return "no CUDA device"
+    return None if cc == "9.0" else f"compute capability {cc or 'unknown'} is not 9.0 (Hopper)"
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
@@ -132,9 +157,7 @@ def unsupported_reason(*, dtype=None, kernels_dtype=None, m=None, k=None, n=None
     if dtype is not None and jnp.dtype(dtype) not in SUPPORTED_DTYPES:
         return f"the Triton grouped GEMM supports bfloat16 and float16 inputs, got {jnp.dtype(dtype)}"
     if kernels_dtype is not None and dtype is not None and jnp.dtype(kernels_dtype) != jnp.dtype(dtype):
-        return (
-            f"x and kernels must have the same dtype, got {jnp.dtype(dtype)} and {jnp.dtype(kernels_dtype)}"
-        )
+        return f"x and kernels must have the same dtype, got {jnp.dtype(dtype)} and {jnp.dtype(kernels_dtype)}"
     if k is not None and n is not None and (k % 8 or n % 8):
         return f"the Triton grouped GEMM needs K and N multiples of 8 (16-byte rows), got K={k}, N={n}"
     if g is not None and g > MAX_GROUPS:
@@ -155,6 +178,36 @@ def grouped_gemm(a, b, group_sizes, bias, *, trans_b: bool, cfg: GemmConfig):
     max_tiles = (_cdiv(m, cfg.BM) + g + 1) * n_tiles
     grid = max(1, min(num_sms(), max_tiles))
     bias_arg = bias if bias is not None else group_sizes
+    if cfg.GLUON_WS and kc % cfg.BK == 0 and cfg.BM == 128 and cfg.num_warps == 8 and not gluon_ws_unavailable_reason():
+        return tb.triton_call(
+            _gk().grouped_gemm_ws_kernel,
+            a,
+            b,
+            bias_arg,
+            group_sizes.astype(jnp.int32),
+            np.int32(m),
+            np.int32(kc // 8),
+            np.int32(nout // 8),
+            np.int32(g),
+            np.int32(grid),
+            out_shape=[SDS((m, nout), a.dtype)],
+            grid=(grid,),
+            constexprs=dict(
+                BM=cfg.BM,
+                BN=cfg.BN,
+                BK=cfg.BK,
+                STAGES=cfg.num_stages,
+                GROUP_M=cfg.GROUP_M,
+                BLOCK_G=max(16, _pow2(g)),
+                TRANS_B=bool(trans_b),
+                HAS_BIAS=bias is not None,
+                NUM_WARPS=cfg.num_warps,
+            ),
+            num_warps=cfg.num_warps,
+            num_stages=1,
+            maxnreg=cfg.maxnreg,
+            name="te_grouped_gemm_ws",
+        )[0]
     return tb.triton_call(
         _k().grouped_gemm_kernel,
         a,

@@ -103,6 +103,13 @@ def test_triton_matches_reference(shape, dtype, with_bias):
 TMA_CASES = [((2048, 256, 512, 8), BF16, True), ((1000, 128, 200, 5), F16, False), ((1000, 136, 200, 5), BF16, False)]
 
 
+def _sizes(m, g, fill):
+    s = np.array(uneven_sizes(m + g + 1, g, m, fill=fill, zeros=min(2, g - 1)))  # a writable copy
+    if fill == 1.0:
+        s[np.argmax(s)] += m - s.sum()  # the groups cover every row
+    return jnp.asarray(s)
+
+
 @needs_triton
 @pytest.mark.parametrize("shape,dtype,with_bias", TMA_CASES)
 @pytest.mark.parametrize("fill", [0.85, 1.0])
@@ -111,13 +118,36 @@ def test_tma_variant_matches_reference(shape, dtype, with_bias, fill):
 
     m, k, n, g = shape
     x, w, b, dy = make(sum(shape) + 1, m, k, n, g, dtype)
-    s = np.asarray(uneven_sizes(m + g + 1, g, m, fill=fill, zeros=min(2, g - 1)))
-    if fill == 1.0:
-        s[np.argmax(s)] += m - s.sum()  # the groups cover every row
-    s = jnp.asarray(s)
+    s = _sizes(m, g, fill)
     b = b if with_bias else None
     cfg = tri.GemmConfig(USE_TMA=True)
     with tri.config_override(cfg, cfg, tri.WgradConfig(USE_TMA=True)):
+        got = run("triton", x, w, s, b, dy)
+    want = run("reference", x, w, s, b, dy)
+    check(got, want, dtype)
+
+
+# The Gluon warp-specialized Hopper kernel (GLUON_WS): the TMA cases (K = 136 is not a multiple of
+# BK: the Triton kernel runs instead), both tile shapes it is offered with, and a case with many
+# tiles per program (M = 20000) so the stage ring wraps across tiles and groups.
+WS_CASES = [*TMA_CASES, ((20000, 512, 1024, 16), BF16, False)]
+
+
+@needs_triton
+@pytest.mark.parametrize("shape,dtype,with_bias", WS_CASES)
+@pytest.mark.parametrize("fill", [0.85, 1.0])
+@pytest.mark.parametrize("bn,stages", [(256, 3), (128, 4)])
+def test_gluon_ws_variant_matches_reference(shape, dtype, with_bias, fill, bn, stages):
+    from te_ops.grouped_dense import triton as tri
+
+    if tri.gluon_ws_unavailable_reason():
+        pytest.skip(f"Gluon warp-specialized grouped GEMM unavailable: {tri.gluon_ws_unavailable_reason()}")
+    m, k, n, g = shape
+    x, w, b, dy = make(sum(shape) + 3, m, k, n, g, dtype)
+    s = _sizes(m, g, fill)
+    b = b if with_bias else None
+    cfg = tri.GemmConfig(BN=bn, num_stages=stages, GLUON_WS=True)
+    with tri.config_override(cfg, cfg, None):
         got = run("triton", x, w, s, b, dy)
     want = run("reference", x, w, s, b, dy)
     check(got, want, dtype)

@@ -468,9 +468,23 @@ def test_triton_lowering_for_sm90_without_gpu(monkeypatch):
     with tri.config_override(small, small, tri.WgradConfig(128, 128, 64, 4, 4, 4)):
         lower(1000)
     assert [c.num_warps for _, c, _ in launches] == [4, 4, 4]
-    assert all(c.shared == (128 * 64 + 64 * 128) * 2 * 4 for _, c, _ in launches), [
-        c.shared for _, c, _ in launches
-    ]
+    assert all(c.shared == (128 * 64 + 64 * 128) * 2 * 4 for _, c, _ in launches), [c.shared for _, c, _ in launches]
+    # the Gluon warp-specialized kernel (GLUON_WS) for forward and dx: 8 consumer warps + a producer
+    # warpgroup, setmaxnreg, TMA loads and stores, one compile per config; dkernels stays Triton
+    launches.clear()
+    ws = tri.GemmConfig(GLUON_WS=True)
+    with tri.config_override(ws, ws, None):
+        lower(1000)
+        lower(2500)
+    names = sorted(n for n, _, _ in launches)
+    assert names == ["te_grouped_gemm_ws"] * 4 + ["te_grouped_wgrad"] * 2, names
+    for name, compiled, grid in launches:
+        if name != "te_grouped_gemm_ws":
+            continue
+        ptx = compiled.asm["ptx"]
+        assert compiled.num_warps == 12 and "setmaxnreg" in ptx and "wgmma.mma_async" in ptx
+        assert "cp.async.bulk.tensor" in ptx and compiled.global_scratch_size > 0
+        assert compiled.shared <= 227 * 1024 and grid[0] <= 132
 
 
 # ----------------------------------------------------------------------------------------------
@@ -542,9 +556,7 @@ def _interpret_main(cases=_INTERPRET_CASES, bias_modes=(True, False), tma=False)
                     continue
                 a = np.asarray(jnp.asarray(a, jnp.float32))
                 e = np.asarray(jnp.asarray(e, jnp.float32))
-                ok = not np.isnan(a).any() and np.allclose(
-                    a, e, rtol=1e-2, atol=1e-2 * max(1.0, np.abs(e).max())
-                )
+                ok = not np.isnan(a).any() and np.allclose(a, e, rtol=1e-2, atol=1e-2 * max(1.0, np.abs(e).max()))
                 if not ok:
                     failures += 1
                     print(

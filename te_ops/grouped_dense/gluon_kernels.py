@@ -1,0 +1,365 @@
+"""Gluon (Hopper) warp-specialized persistent grouped GEMM: the forward and dx kernel of
+grouped_dense on sm_90. Imported only when that kernel runs (this module imports triton).
+
+Same contract as ``triton_kernels.grouped_gemm_kernel`` (same arguments, same tile schedule, same
+zero rows past the groups), built the way the fastest Hopper GEMMs are:
+
+* **Warp specialization.** One producer warp issues TMA loads of the A tile ``[BM, BK]`` and the
+  B tile (``[BK, BN]``, or ``[BN, BK]`` read transposed for dx) into a ``STAGES``-deep shared
+  memory ring; the consumer warps (two warpgroups, ``num_warps=8``) wait on each stage's "ready"
+  mbarrier, issue asynchronous wgmma on it and hand the stage back through its "empty" mbarrier
+  once the wgmma that read it has retired. The producer runs ahead into the next tile while the
+  consumers run the epilogue, so at short K (the MoE expert GEMMs have K = 1024..4096) the
+  epilogue no longer stalls the tensor cores; ``setmaxnreg`` gives the producer 24 registers and
+  the consumers the rest (the accumulator alone is 128 registers per thread).
+* **Epilogue.** A tile whose rows all belong to its group goes out through shared memory and an
+  asynchronous TMA store (overlapping the next tile's mainloop; the descriptor clips the columns
+  at NOUT); the last, partial tile of a group (and the zero tiles past the groups) use a masked
+  store from registers, so no row of the next group is ever written.
+* **Reads past a group's rows** are harmless as in the Triton kernel: row i of the product depends
+  only on row i of A, and those rows are not stored; A rows past M are TMA's zero fill. B is a 2D
+  ``[G * KC, NOUT]`` (or ``[G * NOUT, KC]``) matrix, and KC must be a multiple of BK so a K step
+  never crosses into the next group's weights (the launcher checks; other K use the Triton kernel).
+
+Both partitions decode the same tile sequence from ``group_sizes`` on the device (the prefix sums
+are recomputed in each partition: a few hundred integer ops per tile), so nothing is synchronised
+with the host and the launch is graph-safe.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _schedule(gs_ptr, G, M, NOUT, BM: gl.constexpr, BN: gl.constexpr, BLOCK_G: gl.constexpr, layout: gl.constexpr):
+    """Per-group tables and the tile counts: the same rule as ``triton_kernels._group_table`` (sizes
+    clamped >= 0, bounds clipped at M, the start is the clipped exclusive prefix sum in int64)."""
+    gi = gl.arange(0, BLOCK_G, layout=layout)
+    sizes = gl.load(gs_ptr + gi, mask=gi < G, other=0)
+    sizes = gl.maximum(sizes, 0).to(gl.int64)
+    cum = gl.associative_scan(sizes, 0, _add)
+    end = gl.minimum(cum, M).to(gl.int32)
+    start = gl.minimum(cum - sizes, M).to(gl.int32)
+    n_tiles = gl.cdiv(NOUT, BN)
+    m_tiles_g = (end - start + BM - 1) // BM
+    tiles_g = m_tiles_g * n_tiles
+    cum_tiles = gl.associative_scan(tiles_g, 0, _add)
+    group_tiles = gl.sum(tiles_g, axis=0)
+    used_rows = gl.max(end, axis=0)
+    tail_m_tiles = (M - used_rows + BM - 1) // BM
+    total = group_tiles + tail_m_tiles * n_tiles
+    return gi, start, end, m_tiles_g, tiles_g, cum_tiles, group_tiles, used_rows, tail_m_tiles, n_tiles, total
+
+
+@gluon.jit
+def _tile(
+    t,
+    gi,
+    start,
+    end,
+    m_tiles_g,
+    tiles_g,
+    cum_tiles,
+    group_tiles,
+    used_rows,
+    tail_m_tiles,
+    n_tiles,
+    G,
+    M,
+    BM: gl.constexpr,
+    GROUP_M: gl.constexpr,
+):
+    """(in_group, group, first row, row end, N tile) of tile ``t`` (GROUP_M bands inside a group;
+    tiles past the groups cover rows [used_rows, M) with zeros)."""
+    in_group = t < group_tiles
+    g = gl.minimum(gl.sum((cum_tiles <= t).to(gl.int32), axis=0), G - 1)
+    sel = gi == g
+    g_first_tile = gl.sum(gl.where(sel, cum_tiles - tiles_g, 0), axis=0)
+    g_start = gl.sum(gl.where(sel, start, 0), axis=0)
+    g_end = gl.sum(gl.where(sel, end, 0), axis=0)
+    g_mt = gl.sum(gl.where(sel, m_tiles_g, 0), axis=0)
+    lt = gl.where(in_group, t - g_first_tile, t - group_tiles)
+    row0 = gl.where(in_group, g_start, used_rows)
+    row_end = gl.where(in_group, g_end, M)
+    mt_count = gl.where(in_group, g_mt, tail_m_tiles)
+    per_band = GROUP_M * n_tiles
+    first_m = (lt // per_band) * GROUP_M
+    band_m = gl.minimum(mt_count - first_m, GROUP_M)
+    mt = first_m + (lt % per_band) % band_m
+    nt = (lt % per_band) // band_m
+    return in_group, g, row0 + mt * BM, row_end, nt
+
+
+@gluon.jit
+def _producer(
+    a_desc,
+    b_desc,
+    a_bufs,
+    b_bufs,
+    ready,
+    empty,
+    gs_ptr,
+    M,
+    KC,
+    NOUT,
+    G,
+    num_programs,
+    BM: gl.constexpr,
+    BN: gl.constexpr,
+    BK: gl.constexpr,
+    STAGES: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    BLOCK_G: gl.constexpr,
+    TRANS_B: gl.constexpr,
+):
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    gi, start, end, m_tiles_g, tiles_g, cum_tiles, group_tiles, used_rows, tail_m_tiles, n_tiles, total = _schedule(
+        gs_ptr, G, M, NOUT, BM, BN, BLOCK_G, layout
+    )
+    k_iters = gl.cdiv(KC, BK)
+    nbytes: gl.constexpr = (BM * BK + BK * BN) * a_desc.dtype.primitive_bitwidth // 8
+    it = 0
+    for t in range(gl.program_id(0), total, num_programs):
+        in_group, g, row, row_end, nt = _tile(
+            t,
+            gi,
+            start,
+            end,
+            m_tiles_g,
+            tiles_g,
+            cum_tiles,
+            group_tiles,
+            used_rows,
+            tail_m_tiles,
+            n_tiles,
+            G,
+            M,
+            BM,
+            GROUP_M,
+        )
+        if in_group:
+            for ki in range(k_iters):
+                s = it % STAGES
+                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+                mbarrier.expect(ready.index(s), nbytes)
+                tma.async_copy_global_to_shared(a_desc, [row, ki * BK], ready.index(s), a_bufs.index(s))
+                if TRANS_B:
+                    tma.async_copy_global_to_shared(
+                        b_desc, [g * NOUT + nt * BN, ki * BK], ready.index(s), b_bufs.index(s)
+                    )
+                else:
+                    tma.async_copy_global_to_shared(
+                        b_desc, [g * KC + ki * BK, nt * BN], ready.index(s), b_bufs.index(s)
+                    )
+                it += 1
+
+
+@gluon.jit
+def _consumer(
+    a_bufs,
+    b_bufs,
+    ready,
+    empty,
+    c_smem,
+    out_desc,
+    out_ptr,
+    bias_ptr,
+    gs_ptr,
+    M,
+    KC,
+    NOUT,
+    G,
+    num_programs,
+    BM: gl.constexpr,
+    BN: gl.constexpr,
+    BK: gl.constexpr,
+    STAGES: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    BLOCK_G: gl.constexpr,
+    TRANS_B: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    NUM_WARPS: gl.constexpr,
+):
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BN, 16]
+    )
+    row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+    gi, start, end, m_tiles_g, tiles_g, cum_tiles, group_tiles, used_rows, tail_m_tiles, n_tiles, total = _schedule(
+        gs_ptr, G, M, NOUT, BM, BN, BLOCK_G, layout
+    )
+    k_iters = gl.cdiv(KC, BK)
+    it = 0
+    for t in range(gl.program_id(0), total, num_programs):
+        in_group, g, row, row_end, nt = _tile(
+            t,
+            gi,
+            start,
+            end,
+            m_tiles_g,
+            tiles_g,
+            cum_tiles,
+            group_tiles,
+            used_rows,
+            tail_m_tiles,
+            n_tiles,
+            G,
+            M,
+            BM,
+            GROUP_M,
+        )
+        acc = gl.zeros([BM, BN], gl.float32, mma_layout)
+        if in_group:
+            for ki in range(k_iters):
+                s = it % STAGES
+                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+                if TRANS_B:
+                    acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
+                else:
+                    acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s), acc, is_async=True)
+                # the wgmma of the previous step has retired: its stage can be refilled
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=ki > 0)
+                it += 1
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
+        cols = nt * BN + gl.arange(0, BN, layout=col_layout)
+        if HAS_BIAS:
+            bias = gl.load(bias_ptr + g.to(gl.int64) * NOUT + cols, mask=(cols < NOUT) & in_group, other=0.0)
+            acc = acc + bias.to(gl.float32)[None, :]
+        c = acc.to(out_desc.dtype)
+        if in_group & (row + BM <= row_end):
+            tma.store_wait(pendings=0)  # the previous tile's store has read c_smem
+            c_smem.store(c)
+            fence_async_shared()
+            tma.async_copy_shared_to_global(out_desc, [row, nt * BN], c_smem)
+        else:
+            rows = row + gl.arange(0, BM, layout=row_layout)
+            ptrs = out_ptr + rows.to(gl.int64)[:, None] * NOUT + cols[None, :]
+            gl.store(ptrs, c, mask=(rows < row_end)[:, None] & (cols < NOUT)[None, :])
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def grouped_gemm_ws_kernel(
+    a_ptr,
+    b_ptr,
+    bias_ptr,
+    gs_ptr,
+    M,
+    KC8,
+    N8,
+    G,
+    num_programs,
+    out_ptr,
+    BM: gl.constexpr,
+    BN: gl.constexpr,
+    BK: gl.constexpr,
+    STAGES: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    BLOCK_G: gl.constexpr,
+    TRANS_B: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    NUM_WARPS: gl.constexpr,
+):
+    """a: [M, KC]; b: [G, KC, NOUT] (or [G, NOUT, KC] with TRANS_B); bias: [G, NOUT]; out: [M, NOUT].
+    KC must be a multiple of BK; K and N multiples of 8 (16-byte rows for TMA)."""
+    KC = KC8 * 8
+    NOUT = N8 * 8
+    dtype: gl.constexpr = a_ptr.dtype.element_ty
+    bits: gl.constexpr = dtype.primitive_bitwidth
+    a_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=bits, rank=2)
+    b_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=bits, rank=2)
+    c_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=bits, rank=2)
+    a_desc = tma.make_tensor_descriptor(a_ptr, shape=[M, KC], strides=[KC, 1], block_shape=[BM, BK], layout=a_layout)
+    if TRANS_B:
+        b_desc = tma.make_tensor_descriptor(
+            b_ptr, shape=[G * NOUT, KC], strides=[KC, 1], block_shape=[BN, BK], layout=b_layout
+        )
+        b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BN, BK], b_layout)
+    else:
+        b_desc = tma.make_tensor_descriptor(
+            b_ptr, shape=[G * KC, NOUT], strides=[NOUT, 1], block_shape=[BK, BN], layout=b_layout
+        )
+        b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BK, BN], b_layout)
+    out_desc = tma.make_tensor_descriptor(
+        out_ptr, shape=[M, NOUT], strides=[NOUT, 1], block_shape=[BM, BN], layout=c_layout
+    )
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], a_layout)
+    c_smem = gl.allocate_shared_memory(dtype, [BM, BN], c_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    gl.warp_specialize(
+        [
+            (
+                _consumer,
+                (
+                    a_bufs,
+                    b_bufs,
+                    ready,
+                    empty,
+                    c_smem,
+                    out_desc,
+                    out_ptr,
+                    bias_ptr,
+                    gs_ptr,
+                    M,
+                    KC,
+                    NOUT,
+                    G,
+                    num_programs,
+                    BM,
+                    BN,
+                    BK,
+                    STAGES,
+                    GROUP_M,
+                    BLOCK_G,
+                    TRANS_B,
+                    HAS_BIAS,
+                    NUM_WARPS,
+                ),
+            ),
+            (
+                _producer,
+                (
+                    a_desc,
+                    b_desc,
+                    a_bufs,
+                    b_bufs,
+                    ready,
+                    empty,
+                    gs_ptr,
+                    M,
+                    KC,
+                    NOUT,
+                    G,
+                    num_programs,
+                    BM,
+                    BN,
+                    BK,
+                    STAGES,
+                    GROUP_M,
+                    BLOCK_G,
+                    TRANS_B,
+                ),
+            ),
+        ],
+        [1],
+        [24],
+    )
