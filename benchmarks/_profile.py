@@ -239,8 +239,9 @@ def trace_dir_events(trace_dir: str) -> list[KernelEvent]:
     paths = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
     paths = paths or glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
     if not paths:
-        raise RuntimeError(f"no trace.json.gz under {trace_dir}: trace with jax.profiler.trace(..., "
-                           "create_perfetto_trace=True)")
+        raise RuntimeError(
+            f"no trace.json.gz under {trace_dir}: trace with jax.profiler.trace(..., create_perfetto_trace=True)"
+        )
     with gzip.open(max(paths, key=os.path.getmtime), "rt") as f:
         return trace_json_events(json.load(f))
 

@@ -147,7 +147,7 @@ def results_dir() -> str:
 
 def print_table(title: str, rows: list[dict[str, Any]], columns: Sequence[str]) -> None:
     print(f"\n== {title} ==")
-    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns]
+    widths = [max([len(c)] + [len(_fmt(r.get(c))) for r in rows]) for c in columns]
     print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))
     for r in rows:
         print("  ".join(_fmt(r.get(c)).ljust(w) for c, w in zip(columns, widths, strict=True)))

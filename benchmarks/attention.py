@@ -116,9 +116,7 @@ def bench_case(name, b, s, hq, hk, d, *, xla_fwd=True, xla_bwd=True):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="small shapes (smoke test)")
-    ap.add_argument(
-        "--xla-bwd-big", action="store_true", help="also time XLA fwd+bwd at S8192 (needs ~50 GB)"
-    )
+    ap.add_argument("--xla-bwd-big", action="store_true", help="also time XLA fwd+bwd at S8192 (needs ~50 GB)")
     args = ap.parse_args()
     why = _native.native_unavailable_reason(fa_native.MODULE, "fused_attention")
     if why is not None:

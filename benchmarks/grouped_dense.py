@@ -62,6 +62,10 @@ CANDIDATES = [  # the first is the current default (the sweep checks the others 
     ("ws 128x256x64 s3 gm1", G_(128, 256, 64, 1, 8, 3, GLUON_WS=True), W_(128, 256, 64, 8, 8, 4)),
     ("ws 128x128x64 s4 gm8", G_(128, 128, 64, 8, 8, 4, GLUON_WS=True), W_(128, 256, 64, 8, 8, 4)),
     ("ws 128x128x64 s5 gm8", G_(128, 128, 64, 8, 8, 5, GLUON_WS=True), W_(128, 256, 64, 8, 8, 4)),
+    # ping-pong: two consumer warpgroups on alternate 128 x 128 tiles
+    ("pp 128x128x64 s4 gm8", G_(128, 128, 64, 8, 8, 4, GLUON_WS=True, PINGPONG=True), W_(128, 256, 64, 8, 8, 4)),
+    ("pp 128x128x64 s5 gm8", G_(128, 128, 64, 8, 8, 5, GLUON_WS=True, PINGPONG=True), W_(128, 256, 64, 8, 8, 4)),
+    ("pp 128x128x64 s4 gm1", G_(128, 128, 64, 1, 8, 4, GLUON_WS=True, PINGPONG=True), W_(128, 256, 64, 8, 8, 4)),
 ]
 # (name, M, K, N, G)
 CASES = [

@@ -64,7 +64,8 @@ def _fwd_bwd(fn, kind, eps):
 
     def run(x, g, b, r, dy, dh):
         y, vjp = jax.vjp(lambda x, g, b, r: fn(kind, x, g, b, r, eps), x, g, b, r)
-        return vjp(dy if r is None else (dy, dh))
+        # y is returned as in training (the next layer reads it): XLA may not drop its write
+        return y, vjp(dy if r is None else (dy, dh))
 
     return jax.jit(run)
 
@@ -76,7 +77,7 @@ def _arg_sets(shape, dtype, kind, has_res):
     for s in range(n_sets):
         ks = jax.random.split(jax.random.key(s), 6)
         x = jax.random.normal(ks[0], shape, F32).astype(dtype)
-        g = (1 + 0.1 * jax.random.normal(ks[1], shape[-1:], F32))
+        g = 1 + 0.1 * jax.random.normal(ks[1], shape[-1:], F32)
         b = 0.1 * jax.random.normal(ks[2], shape[-1:], F32) if kind == "layer" else None
         r = jax.random.normal(ks[3], shape, F32).astype(dtype) if has_res else None
         dy = jax.random.normal(ks[4], shape, F32).astype(dtype)

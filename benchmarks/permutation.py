@@ -55,12 +55,7 @@ def xla_dispatch(x, rm, probs, n):
 
 def xla_combine(y, tok, exp, valid, mp, t):
     w = jnp.where(valid, mp[tok, exp], 0)
-    return (
-        jnp.zeros((t, y.shape[1]), jnp.float32)
-        .at[tok]
-        .add(y.astype(jnp.float32) * w[:, None])
-        .astype(y.dtype)
-    )
+    return jnp.zeros((t, y.shape[1]), jnp.float32).at[tok].add(y.astype(jnp.float32) * w[:, None]).astype(y.dtype)
 
 
 def bench_workload(t, h, e, k, impls, quick):
@@ -145,9 +140,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer repeats (smoke run)")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test of this script)")
-    ap.add_argument(
-        "--impls", default=None, help="comma-separated implementations (default: available GPU ones)"
-    )
+    ap.add_argument("--impls", default=None, help="comma-separated implementations (default: available GPU ones)")
     args = ap.parse_args()
     if args.impls:
         impls = args.impls.split(",")
@@ -163,9 +156,7 @@ def main():
         print_table(title, rows, ["op", "impl", "ms", "tbps", "speedup", "target"])
         payload["workloads"].append({"T": t, "H": h, "E": e, "K": k, "dtype": "bfloat16", "rows": rows})
         jax.clear_caches()
-    write_json(
-        "permutation", payload, out_dir=os.environ.get("TE_BENCH_OUT") or ("/tmp" if args.tiny else None)
-    )
+    write_json("permutation", payload, out_dir=os.environ.get("TE_BENCH_OUT") or ("/tmp" if args.tiny else None))
 
 
 if __name__ == "__main__":

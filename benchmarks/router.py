@@ -26,9 +26,7 @@ from te_ops.router import fused_topk_with_score_function  # noqa: E402
 TARGET = 4.0  # the speed-up over the XLA composition the fused router aims for (targeted cases)
 
 
-def xla_router(
-    x, bias, *, topk, score_function="softmax", num_groups=None, group_topk=None, scaling_factor=1.0
-):
+def xla_router(x, bias, *, topk, score_function="softmax", num_groups=None, group_topk=None, scaling_factor=1.0):
     """What one writes in plain JAX: score function + lax.top_k (+ groups) + scatter (autodiff backward)."""
     t, e = x.shape
     x = x.astype(jnp.float32)
@@ -112,7 +110,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="small shapes (smoke test)")
     args = ap.parse_args()
     if te_ops.native_unavailable_reason("_native", "router") is not None:
-        print(f"router benchmark needs the native GPU path: {te_ops.native_unavailable_reason("_native", "router")}")
+        print(f"router benchmark needs the native GPU path: {te_ops.native_unavailable_reason('_native', 'router')}")
         return 1
     t = 4096 if args.quick else 65536
     softmax = dict(topk=8, score_function="softmax")

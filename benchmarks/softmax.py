@@ -79,13 +79,22 @@ def bench_case(name, shape, dtype, variant, scale=0.125):
             moved = 5 * nbytes  # fwd: read x, write y; bwd: read y, dy, write dx
         t_ours = t_alts.pop("ours")
         best_alt = min(t_alts, key=t_alts.get)
-        rows.append({
-            "case": name, "variant": variant, "mode": mode, "shape": "x".join(map(str, shape)),
-            "dtype": jnp.dtype(dtype).name, "ours_ms": t_ours, "xla_ms": t_alts[best_alt], "xla_variant": best_alt,
-            **{f"{k}_ms": v for k, v in t_alts.items()},
-            "ours_TBps": moved / t_ours / 1e9, "xla_TBps": moved / t_alts[best_alt] / 1e9,
-            "speedup": t_alts[best_alt] / t_ours,
-        })
+        rows.append(
+            {
+                "case": name,
+                "variant": variant,
+                "mode": mode,
+                "shape": "x".join(map(str, shape)),
+                "dtype": jnp.dtype(dtype).name,
+                "ours_ms": t_ours,
+                "xla_ms": t_alts[best_alt],
+                "xla_variant": best_alt,
+                **{f"{k}_ms": v for k, v in t_alts.items()},
+                "ours_TBps": moved / t_ours / 1e9,
+                "xla_TBps": moved / t_alts[best_alt] / 1e9,
+                "speedup": t_alts[best_alt] / t_ours,
+            }
+        )
     return rows
 
 
@@ -126,11 +135,18 @@ def sweep(shape, dtype, variant, scale=0.125, xla_fwd_ms=None):
             cfg = softmax_native.launch_config(dtype, x.size // s_k, s_k, mode, scale)
             kernel = f"{cfg['kernel']} ({cfg['threads_per_row']}x{cfg['vectors_per_thread']})"
             fwd_ms = _timing.time_fn(f, [(x,)])
-            rows.append({"variant": variant, "threads_per_row": tpr, "vectors_per_thread": nv,
-                         "kernel": kernel,
-                         "fwd_ms": fwd_ms, "fwd+bwd_ms": _timing.time_fn(fb, [(x, dy)]),
-                         "fwd_vs_xla": (xla_fwd_ms / fwd_ms) if xla_fwd_ms else None,
-                         "max_diff_vs_default": float(max_diff(f(x), y_default))})
+            rows.append(
+                {
+                    "variant": variant,
+                    "threads_per_row": tpr,
+                    "vectors_per_thread": nv,
+                    "kernel": kernel,
+                    "fwd_ms": fwd_ms,
+                    "fwd+bwd_ms": _timing.time_fn(fb, [(x, dy)]),
+                    "fwd_vs_xla": (xla_fwd_ms / fwd_ms) if xla_fwd_ms else None,
+                    "max_diff_vs_default": float(max_diff(f(x), y_default)),
+                }
+            )
     finally:
         mod.softmax_set_tuning(0, 0)
     return rows
@@ -142,7 +158,7 @@ def main():
     ap.add_argument("--target-only", action="store_true", help="only the issue's causal case (+ its sweep)")
     args = ap.parse_args()
     if te_ops.native_unavailable_reason("_native", "softmax") is not None:
-        print(f"softmax benchmark needs the native GPU path: {te_ops.native_unavailable_reason("_native", "softmax")}")
+        print(f"softmax benchmark needs the native GPU path: {te_ops.native_unavailable_reason('_native', 'softmax')}")
         return 1
     big = (1, 4, 1024, 1024) if args.quick else (4, 32, 4096, 4096)
     rows = []
@@ -150,23 +166,38 @@ def main():
     rows += bench_case("causal upper-triang", big, jnp.bfloat16, "upper-triang")
     if not args.target_only:
         rows += bench_case("no mask", big, jnp.bfloat16, "none")
-        rows += bench_case("short rows", (64, 16, 512, 128) if not args.quick else (4, 4, 64, 128), jnp.bfloat16,
-                           "none")
-        rows += bench_case("fp32 causal", (4, 16, 2048, 2048) if not args.quick else (1, 2, 256, 256), jnp.float32,
-                           "upper-triang")
+        rows += bench_case(
+            "short rows", (64, 16, 512, 128) if not args.quick else (4, 4, 64, 128), jnp.bfloat16, "none"
+        )
+        rows += bench_case(
+            "fp32 causal", (4, 16, 2048, 2048) if not args.quick else (1, 2, 256, 256), jnp.float32, "upper-triang"
+        )
     sweep_rows = []
     xla_fwd = {r["variant"]: r["xla_ms"] for r in rows if r["mode"] == "fwd" and r["shape"] == "x".join(map(str, big))}
     for variant in ("masked-causal", "upper-triang") if args.target_only else ("masked-causal", "upper-triang", "none"):
         sweep_rows += sweep(big, jnp.bfloat16, variant, xla_fwd_ms=xla_fwd.get(variant))
     title = "launch-shape sweep (0,0 = default choice, see `kernel`; fwd_vs_xla = XLA fwd ms / ours)"
-    _timing.print_table(title, sweep_rows,
-                        ["variant", "threads_per_row", "vectors_per_thread", "kernel", "fwd_ms", "fwd+bwd_ms",
-                         "fwd_vs_xla", "max_diff_vs_default"])
+    _timing.print_table(
+        title,
+        sweep_rows,
+        [
+            "variant",
+            "threads_per_row",
+            "vectors_per_thread",
+            "kernel",
+            "fwd_ms",
+            "fwd+bwd_ms",
+            "fwd_vs_xla",
+            "max_diff_vs_default",
+        ],
+    )
     cols = ["case", "mode", "shape", "dtype", "ours_ms", "xla_ms", "xla_variant", "ours_TBps", "xla_TBps", "speedup"]
     _timing.print_table("softmax (te_ops native vs XLA, same process)", rows, cols)
     target_rows = [r for r in rows if r["case"] == "causal (issue target)"]
-    verdict = {r["mode"]: {"speedup": r["speedup"], "target": TARGETS[r["mode"]],
-                           "met": r["speedup"] >= TARGETS[r["mode"]]} for r in target_rows}
+    verdict = {
+        r["mode"]: {"speedup": r["speedup"], "target": TARGETS[r["mode"]], "met": r["speedup"] >= TARGETS[r["mode"]]}
+        for r in target_rows
+    }
     for r in target_rows:
         if r["mode"] == "fwd":
             verdict["fwd"]["ours_TBps"] = r["ours_TBps"]

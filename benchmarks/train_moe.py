@@ -144,19 +144,25 @@ def parse_args(argv=None):
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny model, float32, 4 x 32 tokens")
     ap.add_argument("--batch", type=int, default=None, help="sequences per step (default 16; --tiny: 4)")
     ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 1024; --tiny: 32)")
-    ap.add_argument("--models", default=None,
-                    help="comma-separated subset of te_layers, strong_cf<f> (one per --capacity-factors), ragged_dot; "
-                         "also te_layers_flax_norm (te_layers with flax.linen.RMSNorm) and te_layers_ws (the Gluon "
-                         "warp-specialized grouped GEMM), not in the default set")
+    ap.add_argument(
+        "--models",
+        default=None,
+        help="comma-separated subset of te_layers, strong_cf<f> (one per --capacity-factors), ragged_dot; "
+        "also te_layers_flax_norm (te_layers with flax.linen.RMSNorm) and te_layers_ws (the Gluon "
+        "warp-specialized grouped GEMM), not in the default set",
+    )
     ap.add_argument("--capacity-factors", default="1.25,1.0")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per model after the compile step")
     ap.add_argument("--rounds", type=int, default=6, help="timing rounds (model order reversed every other round)")
     ap.add_argument("--steps", type=int, default=10, help="timed steps per model per round")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--profile", action="store_true",
-                    help="after timing, trace --profile-steps steps of each model and print GPU time per step by "
-                         "kernel category (writes train_moe_profile.json instead of train_moe.json)")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="after timing, trace --profile-steps steps of each model and print GPU time per step by "
+        "kernel category (writes train_moe_profile.json instead of train_moe.json)",
+    )
     ap.add_argument("--profile-steps", type=int, default=3)
     args = ap.parse_args(argv)
     for name in ("warmup", "rounds", "steps", "profile_steps"):
@@ -227,8 +233,16 @@ def main(argv=None):
         if name == "te_layers":
             continue
         alt = rec.get("ms_per_step")
-        rows.append({"baseline": name, "alternative": rec["label"], "ours_ms": ours, "alternative_ms": alt,
-                     "speedup": alt / ours if alt and ours else None, "headline": name.startswith("strong_cf")})
+        rows.append(
+            {
+                "baseline": name,
+                "alternative": rec["label"],
+                "ours_ms": ours,
+                "alternative_ms": alt,
+                "speedup": alt / ours if alt and ours else None,
+                "headline": name.startswith("strong_cf"),
+            }
+        )
     _print_results(records, rows, batch, seq)
 
     payload = {
@@ -244,7 +258,7 @@ def main(argv=None):
         "models": list(records.values()),
         "rows": rows,
     }  # fmt: skip
-    name = "train_moe"
+    name = "train_moe" if batch == 16 or args.tiny else f"train_moe_b{batch}"  # one file per batch size
     if args.profile:
         name = "train_moe_profile"
         payload["profiles"] = {}

@@ -131,6 +131,14 @@ def _grouped_dense(d: dict) -> Iterator[Row]:
                 yield Row("grouped_dense", f"{case} {dtype} {st}", ours, alt, ms[alt], headline)
 
 
+def _norm(d: dict) -> Iterator[Row]:
+    for r in d["rows"]:
+        res = " + residual" if r.get("residual") else ""
+        headline = r["mode"] == "fwd+bwd" and r["dtype"] == "bfloat16" and r["shape"] == "16384x4096"
+        yield Row("norm", f"{r['op']}{res} {r['mode']} {r['shape']} {r['dtype']}", r["ours_ms"],
+                  "XLA (fused jnp)", r.get("xla_ms"), headline)  # fmt: skip
+
+
 def _train_moe(d: dict) -> Iterator[Row]:
     cfg = d.get("config", {})
     workload = (
@@ -154,6 +162,7 @@ def _train_moe(d: dict) -> Iterator[Row]:
 
 READERS: dict[str, Callable[[dict], Iterator[Row]]] = {
     "softmax": _softmax,
+    "norm": _norm,
     "dense": _dense,
     "router": _router,
     "attention": _attention,

@@ -382,8 +382,11 @@ bad("grouped_dense-G0", lambda: G(GX, GK[:0], GS[:0]), GW, "kernels", ValueError
 bad("grouped_dense-dtype-mismatch", lambda: G(GX, GK.astype(np.float16), GS), GW, "kernels", TypeError)
 bad("grouped_dense-bias-shape", lambda: G(GX, GK, GS, GB[:, :4]), GW, "bias", ValueError)
 bad("grouped_dense-bias-rank1", lambda: G(GX, GK, GS, GB[0]), GW, "bias", ValueError)
-ok("grouped_dense-bias-other-float-dtype", lambda: G(GX, GK, GS, jnp.asarray(GB, jnp.float16)),
-   close(np_grouped(GX, GK, GS, GB.astype(np.float16).astype(np.float64)), rtol=1e-5, atol=1e-5, dtype=jnp.float32))
+ok(
+    "grouped_dense-bias-other-float-dtype",
+    lambda: G(GX, GK, GS, jnp.asarray(GB, jnp.float16)),
+    close(np_grouped(GX, GK, GS, GB.astype(np.float16).astype(np.float64)), rtol=1e-5, atol=1e-5, dtype=jnp.float32),
+)
 ok("grouped_dense-plain", lambda: G(GX, GK, GS, GB), close(np_grouped(GX, GK, GS, GB), rtol=1e-5, atol=1e-5))
 ok("grouped_dense-list-sizes", lambda: G(GX, GK, [2, 1, 3]), close(np_grouped(GX, GK, GS), rtol=1e-5, atol=1e-5))
 for sn, sizes in (("negative", [-2, 3, 4]), ("past-M", [4, 4, 4]), ("all-zero", [0, 0, 0]), ("short-sum", [1, 1, 1]),
@@ -480,8 +483,13 @@ bad("fused_attention-dropout_rate-traced", lambda: jax.jit(lambda r: FA(Q, KK, V
     "dropout_rate", TypeError)  # fmt: skip
 bad("fused_attention-dropout-without-rng", lambda: FA(Q, KK, V, dropout_rate=0.1), FW, "rng", ValueError)
 bad("fused_attention-rng-int", lambda: FA(Q, KK, V, dropout_rate=0.1, rng=0), FW, "rng", TypeError)
-bad("fused_attention-rng-float-array", lambda: FA(Q, KK, V, dropout_rate=0.1, rng=np.zeros(2, np.float32)), FW, "rng",
-    TypeError)
+bad(
+    "fused_attention-rng-float-array",
+    lambda: FA(Q, KK, V, dropout_rate=0.1, rng=np.zeros(2, np.float32)),
+    FW,
+    "rng",
+    TypeError,
+)
 bad("fused_attention-bias-rank5", lambda: FA(Q, KK, V, bias=rnd((1, 1, 1, 4, 5))), FW, "bias", ValueError)
 bad("fused_attention-bias-not-broadcast", lambda: FA(Q, KK, V, bias=rnd((1, 1, 4, 3))), FW, "bias", ValueError)
 bad("fused_attention-bias-heads-of-k", lambda: FA(Q, KK, V, bias=rnd((1, 2, 4, 5))), FW, "bias", ValueError)
@@ -653,8 +661,11 @@ ok("router-topk-compact", lambda: TK(LG, 3, compact_routing_map=True)[1],
    close(np.packbits(np_topk(LG, 3)[1], axis=-1, bitorder="little")))  # fmt: skip
 ok("router-scores-plain", lambda: SCR(LG, 2)[1], close(np_softmax(LG, 1.0), rtol=1e-5))
 ok("router-scores-nan-row", lambda: SCR(_LGN, 2)[1][2], close(np.full(8, np.nan)))
-ok("router-scores-sigmoid-neg-inf-row",
-   lambda: SCR(np.full((1, 4), -np.inf, np.float32), 2, score_function="sigmoid")[1], close(np.zeros((1, 4))))
+ok(
+    "router-scores-sigmoid-neg-inf-row",
+    lambda: SCR(np.full((1, 4), -np.inf, np.float32), 2, score_function="sigmoid")[1],
+    close(np.zeros((1, 4))),
+)
 
 for dn, dt in BAD_DTYPES.items():
     bad(f"aux_loss-probs-{dn}", lambda dt=dt: AUX(as_bad(LG, dt), np.ones(8, np.int32), topk=2, coeff=0.1), AUXW,
@@ -694,8 +705,11 @@ ok("aux_loss-nan-probs", lambda: AUX(_LGN, _TPE, topk=2, coeff=0.1), close(np.na
 ok("aux_loss-topk-gt-E-allowed", lambda: AUX(LG, _TPE, topk=20, coeff=0.1), close(np_aux(LG, _TPE, 20, 0.1), rtol=1e-5))
 ok("aux_loss-int64-counts", lambda: AUX(LG, _TPE.astype(np.int64), topk=2, coeff=0.1),
    close(np_aux(LG, _TPE, 2, 0.1), rtol=1e-5))  # fmt: skip
-ok("aux_loss-bf16-dtype", lambda: AUX(jnp.asarray(LG, jnp.bfloat16), _TPE, topk=2, coeff=0.1),
-   close(np_aux(np.asarray(jnp.asarray(LG, jnp.bfloat16), np.float32), _TPE, 2, 0.1), rtol=1e-2, dtype=jnp.bfloat16))
+ok(
+    "aux_loss-bf16-dtype",
+    lambda: AUX(jnp.asarray(LG, jnp.bfloat16), _TPE, topk=2, coeff=0.1),
+    close(np_aux(np.asarray(jnp.asarray(LG, jnp.bfloat16), np.float32), _TPE, 2, 0.1), rtol=1e-2, dtype=jnp.bfloat16),
+)
 
 PK, UPK = te_ops.pack_routing_map, te_ops.unpack_routing_map
 PKW, UPKW = "te_ops.pack_routing_map", "te_ops.unpack_routing_map"
@@ -746,9 +760,9 @@ def np_dispatch(x, rmap, n, probs=None, align=None):
         kept = min(c[ex], room)
         tpe[ex] = min(p, room)
         toks = np.nonzero(rmap[:, ex])[0][:kept]
-        out[start:start + kept] = x[toks]
+        out[start : start + kept] = x[toks]
         if probs is not None:
-            pp[start:start + kept] = probs[toks, ex]
+            pp[start : start + kept] = probs[toks, ex]
         dropped += c[ex] - kept
         start += p
     return out, pp, tpe, dropped
@@ -813,8 +827,11 @@ _PXN[3, 1] = np.nan
 ok("token_dispatch-nan-row", lambda: TD(_PXN, PMAP, 10), dispatch_check(_PXN, PMAP, 10))
 ok("token_dispatch-float64-x", lambda: TD(PX.astype(np.float64), PMAP, 10).out, close(np_dispatch(PX, PMAP, 10)[0]))
 ok("token_dispatch-list-x", lambda: TD(PX.tolist(), PMAP, 10), dispatch_check(PX, PMAP, 10))
-ok("token_dispatch-grad-dropped-zero", lambda: jax.grad(lambda x: TD(x, PMAP, 6).out.sum())(PX),
-   close(np.broadcast_to(np.array([2.0, 1, 1, 0, 2])[:, None], (5, 3))))  # kept pairs per token, none for token 3
+ok(
+    "token_dispatch-grad-dropped-zero",
+    lambda: jax.grad(lambda x: TD(x, PMAP, 6).out.sum())(PX),
+    close(np.broadcast_to(np.array([2.0, 1, 1, 0, 2])[:, None], (5, 3))),
+)  # kept pairs per token, none for token 3
 
 
 def _rid(n=10, align=None):
@@ -877,8 +894,11 @@ _MPN = PPROBS.copy()
 _MPN[1, 1] = np.nan
 ok("token_combine-nan-merging-prob", lambda: TC(_Y, _rid(), merging_probs=_MPN), close(np_combine(_Y, PMAP, 10, _MPN),
                                                                                       rtol=1e-5))  # fmt: skip
-ok("token_combine-y-shorter-than-dispatch-buffer", lambda: TC(_Y[:6], _rid(10)),
-   close(np_combine(_Y, PMAP, 6), rtol=1e-5))  # rows past y.shape[0] are not read: as if dispatched with N = 6
+ok(
+    "token_combine-y-shorter-than-dispatch-buffer",
+    lambda: TC(_Y[:6], _rid(10)),
+    close(np_combine(_Y, PMAP, 6), rtol=1e-5),
+)  # rows past y.shape[0] are not read: as if dispatched with N = 6
 ok("token_combine-float64-y", lambda: TC(_Y.astype(np.float64), _rid()), close(np_combine(_Y, PMAP, 10), rtol=1e-5))
 
 SX = rnd((7, 2), seed=7)
@@ -890,7 +910,7 @@ def np_sort(x, sizes, idx):
     for s in sizes:
         start, end = end, min(end + max(int(s), 0), n)
         bounds.append((start, end))
-    out = [x[bounds[i][0]:bounds[i][1]] for i in idx] + [x[end:]]
+    out = [x[bounds[i][0] : bounds[i][1]] for i in idx] + [x[end:]]
     return np.concatenate(out)
 
 
@@ -1037,8 +1057,12 @@ CONFIG = [
     ("TopKRouter", dict(aux_loss_coeff=float("nan")), ValueError, "aux_loss_coeff"),
     ("TopKRouter", dict(scaling_factor=float("inf")), ValueError, "scaling_factor"),
     ("TopKRouter", dict(use_expert_bias=True), ValueError, "use_expert_bias"),
-    ("TopKRouter", dict(score_function="sigmoid", use_expert_bias=True, expert_bias_update_rate=-1.0), ValueError,
-     "expert_bias_update_rate"),
+    (
+        "TopKRouter",
+        dict(score_function="sigmoid", use_expert_bias=True, expert_bias_update_rate=-1.0),
+        ValueError,
+        "expert_bias_update_rate",
+    ),
     ("MoEBlock", dict(ffn_dim=0), ValueError, "ffn_dim"),
     ("MoEBlock", dict(ffn_dim=-4), ValueError, "ffn_dim"),
     ("MoEBlock", dict(ffn_dim=8.0), TypeError, "ffn_dim"),
@@ -1065,6 +1089,7 @@ for fw in FRAMEWORKS:
         for layer in ("TopKRouter", "MoEBlock"):
             bad(f"{fw}-{layer}-config-unknown-option", lambda fw=fw, layer=layer: make(fw, layer, num_group=2),
                 f"te_layers.{layer}", "num_group", TypeError)  # fmt: skip
+
 
 def _eval_kw(fw):
     """Call arguments that switch dropout off."""
@@ -1103,6 +1128,7 @@ def nan_rows_only(nan_args, clean_args, rows):
 
 
 for fw in FRAMEWORKS:
+
     def L(layer, *args, ctor=None, fw=fw, **call_kw):  # noqa: N802
         return lambda: run_layer(fw, layer, ctor or {}, args, call_kw)
 
@@ -1204,9 +1230,14 @@ for fw in FRAMEWORKS:
                                                   run_layer(fw, "MoEBlock", {}, (_XL,))),
        nan_rows_only(_MOE_NAN, _XL, [LS + 2]))  # fmt: skip
     ok(f"{fw}-Dense-M0", L("Dense", _XL[:, :0]), shape_is((LB, 0, 8)))
-    ok(f"{fw}-TopKRouter-x-float64", lambda fw=fw: (run_layer(fw, "TopKRouter", {}, (np.asarray(_XL, np.float64),)),
-                                                    run_layer(fw, "TopKRouter", {}, (_XL,))),
-       lambda pair: np.testing.assert_allclose(np.asarray(pair[0].probs), np.asarray(pair[1].probs), rtol=1e-6))
+    ok(
+        f"{fw}-TopKRouter-x-float64",
+        lambda fw=fw: (
+            run_layer(fw, "TopKRouter", {}, (np.asarray(_XL, np.float64),)),
+            run_layer(fw, "TopKRouter", {}, (_XL,)),
+        ),
+        lambda pair: np.testing.assert_allclose(np.asarray(pair[0].probs), np.asarray(pair[1].probs), rtol=1e-6),
+    )
     ok(f"{fw}-MultiHeadAttention-S0", L("MultiHeadAttention", _XL[:, :0]), shape_is((LB, 0, LH)))
     ok(f"{fw}-MultiHeadAttention-B0", L("MultiHeadAttention", _XL[:0]), shape_is((0, LS, LH)))
     ok(f"{fw}-MultiHeadAttention-dropout-deterministic", L("MultiHeadAttention", _XL, ctor=dict(dropout_rate=0.5),

@@ -96,8 +96,7 @@ class OpFamily:
             return self._impls[name]
         except KeyError:
             raise ValueError(
-                f"te_ops.{self.name}: unknown implementation={name!r}; expected None or one of "
-                f"{sorted(self._impls)}"
+                f"te_ops.{self.name}: unknown implementation={name!r}; expected None or one of {sorted(self._impls)}"
             ) from None
 
     def reason(self, name: str, **call: Any) -> str | None:

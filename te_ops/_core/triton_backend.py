@@ -85,6 +85,5 @@ def for_platform(platform: str) -> VendorBackend:
         return _BACKENDS[platform]
     except KeyError:
         raise NotImplementedError(
-            f"te_ops triton bridge: no vendor backend for JAX platform {platform!r}; "
-            "expected 'cuda' or 'rocm'"
+            f"te_ops triton bridge: no vendor backend for JAX platform {platform!r}; expected 'cuda' or 'rocm'"
         ) from None

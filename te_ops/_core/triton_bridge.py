@@ -114,9 +114,7 @@ def triton_unavailable_reason() -> str | None:
         import triton
         from triton.backends import backends
     except Exception as e:  # ImportError, or a Triton built for another platform failing to load
-        return (
-            f"Triton is not importable ({type(e).__name__}: {e}); install it with `pip install triton==3.6.0`"
-        )
+        return f"Triton is not importable ({type(e).__name__}: {e}); install it with `pip install triton==3.6.0`"
     version = tuple(int(p) for p in triton.__version__.split(".")[:2] if p.isdigit())
     if version < REQUIRED_TRITON:
         return f"Triton {triton.__version__} is too old; te_ops needs triton >= 3.6"
@@ -166,9 +164,7 @@ def launcher_unavailable_reason() -> str | None:
 
 def unavailable_reason(*, gluon: bool = False) -> str | None:
     """Why Triton (or Gluon) kernels cannot run in this process, or None."""
-    return (
-        gluon_unavailable_reason() if gluon else triton_unavailable_reason()
-    ) or launcher_unavailable_reason()
+    return (gluon_unavailable_reason() if gluon else triton_unavailable_reason()) or launcher_unavailable_reason()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -238,9 +234,7 @@ _counters: dict[str, float] = {}
 
 
 def _zero_counters() -> None:
-    _counters.update(
-        compiles=0, cache_hits=0, lowerings=0, in_flight=0, max_concurrent_compiles=0, compile_seconds=0.0
-    )
+    _counters.update(compiles=0, cache_hits=0, lowerings=0, in_flight=0, max_concurrent_compiles=0, compile_seconds=0.0)
 
 
 _zero_counters()
@@ -299,9 +293,7 @@ def compile_kernel(spec: KernelSpec, target: tuple) -> CompiledKernel:
             return hit
         with _counter_lock:
             _counters["in_flight"] += 1
-            _counters["max_concurrent_compiles"] = max(
-                _counters["max_concurrent_compiles"], _counters["in_flight"]
-            )
+            _counters["max_concurrent_compiles"] = max(_counters["max_concurrent_compiles"], _counters["in_flight"])
         t0 = time.perf_counter()
         try:
             result = _compile_uncached(spec, target)
@@ -318,9 +310,7 @@ def compile_kernel(spec: KernelSpec, target: tuple) -> CompiledKernel:
 def _compile_uncached(spec: KernelSpec, target: tuple) -> CompiledKernel:
     why = unavailable_reason_for_compile(spec.gluon)
     if why:
-        raise RuntimeError(
-            f"te_ops triton bridge: cannot compile {getattr(spec.fn, '__name__', spec.fn)}: {why}"
-        )
+        raise RuntimeError(f"te_ops triton bridge: cannot compile {getattr(spec.fn, '__name__', spec.fn)}: {why}")
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -390,9 +380,7 @@ def current_target(backend: triton_backend.VendorBackend) -> tuple:
     try:
         device = jax.local_devices(backend=backend.jax_platform)[0]
     except RuntimeError as e:
-        raise RuntimeError(
-            f"te_ops triton bridge: no {backend.jax_platform} device to compile for ({e})"
-        ) from None
+        raise RuntimeError(f"te_ops triton bridge: no {backend.jax_platform} device to compile for ({e})") from None
     return backend.target(device)
 
 
@@ -540,9 +528,7 @@ def _lowering(ctx, *operands, spec, kernel_params, grid, out_avals, aliases, nam
 
 
 for _platform in ("cuda", "rocm"):
-    mlir.register_lowering(
-        triton_call_p, functools.partial(_lowering, platform=_platform), platform=_platform
-    )
+    mlir.register_lowering(triton_call_p, functools.partial(_lowering, platform=_platform), platform=_platform)
 
 
 def _is_array(a: Any) -> bool:
@@ -621,9 +607,7 @@ def triton_call(
         else:
             value, ty = _scalar_type(a)
             if n in divisible_by_16 and (ty not in ("i32", "i64", "u32") or value % 16):
-                raise ValueError(
-                    f"te_ops triton bridge: {n}={value!r} was declared divisible by 16 but is not"
-                )
+                raise ValueError(f"te_ops triton bridge: {n}={value!r} was declared divisible by 16 but is not")
             signature.append((n, ty))
             kernel_params.append(("scalar", value, ty))
     poison = _poison_on()

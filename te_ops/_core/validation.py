@@ -56,7 +56,12 @@ def as_array(op: str, name: str, x: Any) -> jax.Array:
 
 
 def check_float(
-    op: str, name: str, x: Any, dtypes: Sequence[Any] = FLOAT_DTYPES, *, rank: int | None = None,
+    op: str,
+    name: str,
+    x: Any,
+    dtypes: Sequence[Any] = FLOAT_DTYPES,
+    *,
+    rank: int | None = None,
     layout: str = "",
 ) -> jax.Array:
     """``x`` as an array of one of ``dtypes`` (and of rank ``rank`` when given)."""
@@ -89,11 +94,13 @@ def check_int_array(
     x = as_array(op, name, x)
     want = "int32" if dtype is None else str(jnp.dtype(dtype))
     if dtype is not None and jnp.dtype(x.dtype) != jnp.dtype(dtype):
-        raise TypeError(err(op, f"{name} must be {want}, got dtype {x.dtype}. Convert it, e.g. "
-                                f"{name}.astype(jnp.{want})."))
+        raise TypeError(
+            err(op, f"{name} must be {want}, got dtype {x.dtype}. Convert it, e.g. {name}.astype(jnp.{want}).")
+        )
     if not jnp.issubdtype(x.dtype, jnp.integer):
-        raise TypeError(err(op, f"{name} must be an integer array, got dtype {x.dtype}. Convert it, e.g. "
-                                f"{name}.astype(jnp.int32)."))
+        raise TypeError(
+            err(op, f"{name} must be an integer array, got dtype {x.dtype}. Convert it, e.g. {name}.astype(jnp.int32).")
+        )
     if shape is not None and tuple(x.shape) != tuple(shape):
         raise ValueError(err(op, f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}."))
     return x
@@ -115,8 +122,14 @@ def _is_traced(v: Any) -> bool:
 
 
 def static_int(
-    op: str, name: str, v: Any, *, minimum: int | None = None, maximum: int | None = None,
-    allow_none: bool = False, why: str = "",
+    op: str,
+    name: str,
+    v: Any,
+    *,
+    minimum: int | None = None,
+    maximum: int | None = None,
+    allow_none: bool = False,
+    why: str = "",
 ) -> int | None:
     """``v`` as a Python int in ``[minimum, maximum]``; ``why`` says why it must be static."""
     if v is None and allow_none:
@@ -146,8 +159,9 @@ def static_float(op: str, name: str, v: Any, *, finite: bool = True, why: str = 
 def static_bool(op: str, name: str, v: Any) -> bool:
     """``v`` as a Python bool. Ints (0/1) are refused, as in te_layers, so that a typo does not pass."""
     if not isinstance(v, (bool, np.bool_)):
-        raise TypeError(err(op, f"{name} must be a static Python bool (True or False), got {type(v).__name__} "
-                                f"{v!r:.80}."))
+        raise TypeError(
+            err(op, f"{name} must be a static Python bool (True or False), got {type(v).__name__} {v!r:.80}.")
+        )
     return bool(v)
 
 
@@ -156,8 +170,10 @@ def check_implementation(op: str, implementation: Any, names: Sequence[str]) -> 
     message names the public function rather than its registry family)."""
     if implementation is not None and not (isinstance(implementation, str) and implementation in tuple(names)):
         raise ValueError(
-            err(op, f"unknown implementation={implementation!r}; expected None (best available) or one of "
-                    f"{sorted(names)}.")
+            err(
+                op,
+                f"unknown implementation={implementation!r}; expected None (best available) or one of {sorted(names)}.",
+            )
         )
     return implementation
 

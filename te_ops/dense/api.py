@@ -163,9 +163,7 @@ def _build(activation: str | None, has_bias: bool, implementation: str | None):
         part = partitioned(
             full,
             rule=functools.partial(sharding.forward_rule, n_results=n_results),
-            plan=functools.partial(
-                sharding.forward_plan, partial=partial_sums, epilogue=epilogue, n_results=n_results
-            ),
+            plan=functools.partial(sharding.forward_plan, partial=partial_sums, epilogue=epilogue, n_results=n_results),
         )
         fold = sharding.forward_fold(part, activation=activation, has_bias=has_bias, mode=mode, n_results=n_results)
         return batch_folding(part, fold)

@@ -85,9 +85,7 @@ def activation_grad(saved: jax.Array, activation: str) -> jax.Array:
 
 def matmul_f32(x: jax.Array, kernel: jax.Array) -> jax.Array:
     """``x[..., K] @ kernel[K, N]`` accumulated and returned in float32."""
-    return jax.lax.dot_general(
-        x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=_HI, preferred_element_type=_F32
-    )
+    return jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=_HI, preferred_element_type=_F32)
 
 
 def epilogue(z: jax.Array, bias: jax.Array | None, *, activation: str | None, dtype, save: bool):
@@ -108,9 +106,7 @@ def forward(x, kernel, bias=None, *, activation: str | None, has_bias: bool, mod
     z = matmul_f32(x, kernel)
     if mode == "partial":
         return z, None
-    y, saved = epilogue(
-        z, bias if has_bias else None, activation=activation, dtype=x.dtype, save=(mode == "train")
-    )
+    y, saved = epilogue(z, bias if has_bias else None, activation=activation, dtype=x.dtype, save=(mode == "train"))
     return y, (Residuals(x, kernel, saved) if mode == "train" else None)
 
 

@@ -71,10 +71,7 @@ def _check_qkv(q, k, v):
     b, _, hq, d = q.shape
     if k.shape[0] != b or v.shape[0] != b:
         raise ValueError(
-            _err(
-                f"batch sizes differ: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} "
-                "(axis 0 must match)."
-            )
+            _err(f"batch sizes differ: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} (axis 0 must match).")
         )
     if k.shape[:3] != v.shape[:3]:
         raise ValueError(
@@ -84,9 +81,7 @@ def _check_qkv(q, k, v):
             )
         )
     if k.shape[3] != d:
-        raise ValueError(
-            _err(f"q and k must have the same head dim D, got q {tuple(q.shape)} and k {tuple(k.shape)}.")
-        )
+        raise ValueError(_err(f"q and k must have the same head dim D, got q {tuple(q.shape)} and k {tuple(k.shape)}."))
     hk = k.shape[2]
     if hk == 0 or hq % hk != 0:
         raise ValueError(
@@ -109,16 +104,12 @@ def _check_qkv(q, k, v):
 def _check_bias(bias, q, k):
     bias = check_float(OP, "bias", bias)
     if bias.ndim > 4:
-        raise ValueError(
-            _err(f"bias must have rank <= 4 [B|1, Hq|1, Sq|1, Sk|1], got shape {tuple(bias.shape)}.")
-        )
+        raise ValueError(_err(f"bias must have rank <= 4 [B|1, Hq|1, Sq|1, Sk|1], got shape {tuple(bias.shape)}."))
     bias = bias.reshape((1,) * (4 - bias.ndim) + tuple(bias.shape))
     full = (q.shape[0], q.shape[2], q.shape[1], k.shape[1])
     if any(b not in (1, f) for b, f in zip(bias.shape, full, strict=True)):
         raise ValueError(
-            _err(
-                f"bias of shape {tuple(bias.shape)} does not broadcast as [B|1, Hq|1, Sq|1, Sk|1] to {full}."
-            )
+            _err(f"bias of shape {tuple(bias.shape)} does not broadcast as [B|1, Hq|1, Sq|1, Sk|1] to {full}.")
         )
     # Materialise broadcast query/key axes (outside the custom_vjp, so autodiff sums dbias back).
     return jnp.broadcast_to(bias, bias.shape[:2] + full[2:])
@@ -140,15 +131,12 @@ def _check_window(window):
         isinstance(window, (tuple, list))
         and len(window) == 2
         and all(
-            isinstance(w, (numbers.Integral, np.integer)) and not isinstance(w, bool) and int(w) >= -1
-            for w in window
+            isinstance(w, (numbers.Integral, np.integer)) and not isinstance(w, bool) and int(w) >= -1 for w in window
         )
     )
     if not ok:
         raise ValueError(
-            _err(
-                f"window_size must be None or (left, right) with ints >= -1 (-1 = unbounded), got {window!r}."
-            )
+            _err(f"window_size must be None or (left, right) with ints >= -1 (-1 = unbounded), got {window!r}.")
         )
     return (int(window[0]), int(window[1]))
 
@@ -186,9 +174,7 @@ def _build(mask_type, window, scale, dropout_rate, implementation, present):
     def fwd_impl(q, k, v, *optional):
         opt = _unpack(present, optional)
         args = (q, k, v, *(opt[n] for n in OPTIONAL))
-        out, res = FAMILY.dispatch(
-            implementation, "forward", args, statics, _call_desc(q, k, v, opt, statics)
-        )
+        out, res = FAMILY.dispatch(implementation, "forward", args, statics, _call_desc(q, k, v, opt, statics))
         return out, res.lse
 
     def infer_impl(q, k, v, *optional):  # primal outside autodiff: no statistics (cuDNN inference graph)
@@ -272,7 +258,6 @@ def _check_rng(rng: Any) -> jax.Array:
 # ----------------------------------------------------------------------------------------------
 # Public API
 # ----------------------------------------------------------------------------------------------
-
 
 
 def fused_attention(
@@ -386,15 +371,12 @@ def fused_attention(
             )
         )
     if padding and not has_len:
-        raise ValueError(
-            _err(f"mask_type={mask_type!r} needs q_seqlens and/or kv_seqlens (int [B]); got neither.")
-        )
+        raise ValueError(_err(f"mask_type={mask_type!r} needs q_seqlens and/or kv_seqlens (int [B]); got neither."))
     has_seg = q_segment_ids is not None or kv_segment_ids is not None
     if has_seg and (q_segment_ids is None or kv_segment_ids is None):
         raise ValueError(
             _err(
-                "q_segment_ids and kv_segment_ids must be given together (pass the same ids twice for "
-                "self-attention)."
+                "q_segment_ids and kv_segment_ids must be given together (pass the same ids twice for self-attention)."
             )
         )
     if has_seg and padding:
@@ -436,10 +418,7 @@ def fused_attention(
         raise ValueError(_err(f"dropout_rate must be in [0.0, 1.0), got {dropout_rate}."))
     if dropout_rate > 0.0 and rng is None:
         raise ValueError(
-            _err(
-                f"dropout_rate={dropout_rate} needs rng= (a JAX PRNG key, e.g. jax.random.key(0)); "
-                "got rng=None."
-            )
+            _err(f"dropout_rate={dropout_rate} needs rng= (a JAX PRNG key, e.g. jax.random.key(0)); got rng=None.")
         )
 
     opt: dict[str, Any] = dict.fromkeys(OPTIONAL)

@@ -131,9 +131,7 @@ def _graph_config(
     )  # fmt: skip
 
 
-def _ints(
-    cfg, backward: bool, *, stats: bool = True, dbias: bool = False, device: int = 0
-) -> tuple[int, ...]:
+def _ints(cfg, backward: bool, *, stats: bool = True, dbias: bool = False, device: int = 0) -> tuple[int, ...]:
     io, *rest, bottom_right = cfg
     return (device, io, int(backward), *rest, int(stats or backward), int(backward and dbias), bottom_right)
 
@@ -363,7 +361,18 @@ def forward(
         out = jnp.where(row[:, :, None, None], out, jnp.zeros((), out.dtype))
         lse = jnp.where(row[:, None, :], lse, jnp.inf)
     res = Residuals(
-        q, k, v, bias, out, lse, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, seed, q_segment_pos,
+        q,
+        k,
+        v,
+        bias,
+        out,
+        lse,
+        q_seqlens,
+        kv_seqlens,
+        q_segment_ids,
+        kv_segment_ids,
+        seed,
+        q_segment_pos,
         kv_segment_pos,
     )
     return out, res

@@ -244,9 +244,7 @@ def forward(
     dropout_rate: float,
     need_stats: bool = True,
 ):
-    del (
-        need_stats
-    )  # False: the caller discards the statistics (inference); the reference computes them anyway
+    del need_stats  # False: the caller discards the statistics (inference); the reference computes them anyway
     keep = _keep(
         q, k, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, q_segment_pos, kv_segment_pos, mask_type, window
     )
@@ -257,7 +255,18 @@ def forward(
     vf = _expand_kv(v, q.shape[2])
     out = contract("bhqk,bkhd->bqhd", p, vf).astype(q.dtype)
     res = Residuals(
-        q, k, v, bias, out, lse, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, seed, q_segment_pos,
+        q,
+        k,
+        v,
+        bias,
+        out,
+        lse,
+        q_seqlens,
+        kv_seqlens,
+        q_segment_ids,
+        kv_segment_ids,
+        seed,
+        q_segment_pos,
         kv_segment_pos,
     )
     return out, res
@@ -268,8 +277,16 @@ def backward(res: Residuals, g, *, mask_type: str, window, scale: float, dropout
     b, s_q, hq, _ = q.shape
     hk = k.shape[2]
     keep = _keep(
-        q, k, res.q_seqlens, res.kv_seqlens, res.q_segment_ids, res.kv_segment_ids, res.q_segment_pos,
-        res.kv_segment_pos, mask_type, window,
+        q,
+        k,
+        res.q_seqlens,
+        res.kv_seqlens,
+        res.q_segment_ids,
+        res.kv_segment_ids,
+        res.q_segment_pos,
+        res.kv_segment_pos,
+        mask_type,
+        window,
     )
     # Recompute P from the saved statistics (as a flash backward does): p = exp(s - lse); lse = +inf
     # on rows without a finite visible score gives 0, lse = NaN on NaN rows gives NaN.

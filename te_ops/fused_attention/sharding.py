@@ -28,7 +28,14 @@ from te_ops._core import partitioning as P
 
 # Optional array operands, in the order every internal function takes them.
 OPTIONAL = (
-    "bias", "q_seqlens", "kv_seqlens", "q_segment_ids", "kv_segment_ids", "seed", "q_segment_pos", "kv_segment_pos"
+    "bias",
+    "q_seqlens",
+    "kv_seqlens",
+    "q_segment_ids",
+    "kv_segment_ids",
+    "seed",
+    "q_segment_pos",
+    "kv_segment_pos",
 )
 
 

@@ -363,3 +363,413 @@ def grouped_gemm_ws_kernel(
         [1],
         [24],
     )
+
+
+# ------------------------------------------------------------------------------------------------
+# Ping-pong variant: two consumer warpgroups on alternate tiles
+# ------------------------------------------------------------------------------------------------
+# In grouped_gemm_ws_kernel both consumer warpgroups work on one 128 x 256 tile, so the tensor cores
+# idle while they run its epilogue. Here each consumer warpgroup (4 warps) owns a whole BM x BN tile
+# (accumulator 128 registers per thread at 128 x 128) and the two take alternate tiles of the
+# program's sequence: while one runs its epilogue the other's wgmmas keep the tensor cores busy (the
+# CUTLASS "ping-pong" schedule). The producer fills the stage ring in tile order; consumer c finds
+# the ring position of its tile from the number of group tiles before it in the sequence.
+
+
+@gluon.jit
+def _pp_consumer(
+    a_desc,
+    b_desc,
+    out_desc,
+    out_ptr,
+    bias_ptr,
+    a_bufs,
+    b_bufs,
+    c_bufs,
+    ready,
+    empty,
+    gs_ptr,
+    M,
+    KC,
+    NOUT,
+    G,
+    num_programs,
+    BM: gl.constexpr,
+    BN: gl.constexpr,
+    BK: gl.constexpr,
+    STAGES: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    BLOCK_G: gl.constexpr,
+    TRANS_B: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    WHICH: gl.constexpr,
+):
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+    row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+    gi, start, end, m_tiles_g, tiles_g, cum_tiles, group_tiles, used_rows, tail_m_tiles, n_tiles, total = _schedule(
+        gs_ptr, G, M, NOUT, BM, BN, BLOCK_G, layout
+    )
+    k_iters = gl.cdiv(KC, BK)
+    c_smem = c_bufs.index(WHICH)
+    it = 0  # ring position of the next group tile's first K step
+    j = 0  # index of the tile in this program's sequence
+    for t in range(gl.program_id(0), total, num_programs):
+        in_group = t < group_tiles
+        if j % 2 == WHICH:
+            in_group, g, row, row_end, nt = _tile(
+                t,
+                gi,
+                start,
+                end,
+                m_tiles_g,
+                tiles_g,
+                cum_tiles,
+                group_tiles,
+                used_rows,
+                tail_m_tiles,
+                n_tiles,
+                G,
+                M,
+                BM,
+                GROUP_M,
+            )
+            acc = gl.zeros([BM, BN], gl.float32, mma_layout)
+            if in_group:
+                for ki in range(k_iters):
+                    s = (it + ki) % STAGES
+                    mbarrier.wait(ready.index(s), ((it + ki) // STAGES) & 1)
+                    if TRANS_B:
+                        acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
+                    else:
+                        acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s), acc, is_async=True)
+                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                    mbarrier.arrive(empty.index((it + ki + STAGES - 1) % STAGES), pred=ki > 0)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(empty.index((it + k_iters + STAGES - 1) % STAGES))
+            cols = nt * BN + gl.arange(0, BN, layout=col_layout)
+            if HAS_BIAS:
+                bias = gl.load(bias_ptr + g.to(gl.int64) * NOUT + cols, mask=(cols < NOUT) & in_group, other=0.0)
+                acc = acc + bias.to(gl.float32)[None, :]
+            c = acc.to(out_desc.dtype)
+            if in_group & (row + BM <= row_end):
+                tma.store_wait(pendings=0)
+                c_smem.store(c)
+                fence_async_shared()
+                tma.async_copy_shared_to_global(out_desc, [row, nt * BN], c_smem)
+            else:
+                rows = row + gl.arange(0, BM, layout=row_layout)
+                ptrs = out_ptr + rows.to(gl.int64)[:, None] * NOUT + cols[None, :]
+                gl.store(ptrs, c, mask=(rows < row_end)[:, None] & (cols < NOUT)[None, :])
+        if in_group:
+            it += k_iters
+        j += 1
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _pp_consumer0(
+    a_desc,
+    b_desc,
+    out_desc,
+    out_ptr,
+    bias_ptr,
+    a_bufs,
+    b_bufs,
+    c_bufs,
+    ready,
+    empty,
+    gs_ptr,
+    M,
+    KC,
+    NOUT,
+    G,
+    num_programs,
+    BM: gl.constexpr,
+    BN: gl.constexpr,
+    BK: gl.constexpr,
+    STAGES: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    BLOCK_G: gl.constexpr,
+    TRANS_B: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+):
+    _pp_consumer(
+        a_desc,
+        b_desc,
+        out_desc,
+        out_ptr,
+        bias_ptr,
+        a_bufs,
+        b_bufs,
+        c_bufs,
+        ready,
+        empty,
+        gs_ptr,
+        M,
+        KC,
+        NOUT,
+        G,
+        num_programs,
+        BM,
+        BN,
+        BK,
+        STAGES,
+        GROUP_M,
+        BLOCK_G,
+        TRANS_B,
+        HAS_BIAS,
+        0,
+    )
+
+
+@gluon.jit
+def _pp_consumer1(
+    a_desc,
+    b_desc,
+    out_desc,
+    out_ptr,
+    bias_ptr,
+    a_bufs,
+    b_bufs,
+    c_bufs,
+    ready,
+    empty,
+    gs_ptr,
+    M,
+    KC,
+    NOUT,
+    G,
+    num_programs,
+    BM: gl.constexpr,
+    BN: gl.constexpr,
+    BK: gl.constexpr,
+    STAGES: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    BLOCK_G: gl.constexpr,
+    TRANS_B: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+):
+    _pp_consumer(
+        a_desc,
+        b_desc,
+        out_desc,
+        out_ptr,
+        bias_ptr,
+        a_bufs,
+        b_bufs,
+        c_bufs,
+        ready,
+        empty,
+        gs_ptr,
+        M,
+        KC,
+        NOUT,
+        G,
+        num_programs,
+        BM,
+        BN,
+        BK,
+        STAGES,
+        GROUP_M,
+        BLOCK_G,
+        TRANS_B,
+        HAS_BIAS,
+        1,
+    )
+
+
+@gluon.jit
+def _pp_producer(
+    a_desc,
+    b_desc,
+    out_desc,
+    out_ptr,
+    bias_ptr,
+    a_bufs,
+    b_bufs,
+    c_bufs,
+    ready,
+    empty,
+    gs_ptr,
+    M,
+    KC,
+    NOUT,
+    G,
+    num_programs,
+    BM: gl.constexpr,
+    BN: gl.constexpr,
+    BK: gl.constexpr,
+    STAGES: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    BLOCK_G: gl.constexpr,
+    TRANS_B: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+):
+    _producer(
+        a_desc,
+        b_desc,
+        a_bufs,
+        b_bufs,
+        ready,
+        empty,
+        gs_ptr,
+        M,
+        KC,
+        NOUT,
+        G,
+        num_programs,
+        BM,
+        BN,
+        BK,
+        STAGES,
+        GROUP_M,
+        BLOCK_G,
+        TRANS_B,
+    )
+
+
+@gluon.jit
+def grouped_gemm_pingpong_kernel(
+    a_ptr,
+    b_ptr,
+    bias_ptr,
+    gs_ptr,
+    M,
+    KC8,
+    N8,
+    G,
+    num_programs,
+    out_ptr,
+    BM: gl.constexpr,
+    BN: gl.constexpr,
+    BK: gl.constexpr,
+    STAGES: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    BLOCK_G: gl.constexpr,
+    TRANS_B: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
+):
+    """Same contract as :func:`grouped_gemm_ws_kernel`; launched with num_warps=4 (consumer 0), plus
+    a 4-warp consumer and a 1-warp producer partition."""
+    KC = KC8 * 8
+    NOUT = N8 * 8
+    dtype: gl.constexpr = a_ptr.dtype.element_ty
+    bits: gl.constexpr = dtype.primitive_bitwidth
+    smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=bits, rank=2)
+    a_desc = tma.make_tensor_descriptor(a_ptr, shape=[M, KC], strides=[KC, 1], block_shape=[BM, BK], layout=smem_layout)
+    if TRANS_B:
+        b_desc = tma.make_tensor_descriptor(
+            b_ptr, shape=[G * NOUT, KC], strides=[KC, 1], block_shape=[BN, BK], layout=smem_layout
+        )
+        b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BN, BK], smem_layout)
+    else:
+        b_desc = tma.make_tensor_descriptor(
+            b_ptr, shape=[G * KC, NOUT], strides=[NOUT, 1], block_shape=[BK, BN], layout=smem_layout
+        )
+        b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BK, BN], smem_layout)
+    out_desc = tma.make_tensor_descriptor(
+        out_ptr, shape=[M, NOUT], strides=[NOUT, 1], block_shape=[BM, BN], layout=smem_layout
+    )
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], smem_layout)
+    c_bufs = gl.allocate_shared_memory(dtype, [2, BM, BN], smem_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    gl.warp_specialize(
+        [
+            (
+                _pp_consumer0,
+                (
+                    a_desc,
+                    b_desc,
+                    out_desc,
+                    out_ptr,
+                    bias_ptr,
+                    a_bufs,
+                    b_bufs,
+                    c_bufs,
+                    ready,
+                    empty,
+                    gs_ptr,
+                    M,
+                    KC,
+                    NOUT,
+                    G,
+                    num_programs,
+                    BM,
+                    BN,
+                    BK,
+                    STAGES,
+                    GROUP_M,
+                    BLOCK_G,
+                    TRANS_B,
+                    HAS_BIAS,
+                ),
+            ),
+            (
+                _pp_consumer1,
+                (
+                    a_desc,
+                    b_desc,
+                    out_desc,
+                    out_ptr,
+                    bias_ptr,
+                    a_bufs,
+                    b_bufs,
+                    c_bufs,
+                    ready,
+                    empty,
+                    gs_ptr,
+                    M,
+                    KC,
+                    NOUT,
+                    G,
+                    num_programs,
+                    BM,
+                    BN,
+                    BK,
+                    STAGES,
+                    GROUP_M,
+                    BLOCK_G,
+                    TRANS_B,
+                    HAS_BIAS,
+                ),
+            ),
+            (
+                _pp_producer,
+                (
+                    a_desc,
+                    b_desc,
+                    out_desc,
+                    out_ptr,
+                    bias_ptr,
+                    a_bufs,
+                    b_bufs,
+                    c_bufs,
+                    ready,
+                    empty,
+                    gs_ptr,
+                    M,
+                    KC,
+                    NOUT,
+                    G,
+                    num_programs,
+                    BM,
+                    BN,
+                    BK,
+                    STAGES,
+                    GROUP_M,
+                    BLOCK_G,
+                    TRANS_B,
+                    HAS_BIAS,
+                ),
+            ),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, 24],
+    )

@@ -65,6 +65,9 @@ class GemmConfig:
     # BK; needs num_warps=8 and BM=128. Elsewhere (other GPUs, other K) the Triton kernel runs.
     GLUON_WS: bool = False
     maxnreg: int = 168  # GLUON_WS: 12 warps x 168 registers fit the register file; setmaxnreg moves them
+    # GLUON_WS with PINGPONG: two 4-warp consumer warpgroups on alternate BM x BN tiles (one's epilogue
+    # overlaps the other's wgmmas); BM=128 and BN <= 128 (a whole tile's accumulator per warpgroup).
+    PINGPONG: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,7 +181,45 @@ def grouped_gemm(a, b, group_sizes, bias, *, trans_b: bool, cfg: GemmConfig):
     max_tiles = (_cdiv(m, cfg.BM) + g + 1) * n_tiles
     grid = max(1, min(num_sms(), max_tiles))
     bias_arg = bias if bias is not None else group_sizes
-    if cfg.GLUON_WS and kc % cfg.BK == 0 and cfg.BM == 128 and cfg.num_warps == 8 and not gluon_ws_unavailable_reason():
+    if cfg.GLUON_WS and cfg.PINGPONG and kc % cfg.BK == 0 and cfg.BM == 128 and cfg.BN <= 128:
+        if not gluon_ws_unavailable_reason():
+            return tb.triton_call(
+                _gk().grouped_gemm_pingpong_kernel,
+                a,
+                b,
+                bias_arg,
+                group_sizes.astype(jnp.int32),
+                np.int32(m),
+                np.int32(kc // 8),
+                np.int32(nout // 8),
+                np.int32(g),
+                np.int32(grid),
+                out_shape=[SDS((m, nout), a.dtype)],
+                grid=(grid,),
+                constexprs=dict(
+                    BM=cfg.BM,
+                    BN=cfg.BN,
+                    BK=cfg.BK,
+                    STAGES=cfg.num_stages,
+                    GROUP_M=cfg.GROUP_M,
+                    BLOCK_G=max(16, _pow2(g)),
+                    TRANS_B=bool(trans_b),
+                    HAS_BIAS=bias is not None,
+                    CONSUMER_REGS=232,
+                ),
+                num_warps=4,
+                num_stages=1,
+                maxnreg=cfg.maxnreg,
+                name="te_grouped_gemm_pingpong",
+            )[0]
+    if (
+        cfg.GLUON_WS
+        and not cfg.PINGPONG
+        and kc % cfg.BK == 0
+        and cfg.BM == 128
+        and cfg.num_warps == 8
+        and not gluon_ws_unavailable_reason()
+    ):
         return tb.triton_call(
             _gk().grouped_gemm_ws_kernel,
             a,

@@ -64,16 +64,12 @@ def _validate(op: str, x, gamma, beta, residual, eps, zero_centered_gamma, has_b
     for name, p in params:
         p = check_float(op, name, p, FLOAT_DTYPES_WITH_F64)
         if tuple(p.shape) != (n,):
-            raise ValueError(
-                err(op, f"{name} must have shape [H] = ({n},) (x's last axis), got {tuple(p.shape)}.")
-            )
+            raise ValueError(err(op, f"{name} must have shape [H] = ({n},) (x's last axis), got {tuple(p.shape)}."))
         checked.append(p)
     if residual is not None:
         residual = check_float(op, "residual", residual, FLOAT_DTYPES_WITH_F64)
         if tuple(residual.shape) != tuple(x.shape):
-            raise ValueError(
-                err(op, f"residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}.")
-            )
+            raise ValueError(err(op, f"residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}."))
         if residual.dtype != x.dtype:
             raise TypeError(
                 err(op, f"residual must have x's dtype {jnp.dtype(x.dtype)}, got {jnp.dtype(residual.dtype)}. "

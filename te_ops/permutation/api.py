@@ -74,9 +74,7 @@ def _dispatch_fwd(mod, **kw):
 def _dispatch_bwd(mod, **kw):
     def bwd(row_id_map, g_out, g_pp, *, num_out_tokens, align_size):
         res = ref.DispatchResiduals(row_id_map, row_id_map.shape[0], g_pp is not None)
-        return mod.dispatch_backward(
-            res, g_out, g_pp, num_out_tokens=num_out_tokens, align_size=align_size, **kw
-        )
+        return mod.dispatch_backward(res, g_out, g_pp, num_out_tokens=num_out_tokens, align_size=align_size, **kw)
 
     return bwd
 
@@ -125,9 +123,7 @@ for _fam, _f, _b in ((DISPATCH, _dispatch_fwd, _dispatch_bwd), (COMBINE, _combin
     )
     _fam.register(registry.Implementation(registry.REFERENCE, _f(ref), _b(ref)))
 SORT.register(
-    registry.Implementation(
-        "triton", _sort_fwd(tri), _sort_bwd(tri), tri.unsupported_reason, "cuda", _triton_available
-    )
+    registry.Implementation("triton", _sort_fwd(tri), _sort_bwd(tri), tri.unsupported_reason, "cuda", _triton_available)
 )
 SORT.register(registry.Implementation(registry.REFERENCE, _sort_fwd(ref), _sort_bwd(ref)))
 
@@ -139,9 +135,7 @@ def _chosen(implementation: str | None, *sizes: int) -> str | None:
 
 
 def _call(dtype, num_tokens, num_experts, probs_dtype, num_rows) -> dict[str, Any]:
-    return dict(
-        dtype=dtype, num_tokens=num_tokens, num_experts=num_experts, probs_dtype=probs_dtype, num_rows=num_rows
-    )
+    return dict(dtype=dtype, num_tokens=num_tokens, num_experts=num_experts, probs_dtype=probs_dtype, num_rows=num_rows)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -274,20 +268,19 @@ def token_dispatch(
     """
     op = "token_dispatch"
     x = check_float(op, "x", x, FLOAT_DTYPES_WITH_F64, rank=2, layout="[T, H]")
-    routing_map = check_bool(
-        op, "routing_map", routing_map, hint="Convert it, e.g. routing_map = (routing_map != 0)."
-    )
+    routing_map = check_bool(op, "routing_map", routing_map, hint="Convert it, e.g. routing_map = (routing_map != 0).")
     check_rank(op, "routing_map", routing_map, 2, "[T, E]")
     if routing_map.shape[0] != x.shape[0]:
         raise ValueError(
-            err(op, f"routing_map must have shape [T, E] with T = x.shape[0] = {x.shape[0]}, got "
-                    f"{tuple(routing_map.shape)}.")
+            err(
+                op,
+                f"routing_map must have shape [T, E] with T = x.shape[0] = {x.shape[0]}, got "
+                f"{tuple(routing_map.shape)}.",
+            )
         )
     why = "It sets the output shape, so it cannot be a traced value; pass e.g. num_out_tokens=T * topk."
     num_out_tokens = static_int(op, "num_out_tokens", num_out_tokens, minimum=0, why=why)
-    align_size = static_int(
-        op, "align_size", align_size, minimum=1, allow_none=True, why="It sets the output shape."
-    )
+    align_size = static_int(op, "align_size", align_size, minimum=1, allow_none=True, why="It sets the output shape.")
     if probs is not None:
         probs = _check_probs(op, "probs", probs, routing_map.shape)
     return _build_dispatch(num_out_tokens, align_size, implementation, probs is not None, x.shape[0])(
@@ -298,8 +291,9 @@ def token_dispatch(
 def _check_probs(op: str, name: str, p: Any, shape: tuple[int, int]) -> jax.Array:
     p = check_float(op, name, p, FLOAT_DTYPES_WITH_F64, rank=2, layout="[T, E]")
     if tuple(p.shape) != tuple(shape):
-        raise ValueError(err(op, f"{name} must have shape {tuple(shape)} [T, E] like the routing, got "
-                                 f"{tuple(p.shape)}."))
+        raise ValueError(
+            err(op, f"{name} must have shape {tuple(shape)} [T, E] like the routing, got {tuple(p.shape)}.")
+        )
     return p
 
 
@@ -399,8 +393,11 @@ def token_combine(
     row_id_map = check_int_array(op, "row_id_map", row_id_map, dtype=jnp.int32)
     if row_id_map.ndim != 2 or row_id_map.shape[1] % 2 != 1:
         raise ValueError(
-            err(op, f"row_id_map must be the int32 [T, 2E+1] map returned by token_dispatch (an odd "
-                    f"number of columns), got shape {tuple(row_id_map.shape)}.")
+            err(
+                op,
+                f"row_id_map must be the int32 [T, 2E+1] map returned by token_dispatch (an odd "
+                f"number of columns), got shape {tuple(row_id_map.shape)}.",
+            )
         )
     t_, e_ = row_id_map.shape[0], (row_id_map.shape[1] - 1) // 2
     if merging_probs is not None:
@@ -481,6 +478,4 @@ def sort_chunks_by_index(
     split_sizes = check_int_array(op, "split_sizes", split_sizes)
     check_rank(op, "split_sizes", split_sizes, 1, "[S]")
     sorted_indices = check_int_array(op, "sorted_indices", sorted_indices, shape=split_sizes.shape)
-    return _build_sort(implementation)(
-        *match_vma(x, split_sizes.astype(jnp.int32), sorted_indices.astype(jnp.int32))
-    )
+    return _build_sort(implementation)(*match_vma(x, split_sizes.astype(jnp.int32), sorted_indices.astype(jnp.int32)))

@@ -176,9 +176,7 @@ def dispatch_forward(x, routing_map, probs=None, *, num_out_tokens: int, align_s
     return (out, pp, row_id_map, pad, layout.tokens_per_expert, layout.num_dropped), res
 
 
-def dispatch_backward(
-    res: DispatchResiduals, g_out, g_pp=None, *, num_out_tokens: int, align_size: int | None
-):
+def dispatch_backward(res: DispatchResiduals, g_out, g_pp=None, *, num_out_tokens: int, align_size: int | None):
     t_ = res.num_tokens
     e_ = (res.row_id_map.shape[1] - 1) // 2
     n = g_out.shape[0]

@@ -218,9 +218,7 @@ def _move_rows(x, row_id_map, out0, gluon: bool):
     )[0]
 
 
-def dispatch_forward(
-    x, routing_map, probs=None, *, num_out_tokens: int, align_size: int | None, gluon: bool = False
-):
+def dispatch_forward(x, routing_map, probs=None, *, num_out_tokens: int, align_size: int | None, gluon: bool = False):
     row_id_map, inv, pp, tpe, pad, dropped, n = _routing(routing_map, probs, num_out_tokens, align_size)
     out0, pp = _zero_holes(inv, pp, n, x.shape[1], x.dtype)
     out = _move_rows(x, row_id_map, out0, gluon)
@@ -228,9 +226,7 @@ def dispatch_forward(
     return (out, pp, row_id_map, pad if align_size else None, tpe, dropped), res
 
 
-def dispatch_backward(
-    res, g_out, g_pp=None, *, num_out_tokens: int, align_size: int | None, gluon: bool = False
-):
+def dispatch_backward(res, g_out, g_pp=None, *, num_out_tokens: int, align_size: int | None, gluon: bool = False):
     del num_out_tokens, align_size, gluon
     t_ = res.num_tokens
     e_ = (res.row_id_map.shape[1] - 1) // 2
@@ -301,9 +297,7 @@ def _combine(y, row_id_map, merging_probs, gluon: bool):
 
 def combine_forward(y, row_id_map, merging_probs=None, *, gluon: bool = False):
     out = _combine(y, row_id_map, merging_probs, gluon)
-    res = ref.CombineResiduals(
-        y if merging_probs is not None else None, row_id_map, merging_probs, y.shape[0]
-    )
+    res = ref.CombineResiduals(y if merging_probs is not None else None, row_id_map, merging_probs, y.shape[0])
     return out, res
 
 

@@ -269,9 +269,7 @@ def _combine_bwd_token(
     if HAS_PROBS:
         kk = tl.arange(0, BLOCK_E)
         es = tl.load(map_ptr + t * W + E + kk, mask=kk < E, other=0)
-        tl.store(
-            dmp_ptr + t * E + es, tl.zeros([BLOCK_E], dmp_ptr.dtype.element_ty), mask=(kk < E) & (kk >= n)
-        )
+        tl.store(dmp_ptr + t * E + es, tl.zeros([BLOCK_E], dmp_ptr.dtype.element_ty), mask=(kk < E) & (kk >= n))
 
 
 @triton.jit

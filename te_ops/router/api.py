@@ -78,8 +78,7 @@ def _check_rows(op: str, name: str, x: Any, *, min_experts: int) -> jax.Array:
         )
     if x.shape[1] < min_experts:
         raise ValueError(
-            err(op, f"{name} must have at least {min_experts} expert (E >= {min_experts}), got shape "
-                    f"{tuple(x.shape)}.")
+            err(op, f"{name} must have at least {min_experts} expert (E >= {min_experts}), got shape {tuple(x.shape)}.")
         )
     return x
 
@@ -88,8 +87,11 @@ def _check_topk(op: str, topk: Any, num_experts: int) -> int:
     topk = static_int(op, "topk", topk, minimum=1, why="It fixes the number of experts chosen per token.")
     if topk > num_experts:
         raise ValueError(
-            err(op, f"topk must be <= the number of experts E={num_experts}, got topk={topk}. "
-                    "Choose fewer experts per token.")
+            err(
+                op,
+                f"topk must be <= the number of experts E={num_experts}, got topk={topk}. "
+                "Choose fewer experts per token.",
+            )
         )
     return topk
 
@@ -99,15 +101,21 @@ def _check_groups(op: str, num_groups: Any, group_topk: Any, num_experts: int, t
         return None, None
     if num_groups is None or group_topk is None:
         raise ValueError(
-            err(op, f"num_groups and group_topk must be given together (grouped selection), got "
-                    f"num_groups={num_groups!r}, group_topk={group_topk!r}. Pass both, or neither for plain top-k.")
+            err(
+                op,
+                f"num_groups and group_topk must be given together (grouped selection), got "
+                f"num_groups={num_groups!r}, group_topk={group_topk!r}. Pass both, or neither for plain top-k.",
+            )
         )
     num_groups = static_int(op, "num_groups", num_groups, minimum=1)
     group_topk = static_int(op, "group_topk", group_topk, minimum=1)
     if num_experts % num_groups:
         raise ValueError(
-            err(op, f"the number of experts E={num_experts} must be divisible by num_groups, got "
-                    f"num_groups={num_groups}. Pick a divisor of E.")
+            err(
+                op,
+                f"the number of experts E={num_experts} must be divisible by num_groups, got "
+                f"num_groups={num_groups}. Pick a divisor of E.",
+            )
         )
     if topk % group_topk:
         raise ValueError(err(op, f"topk must be divisible by group_topk, got topk={topk}, group_topk={group_topk}."))
@@ -115,9 +123,12 @@ def _check_groups(op: str, num_groups: Any, group_topk: Any, num_experts: int, t
         raise ValueError(err(op, f"group_topk must be <= num_groups={num_groups}, got group_topk={group_topk}."))
     if topk // group_topk > num_experts // num_groups:
         raise ValueError(
-            err(op, f"topk // group_topk = {topk // group_topk} experts per chosen group exceed the group size "
-                    f"E // num_groups = {num_experts // num_groups}. Use more groups per token (larger "
-                    "group_topk) or fewer, larger groups.")
+            err(
+                op,
+                f"topk // group_topk = {topk // group_topk} experts per chosen group exceed the group size "
+                f"E // num_groups = {num_experts // num_groups}. Use more groups per token (larger "
+                "group_topk) or fewer, larger groups.",
+            )
         )
     return num_groups, group_topk
 
@@ -127,14 +138,20 @@ def _check_bias(op: str, expert_bias: Any, score_function: str, num_experts: int
         return None
     if score_function != "sigmoid":
         raise ValueError(
-            err(op, f"expert_bias is only supported with score_function='sigmoid', got "
-                    f"score_function={score_function!r}. Drop expert_bias or use the sigmoid score function.")
+            err(
+                op,
+                f"expert_bias is only supported with score_function='sigmoid', got "
+                f"score_function={score_function!r}. Drop expert_bias or use the sigmoid score function.",
+            )
         )
     expert_bias = check_float(op, "expert_bias", expert_bias, FLOAT_DTYPES_WITH_F64)
     if tuple(expert_bias.shape) != (num_experts,):
         raise ValueError(
-            err(op, f"expert_bias must have shape [E] = ({num_experts},), got shape {tuple(expert_bias.shape)}. "
-                    "Give one bias per expert.")
+            err(
+                op,
+                f"expert_bias must have shape [E] = ({num_experts},), got shape {tuple(expert_bias.shape)}. "
+                "Give one bias per expert.",
+            )
         )
     return expert_bias.astype(jnp.float32)
 
@@ -164,11 +181,17 @@ def pack_routing_map(routing_map: jax.Array) -> jax.Array:
       uint8 ``[..., ceil(E / 8)]``.
     """
     op = "pack_routing_map"
-    routing_map = check_bool(op, "routing_map", routing_map,
-                             hint="Convert it with routing_map != 0 (each entry becomes one bit).")
+    routing_map = check_bool(
+        op, "routing_map", routing_map, hint="Convert it with routing_map != 0 (each entry becomes one bit)."
+    )
     if routing_map.ndim < 1:
-        raise ValueError(err(op, "routing_map must have rank >= 1 [..., E], got a scalar. Pass a map with an "
-                                 "expert axis, e.g. routing_map[None]."))
+        raise ValueError(
+            err(
+                op,
+                "routing_map must have rank >= 1 [..., E], got a scalar. Pass a map with an "
+                "expert axis, e.g. routing_map[None].",
+            )
+        )
     return reference.pack_routing_map(routing_map)
 
 
@@ -202,9 +225,12 @@ def unpack_routing_map(packed: jax.Array, num_experts: int) -> jax.Array:
     if (num_experts + 7) // 8 != width:
         lo, hi = max(8 * width - 7, 0), 8 * width
         raise ValueError(
-            err(op, f"num_experts={num_experts} needs ceil(num_experts / 8) = {(num_experts + 7) // 8} bytes per "
-                    f"row, but packed has {width} (shape {tuple(packed.shape)}). For this packed width "
-                    f"num_experts must be in [{lo}, {hi}]; pass the E the map was packed from.")
+            err(
+                op,
+                f"num_experts={num_experts} needs ceil(num_experts / 8) = {(num_experts + 7) // 8} bytes per "
+                f"row, but packed has {width} (shape {tuple(packed.shape)}). For this packed width "
+                f"num_experts must be in [{lo}, {hi}]; pass the E the map was packed from.",
+            )
         )
     return reference.unpack_routing_map(packed, num_experts)
 
@@ -527,13 +553,19 @@ def fused_moe_aux_loss(
     tpe = as_array(op, "tokens_per_expert", tokens_per_expert)
     if not (jnp.issubdtype(tpe.dtype, jnp.integer) or jnp.issubdtype(tpe.dtype, jnp.floating)):
         raise TypeError(
-            err(op, f"tokens_per_expert must be an int or float array, got dtype {tpe.dtype}. Convert it, e.g. "
-                    "tokens_per_expert.astype(jnp.int32).")
+            err(
+                op,
+                f"tokens_per_expert must be an int or float array, got dtype {tpe.dtype}. Convert it, e.g. "
+                "tokens_per_expert.astype(jnp.int32).",
+            )
         )
     if tuple(tpe.shape) != (probs.shape[1],):
         raise ValueError(
-            err(op, f"tokens_per_expert must have shape [E] = ({probs.shape[1]},) to match probs "
-                    f"{tuple(probs.shape)}, got shape {tuple(tpe.shape)}.")
+            err(
+                op,
+                f"tokens_per_expert must have shape [E] = ({probs.shape[1]},) to match probs "
+                f"{tuple(probs.shape)}, got shape {tuple(tpe.shape)}.",
+            )
         )
     topk = static_int(op, "topk", topk, minimum=1, why="It is compiled into the loss scale.")
     coeff = static_float(op, "coeff", coeff)

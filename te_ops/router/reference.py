@@ -100,9 +100,7 @@ def ordered_key(v: jax.Array) -> jax.Array:
     return jnp.where(b < 0, b ^ jnp.int32(0x7FFFFFFF), b)
 
 
-def select(
-    sel: jax.Array, topk: int, num_groups: int | None, group_topk: int | None
-) -> tuple[jax.Array, jax.Array]:
+def select(sel: jax.Array, topk: int, num_groups: int | None, group_topk: int | None) -> tuple[jax.Array, jax.Array]:
     """Steps 3-4: (indices [T, K] in selection order, chosen bool [T, E]).
 
     Ties: larger value first, then the smaller index (``lax.top_k`` keeps the lower index first).
@@ -159,9 +157,7 @@ def topk_forward(
     # A NaN anywhere in the row poisons every chosen weight, whichever experts were chosen (the
     # order of NaN among the scores is unspecified, so the result must not depend on it).
     w = jnp.where(jnp.any(jnp.isnan(x), axis=-1, keepdims=True), jnp.nan, w)
-    probs = jnp.put_along_axis(
-        jnp.zeros_like(x), idx, jnp.float32(scaling_factor) * w, axis=-1, inplace=False
-    )
+    probs = jnp.put_along_axis(jnp.zeros_like(x), idx, jnp.float32(scaling_factor) * w, axis=-1, inplace=False)
     rmap = _finish_map(chosen, compact_routing_map)
     return (probs.astype(logits.dtype), rmap), TopkResiduals(logits, rmap)
 

@@ -248,4 +248,3 @@ def scaled_upper_triang_masked_softmax(
         )
     scale = static_float(op, "scale", scale, why=_SCALE_WHY)
     return _build("causal", scale, _implementation(op, implementation, x), False)(*match_vma(x))
-

@@ -16,11 +16,15 @@ def run_under_command_buffers(builder: str, flags: str = CMDBUF_FLAGS, timeout: 
     env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     proc = subprocess.run(
         [sys.executable, "-m", "tests.gpu.cmdbuf_check", builder],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     for line in proc.stdout.splitlines():
         if line.startswith("CMDBUF_REPORT "):
-            return json.loads(line[len("CMDBUF_REPORT "):])
+            return json.loads(line[len("CMDBUF_REPORT ") :])
     raise AssertionError(
         f"no report from subprocess (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     )

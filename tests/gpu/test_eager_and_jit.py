@@ -34,59 +34,77 @@ def _routing(t, e, k, seed=3):
 def _softmax():
     x = jax.random.normal(_key(0), (2, 4, 64, 64), jnp.bfloat16)
     mask = jax.random.bernoulli(_key(1), 0.2, (2, 1, 64, 64))
-    return "softmax", lambda impl: (
-        lambda x: te_ops.scaled_masked_softmax(x, mask, 0.5, implementation=impl)
-        + te_ops.scaled_upper_triang_masked_softmax(x, 0.5, implementation=impl)
-    ), (x,)
+    return (
+        "softmax",
+        lambda impl: (
+            lambda x: (
+                te_ops.scaled_masked_softmax(x, mask, 0.5, implementation=impl)
+                + te_ops.scaled_upper_triang_masked_softmax(x, 0.5, implementation=impl)
+            )
+        ),
+        (x,),
+    )
 
 
 def _dense():
     x = jax.random.normal(_key(0), (256, 128), jnp.bfloat16)
     w = jax.random.normal(_key(1), (128, 192), jnp.bfloat16) * 0.1
     b = jax.random.normal(_key(2), (192,), jnp.bfloat16)
-    return "dense", lambda impl: (
-        lambda x, w, b: te_ops.dense(x, w, b, activation="gelu_tanh", implementation=impl)
-    ), (x, w, b)
+    return (
+        "dense",
+        lambda impl: lambda x, w, b: te_ops.dense(x, w, b, activation="gelu_tanh", implementation=impl),
+        (x, w, b),
+    )
 
 
 def _router():
     logits = jax.random.normal(_key(0), (128, 32), jnp.float32)
-    return "fused_topk_with_score_function", lambda impl: (
-        lambda lg: te_ops.fused_topk_with_score_function(lg, 4, implementation=impl)[0]
-    ), (logits,)
+    return (
+        "fused_topk_with_score_function",
+        lambda impl: lambda lg: te_ops.fused_topk_with_score_function(lg, 4, implementation=impl)[0],
+        (logits,),
+    )
 
 
 def _aux_scores():
     logits = jax.random.normal(_key(0), (128, 32), jnp.float32)
-    return "compute_routing_scores_for_aux_loss", lambda impl: (
-        lambda lg: te_ops.compute_routing_scores_for_aux_loss(lg, 4, score_function="softmax", implementation=impl)[1]
-    ), (logits,)
+    return (
+        "compute_routing_scores_for_aux_loss",
+        lambda impl: (
+            lambda lg: te_ops.compute_routing_scores_for_aux_loss(lg, 4, score_function="softmax", implementation=impl)[
+                1
+            ]
+        ),
+        (logits,),
+    )
 
 
 def _aux_loss():
     probs = jax.nn.softmax(jax.random.normal(_key(0), (128, 32), jnp.float32), -1)
     tpe = jax.random.randint(_key(1), (32,), 0, 40).astype(jnp.int32)
-    return "fused_moe_aux_loss", lambda impl: (
-        lambda p: te_ops.fused_moe_aux_loss(p, tpe, topk=4, coeff=1e-2, implementation=impl)
-    ), (probs,)
+    return (
+        "fused_moe_aux_loss",
+        lambda impl: lambda p: te_ops.fused_moe_aux_loss(p, tpe, topk=4, coeff=1e-2, implementation=impl),
+        (probs,),
+    )
 
 
 def _attention():
     q = jax.random.normal(_key(0), (2, 128, 8, 64), jnp.bfloat16)
     k = jax.random.normal(_key(1), (2, 128, 2, 64), jnp.bfloat16)
     v = jax.random.normal(_key(2), (2, 128, 2, 64), jnp.bfloat16)
-    return "fused_attention", lambda impl: (
-        lambda q, k, v: te_ops.fused_attention(q, k, v, mask_type="causal", implementation=impl)
-    ), (q, k, v)
+    return (
+        "fused_attention",
+        lambda impl: lambda q, k, v: te_ops.fused_attention(q, k, v, mask_type="causal", implementation=impl),
+        (q, k, v),
+    )
 
 
 def _grouped_dense():
     x = jax.random.normal(_key(0), (512, 128), jnp.bfloat16)
     w = jax.random.normal(_key(1), (4, 128, 64), jnp.bfloat16) * 0.1
     sizes = jnp.asarray([100, 0, 250, 130], jnp.int32)
-    return "grouped_dense", lambda impl: (
-        lambda x, w: te_ops.grouped_dense(x, w, sizes, implementation=impl)
-    ), (x, w)
+    return "grouped_dense", lambda impl: lambda x, w: te_ops.grouped_dense(x, w, sizes, implementation=impl), (x, w)
 
 
 def _dispatch_combine():
@@ -109,9 +127,11 @@ def _sort_chunks():
     x = jax.random.normal(_key(0), (64, 128), jnp.bfloat16)
     split = jnp.asarray([10, 0, 30, 24], jnp.int32)
     order = jnp.asarray([2, 0, 3, 1], jnp.int32)
-    return "sort_chunks_by_index", lambda impl: (
-        lambda x: te_ops.sort_chunks_by_index(x, split, order, implementation=impl)[0]
-    ), (x,)
+    return (
+        "sort_chunks_by_index",
+        lambda impl: lambda x: te_ops.sort_chunks_by_index(x, split, order, implementation=impl)[0],
+        (x,),
+    )
 
 
 def _normalization():
@@ -131,7 +151,15 @@ def _normalization():
 
 
 CASES = [
-    _softmax, _dense, _router, _aux_scores, _aux_loss, _attention, _grouped_dense, _dispatch_combine, _sort_chunks,
+    _softmax,
+    _dense,
+    _router,
+    _aux_scores,
+    _aux_loss,
+    _attention,
+    _grouped_dense,
+    _dispatch_combine,
+    _sort_chunks,
     _normalization,
 ]
 

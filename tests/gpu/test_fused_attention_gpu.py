@@ -153,9 +153,7 @@ def test_native_matches_reference(case, dtype):
         out, grads = _fwd_bwd("native", kw, bias is not None)(q, k, v, g, bias)
     f32 = lambda x: None if x is None else x.astype(F32)  # noqa: E731
     with jax.default_matmul_precision("highest"):  # an fp32 (not TF32) reference
-        want, want_grads = _fwd_bwd("reference", kw, bias is not None)(
-            f32(q), f32(k), f32(v), f32(g), f32(bias)
-        )
+        want, want_grads = _fwd_bwd("reference", kw, bias is not None)(f32(q), f32(k), f32(v), f32(g), f32(bias))
     tol = REL_TOL[jnp.dtype(dtype)]
     assert _rel_err(out, want) < tol, (case, _rel_err(out, want))
     for name, a, e in zip(("dq", "dk", "dv", "dbias"), grads, want_grads, strict=False):
@@ -193,9 +191,7 @@ def test_dropout_rate_mean_and_backward_consistency(dtype):
     # v = one-hot over keys: out[b, i, h, :] is row i of the dropped probability matrix.
     v = jnp.broadcast_to(jnp.eye(s, dtype=dtype)[None, :, None, :], (b, s, h, s))
     kw = dict(dropout_rate=rate, rng=jax.random.key(11))
-    call = dict(
-        dtype=q.dtype, q_shape=q.shape, k_shape=k.shape, v_shape=v.shape, scale=0.125, dropout_rate=rate
-    )
+    call = dict(dtype=q.dtype, q_shape=q.shape, k_shape=k.shape, v_shape=v.shape, scale=0.125, dropout_rate=rate)
     why = fa_native.unsupported_reason(**call)
     if why is not None:
         pytest.skip(f"cuDNN on this machine: {why}")
@@ -276,10 +272,24 @@ def test_under_command_buffers_graph_captured_and_warmed_once():
 # entries) into NaN. There each entry must be the
 # reference's value or NaN, and a NaN of the reference must stay NaN.
 
-NONFINITE_CASES = ("none", "causal", "padding_causal", "gqa_causal", "window_causal", "segments",
-                   "bias_full", "bias_heads_causal", "odd_lengths")
-NONFINITE_PARAMS = [(c, w, d) for c in NONFINITE_CASES for w in ("q", "kv", "bias")
-                    for d in (jnp.bfloat16, jnp.float16) if w != "bias" or c.startswith("bias")]
+NONFINITE_CASES = (
+    "none",
+    "causal",
+    "padding_causal",
+    "gqa_causal",
+    "window_causal",
+    "segments",
+    "bias_full",
+    "bias_heads_causal",
+    "odd_lengths",
+)
+NONFINITE_PARAMS = [
+    (c, w, d)
+    for c in NONFINITE_CASES
+    for w in ("q", "kv", "bias")
+    for d in (jnp.bfloat16, jnp.float16)
+    if w != "bias" or c.startswith("bias")
+]
 
 
 def _sprinkle(x, seed, frac):
@@ -329,10 +339,19 @@ def _exempt_rows(q, k, v, bias, kw, scale):
 def _visible(b, s_q, s_k, kw):
     from te_ops.fused_attention import reference as ref
 
-    return ref.visible(b, s_q, s_k, mask_type=kw.get("mask_type", "none"), window=kw.get("window_size"),
-                       q_seqlens=kw.get("q_seqlens"), kv_seqlens=kw.get("kv_seqlens"),
-                       q_segment_ids=kw.get("q_segment_ids"), kv_segment_ids=kw.get("kv_segment_ids"),
-                       q_segment_pos=kw.get("q_segment_pos"), kv_segment_pos=kw.get("kv_segment_pos"))
+    return ref.visible(
+        b,
+        s_q,
+        s_k,
+        mask_type=kw.get("mask_type", "none"),
+        window=kw.get("window_size"),
+        q_seqlens=kw.get("q_seqlens"),
+        kv_seqlens=kw.get("kv_seqlens"),
+        q_segment_ids=kw.get("q_segment_ids"),
+        kv_segment_ids=kw.get("kv_segment_ids"),
+        q_segment_pos=kw.get("q_segment_pos"),
+        kv_segment_pos=kw.get("kv_segment_pos"),
+    )
 
 
 def _check_nonfinite(out, want, exempt, dtype, what):
@@ -353,14 +372,24 @@ def _check_nonfinite(out, want, exempt, dtype, what):
     assert err < REL_TOL[jnp.dtype(dtype)], (what, err)
 
 
-@pytest.mark.parametrize("case,where,dtype", NONFINITE_PARAMS,
-                         ids=[f"{c}-{w}-{jnp.dtype(d).name}" for c, w, d in NONFINITE_PARAMS])
+@pytest.mark.parametrize(
+    "case,where,dtype", NONFINITE_PARAMS, ids=[f"{c}-{w}-{jnp.dtype(d).name}" for c, w, d in NONFINITE_PARAMS]
+)
 def test_native_nonfinite_inputs_follow_the_reference(case, where, dtype):
     (q, k, v, g, bias), kw = _case(case, dtype, seed=5)
     scale = 1 / np.sqrt(q.shape[3])
-    call = dict(dtype=q.dtype, q_shape=q.shape, k_shape=k.shape, v_shape=v.shape,
-                bias_shape=None if bias is None else bias.shape, has_segments="q_segment_ids" in kw,
-                mask_type=kw.get("mask_type", "none"), window=kw.get("window_size"), scale=scale, dropout_rate=0.0)
+    call = dict(
+        dtype=q.dtype,
+        q_shape=q.shape,
+        k_shape=k.shape,
+        v_shape=v.shape,
+        bias_shape=None if bias is None else bias.shape,
+        has_segments="q_segment_ids" in kw,
+        mask_type=kw.get("mask_type", "none"),
+        window=kw.get("window_size"),
+        scale=scale,
+        dropout_rate=0.0,
+    )
     why = fa_native.unsupported_reason(**call)
     if why is not None:
         pytest.skip(f"cuDNN on this machine: {why}")
@@ -377,11 +406,13 @@ def test_native_nonfinite_inputs_follow_the_reference(case, where, dtype):
     with native.poisoned_outputs():
         train_out, _ = _fwd_bwd("native", kw, bias is not None)(q, k, v, g, bias)
         infer_out = jax.jit(lambda q, k, v, bb: fused_attention(q, k, v, bias=bb, implementation="native", **kw))(
-            q, k, v, bias)
+            q, k, v, bias
+        )
     f32 = lambda x: None if x is None else x.astype(F32)  # noqa: E731
     with jax.default_matmul_precision("highest"):
         want = jax.jit(lambda q, k, v, bb: fused_attention(q, k, v, bias=bb, implementation="reference", **kw))(
-            f32(q), f32(k), f32(v), f32(bias))
+            f32(q), f32(k), f32(v), f32(bias)
+        )
     _check_nonfinite(train_out, want, exempt, dtype, f"{case}/{where} training forward")
     _check_nonfinite(infer_out, want, exempt, dtype, f"{case}/{where} inference forward")
 
@@ -392,8 +423,15 @@ def test_native_rows_without_a_finite_score_are_zero(dtype):
     visible key do; no NaN. (cuDNN's own handling of such rows is what this checks.)"""
     (q, k, v, g, bias), kw = _case("bias_full", dtype, seed=6)
     bias = bias.at[0, 1, 5].set(-jnp.inf).at[1, 3, 100].set(-jnp.inf)
-    call = dict(dtype=q.dtype, q_shape=q.shape, k_shape=k.shape, v_shape=v.shape, bias_shape=bias.shape,
-                scale=1 / np.sqrt(q.shape[3]), dropout_rate=0.0)
+    call = dict(
+        dtype=q.dtype,
+        q_shape=q.shape,
+        k_shape=k.shape,
+        v_shape=v.shape,
+        bias_shape=bias.shape,
+        scale=1 / np.sqrt(q.shape[3]),
+        dropout_rate=0.0,
+    )
     why = fa_native.unsupported_reason(**call)
     if why is not None:
         pytest.skip(f"cuDNN on this machine: {why}")

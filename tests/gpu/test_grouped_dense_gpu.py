@@ -136,8 +136,8 @@ WS_CASES = [*TMA_CASES, ((20000, 512, 1024, 16), BF16, False)]
 @needs_triton
 @pytest.mark.parametrize("shape,dtype,with_bias", WS_CASES)
 @pytest.mark.parametrize("fill", [0.85, 1.0])
-@pytest.mark.parametrize("bn,stages", [(256, 3), (128, 4)])
-def test_gluon_ws_variant_matches_reference(shape, dtype, with_bias, fill, bn, stages):
+@pytest.mark.parametrize("bn,stages,pingpong", [(256, 3, False), (128, 4, False), (128, 4, True)])
+def test_gluon_ws_variant_matches_reference(shape, dtype, with_bias, fill, bn, stages, pingpong):
     from te_ops.grouped_dense import triton as tri
 
     if tri.gluon_ws_unavailable_reason():
@@ -146,7 +146,7 @@ def test_gluon_ws_variant_matches_reference(shape, dtype, with_bias, fill, bn, s
     x, w, b, dy = make(sum(shape) + 3, m, k, n, g, dtype)
     s = _sizes(m, g, fill)
     b = b if with_bias else None
-    cfg = tri.GemmConfig(BN=bn, num_stages=stages, GLUON_WS=True)
+    cfg = tri.GemmConfig(BN=bn, num_stages=stages, GLUON_WS=True, PINGPONG=pingpong)
     with tri.config_override(cfg, cfg, None):
         got = run("triton", x, w, s, b, dy)
     want = run("reference", x, w, s, b, dy)

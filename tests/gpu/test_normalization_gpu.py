@@ -129,7 +129,10 @@ def test_default_implementation_is_triton_on_gpu():
 @needs_triton
 @pytest.mark.parametrize("kind", ["rms", "layer"])
 def test_vmap_per_example_gradients(kind):
-    x, gamma, beta, _, _, _ = _inputs(8, (4, 32, 512), jnp.bfloat16, kind, False)
+    # float32: this checks the vmap rule (per-example dgamma, folded rows), not bfloat16 rounding; in
+    # bfloat16 the sin(y) loss makes dx a cancellation-prone difference where one rounding step of y
+    # moved one element of 65536 past the tolerance on the H200 (2026-12-04)
+    x, gamma, beta, _, _, _ = _inputs(8, (4, 32, 512), jnp.float32, kind, False)
 
     def loss(impl):
         def f(x, gamma, beta):
@@ -144,4 +147,4 @@ def test_vmap_per_example_gradients(kind):
 
     got, want = loss("triton")(x, gamma, beta), loss("reference")(x, gamma, beta)
     for a, e in zip(got, want, strict=True):
-        T.assert_close(a, e, jnp.bfloat16, scale=float(jnp.abs(e.astype(jnp.float32)).max()))
+        T.assert_close(a, e, jnp.float32, scale=float(jnp.abs(e.astype(jnp.float32)).max()))

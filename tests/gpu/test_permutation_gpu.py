@@ -163,7 +163,7 @@ def test_overflow_matches_reference(impl, use_jit, e, with_probs, align, n0):
         e_ = rm.shape[1]
         dropped = np.zeros(rm.shape, bool)
         for t in range(m.shape[0]):
-            dropped[t, m[t, e_:2 * e_][m[t, :e_] == -2]] = True
+            dropped[t, m[t, e_ : 2 * e_][m[t, :e_] == -2]] = True
         assert dropped.sum() == int(fwd.num_dropped)
         np.testing.assert_array_equal(np.asarray(grads[1], np.float32)[dropped], 0)
 

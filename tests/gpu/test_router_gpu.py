@@ -70,9 +70,7 @@ def _run(fn, x, ct, impl):
     def f(x):
         out, vjp = jax.vjp(lambda x: fn(x, impl), x)
         cts = (ct.astype(out[0].dtype),) + tuple(
-            np.zeros(o.shape, jax.dtypes.float0)
-            if not jnp.issubdtype(o.dtype, jnp.floating)
-            else jnp.zeros_like(o)
+            np.zeros(o.shape, jax.dtypes.float0) if not jnp.issubdtype(o.dtype, jnp.floating) else jnp.zeros_like(o)
             for o in out[1:]
         )
         return out, vjp(cts)[0]
@@ -231,9 +229,7 @@ def build_cmdbuf_step():
         def step(x, bias, ct):
             def f(x):
                 probs, rmap = fused_topk_with_score_function(x, expert_bias=bias, implementation=impl, **DSV3)
-                m, s = compute_routing_scores_for_aux_loss(
-                    x, 8, score_function="sigmoid", implementation=impl
-                )
+                m, s = compute_routing_scores_for_aux_loss(x, 8, score_function="sigmoid", implementation=impl)
                 loss = fused_moe_aux_loss(s, m.sum(0), topk=8, coeff=1e-2, implementation=impl)
                 return jnp.sum(probs.astype(F32) * ct) + loss, (probs, rmap, s, loss)
 
@@ -342,9 +338,9 @@ def test_zero_tokens_native():
     def step(x, probs):
         p, m = fused_topk_with_score_function(x, 4, implementation="native")
         m2, s = compute_routing_scores_for_aux_loss(x, 4, implementation="native", compact_routing_map=True)
-        loss, g = jax.value_and_grad(
-            lambda q: fused_moe_aux_loss(q, tpe, topk=4, coeff=0.1, implementation="native")
-        )(probs)
+        loss, g = jax.value_and_grad(lambda q: fused_moe_aux_loss(q, tpe, topk=4, coeff=0.1, implementation="native"))(
+            probs
+        )
         gx = jax.grad(lambda x: fused_topk_with_score_function(x, 4, implementation="native")[0].sum())(x)
         return p, m, m2, s, loss, g, gx
 

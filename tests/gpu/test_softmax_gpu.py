@@ -59,17 +59,24 @@ def test_scaled_softmax_native(dtype, shape):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("s", [1, 8, 37, 128, 1024, 2048])
 def test_upper_triang_native(dtype, s):
-    y = _compare(lambda x, impl: te_ops.scaled_upper_triang_masked_softmax(x, 0.5, implementation=impl),
-                 (2, 3, s, s), dtype)
+    y = _compare(
+        lambda x, impl: te_ops.scaled_upper_triang_masked_softmax(x, 0.5, implementation=impl), (2, 3, s, s), dtype
+    )
     assert bool(jnp.all(jnp.triu(y.astype(jnp.float32), k=1) == 0))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "x_shape, mask_shape",
-    [((2, 3, 16, 64), (2, 1, 16, 64)), ((2, 3, 16, 64), (1, 1, 16, 64)), ((2, 3, 16, 64), (2, 1, 1, 64)),
-     ((2, 3, 16, 64), (2, 3, 16, 64)), ((2, 2, 9, 37), (2, 1, 9, 37)), ((1, 2, 4, 9000), (1, 1, 4, 9000)),
-     ((2, 4, 256, 256), (1, 1, 256, 256))],
+    [
+        ((2, 3, 16, 64), (2, 1, 16, 64)),
+        ((2, 3, 16, 64), (1, 1, 16, 64)),
+        ((2, 3, 16, 64), (2, 1, 1, 64)),
+        ((2, 3, 16, 64), (2, 3, 16, 64)),
+        ((2, 2, 9, 37), (2, 1, 9, 37)),
+        ((1, 2, 4, 9000), (1, 1, 4, 9000)),
+        ((2, 4, 256, 256), (1, 1, 256, 256)),
+    ],
 )
 def test_masked_native(dtype, x_shape, mask_shape):
     mask = jax.random.bernoulli(jax.random.key(3), 0.35, mask_shape)
@@ -115,8 +122,9 @@ def _variant_cases(items, cols_of):
     for kernel in WARP_ROW:
         for dtype in [jnp.bfloat16] if kernel == "warp-row-packed" else DTYPES:
             item = jnp.dtype(dtype).itemsize
-            out += [(kernel, dtype, it) for it in items
-                    if cols_of(it) % (16 // item) == 0 and cols_of(it) * item <= 8192]
+            out += [
+                (kernel, dtype, it) for it in items if cols_of(it) % (16 // item) == 0 and cols_of(it) * item <= 8192
+            ]
     return out
 
 
@@ -179,10 +187,16 @@ def _compare_variant(kernel, fn, shape, dtype, handler, tag, seed=0):
 # Row lengths: non-powers of two and rows that leave lanes without a vector, up to 512 vectors.
 VARIANT_ROWS = [(3, 5, 8), (2, 3, 24), (2, 3, 1000), (4, 1032), (3, 2056), (2, 2048), (2, 3, 4088), (2, 4096)]
 VARIANT_CAUSAL = [8, 40, 264, 1000, 2048, 4096]
-VARIANT_MASKED = [((2, 3, 16, 64), (2, 1, 16, 64)), ((2, 3, 16, 64), (1, 1, 16, 64)), ((2, 3, 16, 64), (2, 1, 1, 64)),
-                  ((2, 3, 16, 64), (2, 3, 16, 64)), ((2, 2, 9, 1000), (2, 1, 9, 1000)),
-                  ((1, 2, 8, 2048), (1, 1, 8, 2048)), ((1, 2, 6, 4096), (1, 1, 6, 4096)),
-                  ((2, 4, 256, 256), (1, 1, 256, 256))]
+VARIANT_MASKED = [
+    ((2, 3, 16, 64), (2, 1, 16, 64)),
+    ((2, 3, 16, 64), (1, 1, 16, 64)),
+    ((2, 3, 16, 64), (2, 1, 1, 64)),
+    ((2, 3, 16, 64), (2, 3, 16, 64)),
+    ((2, 2, 9, 1000), (2, 1, 9, 1000)),
+    ((1, 2, 8, 2048), (1, 1, 8, 2048)),
+    ((1, 2, 6, 4096), (1, 1, 6, 4096)),
+    ((2, 4, 256, 256), (1, 1, 256, 256)),
+]
 
 
 @pytest.mark.parametrize("kernel, dtype, shape", _variant_cases(VARIANT_ROWS, lambda s: s[-1]))
@@ -266,8 +280,12 @@ def build_cmdbuf_step():
         x = (3 * jax.random.normal(jax.random.key(10 + i), shape)).astype(jnp.bfloat16)
         ct = jax.random.normal(jax.random.key(20 + i), shape).astype(jnp.bfloat16)
         inputs.append((x, ct))
-    keys = {"scaled_softmax_fwd": 2, "scaled_softmax_bwd": 2, "scaled_masked_softmax_fwd": 1,
-            "scaled_masked_softmax_bwd": 1}
+    keys = {
+        "scaled_softmax_fwd": 2,
+        "scaled_softmax_bwd": 2,
+        "scaled_masked_softmax_fwd": 1,
+        "scaled_masked_softmax_bwd": 1,
+    }
     return make("native"), make("reference"), inputs, keys
 
 
@@ -281,8 +299,9 @@ def test_under_command_buffers_graph_captured_and_warmed_once():
 
 
 def test_without_command_buffers_executes_eagerly():
-    report = run_under_command_buffers("tests.gpu.test_softmax_gpu:build_cmdbuf_step",
-                                       flags="--xla_gpu_enable_command_buffer=")
+    report = run_under_command_buffers(
+        "tests.gpu.test_softmax_gpu:build_cmdbuf_step", flags="--xla_gpu_enable_command_buffer="
+    )
     c = report["counters"]["scaled_softmax_fwd"]
     assert c["executes"] >= 4 and c["captured_executes"] == 0, c
     assert c["warmups"] == 2 and c["initialize_calls"] >= c["executes"], c
@@ -354,8 +373,12 @@ def _compare_nonfinite(fn, x, dtype, seed):
 # 2-byte elements), and the long-row kernel (more than 16384 2-byte / 8192 4-byte elements).
 NONFINITE_ROWS = [(6, 16), (5, 200), (4, 37), (4, 1032), (4, 4096), (4, 20000)]
 NONFINITE_CAUSAL = [24, 264, 2048]
-NONFINITE_MASKED = [((2, 2, 16, 64), (2, 1, 16, 64)), ((2, 2, 9, 37), (1, 1, 9, 37)),
-                    ((1, 2, 8, 4096), (1, 1, 8, 4096)), ((1, 1, 6, 20000), (1, 1, 6, 20000))]
+NONFINITE_MASKED = [
+    ((2, 2, 16, 64), (2, 1, 16, 64)),
+    ((2, 2, 9, 37), (1, 1, 9, 37)),
+    ((1, 2, 8, 4096), (1, 1, 8, 4096)),
+    ((1, 1, 6, 20000), (1, 1, 6, 20000)),
+]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

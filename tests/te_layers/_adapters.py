@@ -81,7 +81,7 @@ def build(framework: str, layer: str, dtype=jnp.float32, seed: int = 0, **overri
         variables = init(jax.random.key(seed), *(x if isinstance(x, tuple) else (x,)))
 
         def apply(params, x):
-            return (m.apply(params, *x) if isinstance(x, tuple) else m.apply(params, x))
+            return m.apply(params, *x) if isinstance(x, tuple) else m.apply(params, x)
 
         return variables, apply
     if framework == "nnx":

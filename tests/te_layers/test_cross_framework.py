@@ -19,24 +19,42 @@ class _LinenModel(nn.Module):
     def __call__(self, x, segment_ids):
         x = te_linen.Dense(A.H, activation="silu", name="proj")(x)
         x = x + te_linen.MultiHeadAttention(A.NH, A.D, num_kv_heads=A.NKV, use_bias=True, name="attn")(
-            x, segment_ids=segment_ids)
-        return x + te_linen.MoEBlock(A.E, A.K, A.F, score_function="sigmoid", num_groups=2, group_topk=1,
-                                     scaling_factor=2.0, aux_loss_coeff=0.1, name="moe")(x)
+            x, segment_ids=segment_ids
+        )
+        return x + te_linen.MoEBlock(
+            A.E,
+            A.K,
+            A.F,
+            score_function="sigmoid",
+            num_groups=2,
+            group_topk=1,
+            scaling_factor=2.0,
+            aux_loss_coeff=0.1,
+            name="moe",
+        )(x)
 
 
 class _NNXModel(nnx.Module):
     def __init__(self, rngs):
         self.proj = te_nnx.Dense(A.H, A.H, activation="silu", rngs=rngs)
         self.attn = te_nnx.MultiHeadAttention(A.H, A.NH, A.D, num_kv_heads=A.NKV, use_bias=True, rngs=rngs)
-        self.moe = te_nnx.MoEBlock(A.H, A.E, A.K, A.F, score_function="sigmoid", num_groups=2, group_topk=1,
-                                   scaling_factor=2.0, aux_loss_coeff=0.1, rngs=rngs)
+        self.moe = te_nnx.MoEBlock(
+            A.H,
+            A.E,
+            A.K,
+            A.F,
+            score_function="sigmoid",
+            num_groups=2,
+            group_topk=1,
+            scaling_factor=2.0,
+            aux_loss_coeff=0.1,
+            rngs=rngs,
+        )
 
     def __call__(self, x, segment_ids):
         x = self.proj(x)
         x = x + self.attn(x, segment_ids=segment_ids)
         return x + self.moe(x)
-
-
 
 
 def test_same_parameters_same_outputs():
@@ -51,8 +69,18 @@ def test_same_parameters_same_outputs():
             k1, k2, k3 = jax.random.split(key, 3)
             self.proj = te_eqx.Dense(A.H, A.H, activation="silu", key=k1)
             self.attn = te_eqx.MultiHeadAttention(A.H, A.NH, A.D, num_kv_heads=A.NKV, use_bias=True, key=k2)
-            self.moe = te_eqx.MoEBlock(A.H, A.E, A.K, A.F, score_function="sigmoid", num_groups=2, group_topk=1,
-                                       scaling_factor=2.0, aux_loss_coeff=0.1, key=k3)
+            self.moe = te_eqx.MoEBlock(
+                A.H,
+                A.E,
+                A.K,
+                A.F,
+                score_function="sigmoid",
+                num_groups=2,
+                group_topk=1,
+                scaling_factor=2.0,
+                aux_loss_coeff=0.1,
+                key=k3,
+            )
 
         def __call__(self, x, segment_ids):
             x = self.proj(x)
@@ -129,8 +157,9 @@ def test_attention_segment_positions_and_bottom_right_agree_across_frameworks():
     seg = jnp.array([[1] * 6 + [2] * (A.S - 6)] * A.B, jnp.int32)
     spos = jnp.array([list(range(6)) + [i // 2 for i in range(A.S - 6)]] * A.B, jnp.int32)  # pairs share a position
     lin = te_linen.MultiHeadAttention(A.NH, A.D, num_kv_heads=A.NKV, use_bias=True, name="attn")
-    params = jax.jit(lambda key: nn.meta.unbox(lin.init(key, x, segment_ids=seg, segment_pos=spos)))(
-        jax.random.key(4))["params"]
+    params = jax.jit(lambda key: nn.meta.unbox(lin.init(key, x, segment_ids=seg, segment_pos=spos)))(jax.random.key(4))[
+        "params"
+    ]
     y_lin = lin.apply({"params": params}, x, segment_ids=seg, segment_pos=spos)
     y_plain = lin.apply({"params": params}, x, segment_ids=seg)
     assert not np.allclose(np.asarray(y_lin), np.asarray(y_plain), atol=1e-4)

@@ -13,9 +13,9 @@ def _direct(x, w, sizes, bias=None):
     out = np.zeros((x.shape[0], w.shape[2]), np.float32)
     start = 0
     for g, n in enumerate(np.asarray(sizes)):
-        out[start:start + n] = np.asarray(x[start:start + n], np.float32) @ np.asarray(w[g], np.float32)
+        out[start : start + n] = np.asarray(x[start : start + n], np.float32) @ np.asarray(w[g], np.float32)
         if bias is not None:
-            out[start:start + n] += np.asarray(bias[g], np.float32)
+            out[start : start + n] += np.asarray(bias[g], np.float32)
         start += n
     return out
 
@@ -42,7 +42,7 @@ def test_grouped_dense_forward_and_grad(backend, n):
     def loss_ref(x, w, b):
         ys, start = [], 0
         for g, n in enumerate([5, 0, 11]):
-            ys.append(x[start:start + n] @ w[g] + b[g])
+            ys.append(x[start : start + n] @ w[g] + b[g])
             start += n
         return jnp.sum(jnp.sin(jnp.concatenate(ys)))
 
@@ -69,11 +69,15 @@ def test_bf16_fallback():
 def test_moe_block_same_with_both_backends():
     x = jax.random.normal(jax.random.key(4), (32, 16))
     k = jax.random.split(jax.random.key(5), 3)
-    rk, wi, wo = (jax.random.normal(k[0], (16, 4)), 0.1 * jax.random.normal(k[1], (4, 16, 32)),
-                  0.1 * jax.random.normal(k[2], (4, 16, 16)))
+    rk, wi, wo = (
+        jax.random.normal(k[0], (16, 4)),
+        0.1 * jax.random.normal(k[1], (4, 16, 32)),
+        0.1 * jax.random.normal(k[2], (4, 16, 16)),
+    )
     outs = []
     for backend in ("te_ops", "ragged_dot"):
         cfg = C.MoEConfig(C.RouterConfig(num_experts=4, topk=2, aux_loss_coeff=0.1), 16, grouped_gemm=backend)
+
         def loss(wi, x, cfg=cfg):
             return jnp.sum(C.moe_apply(x, rk, wi, wo, cfg).out ** 2)
 

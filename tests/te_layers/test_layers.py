@@ -19,6 +19,7 @@ def _finite(tree):
 def test_layer_init_apply_grad_jit(framework, layer, dtype):
     params, apply = A.build(framework, layer, dtype)
     x = A.layer_input(layer, dtype)
+
     def loss(p, x):
         y = apply(p, x)
         return A.scalar_loss(layer, y), y

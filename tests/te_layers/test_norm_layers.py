@@ -127,8 +127,11 @@ def test_compute_dtype_and_low_precision_input(layer):
     "make, exc, match",
     [
         (lambda: te_linen.RMSNorm(epsilon=0.0), ValueError, r"te_layers\.RMSNorm: epsilon must be > 0"),
-        (lambda: te_nnx.LayerNorm(H, epsilon=-1.0, rngs=nnx.Rngs(0)), ValueError,
-         r"te_layers\.LayerNorm: epsilon must be > 0"),
+        (
+            lambda: te_nnx.LayerNorm(H, epsilon=-1.0, rngs=nnx.Rngs(0)),
+            ValueError,
+            r"te_layers\.LayerNorm: epsilon must be > 0",
+        ),
         (lambda: te_eqx.RMSNorm(0), ValueError, r"te_layers\.RMSNorm: num_features must be a positive int"),
         (lambda: te_eqx.RMSNorm(H, zero_centered_gamma=1), TypeError, "zero_centered_gamma must be a bool"),
         (lambda: te_linen.LayerNorm(dtype=jnp.int32), ValueError, "dtype must be"),

@@ -101,8 +101,18 @@ def test_expert_bias_update_in_every_framework():
 
 def test_router_options_and_errors():
     x = jax.random.normal(jax.random.key(8), (8, 4, 16))
-    router = te_eqx.TopKRouter(16, 8, 4, score_function="softmax", use_pre_softmax=True, num_groups=4, group_topk=2,
-                               scaling_factor=2.0, aux_loss_coeff=0.1, key=jax.random.key(9))
+    router = te_eqx.TopKRouter(
+        16,
+        8,
+        4,
+        score_function="softmax",
+        use_pre_softmax=True,
+        num_groups=4,
+        group_topk=2,
+        scaling_factor=2.0,
+        aux_loss_coeff=0.1,
+        key=jax.random.key(9),
+    )
     r = eqx.filter_jit(lambda m, x: m(x))(router, x)
     assert r.probs.shape == (32, 8) and bool(jnp.all(r.routing_map.sum(1) == 4))
     assert float(r.aux_loss) > 0

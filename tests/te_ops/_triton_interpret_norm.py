@@ -27,8 +27,10 @@ def _close(name, got, want, dtype, scale=1.0):
     tol = TOL[dtype]
     ok = g.shape == w.shape and not np.isnan(g).any() and np.allclose(g, w, rtol=tol, atol=tol * scale)
     if not ok:
-        print(f"  {name}: max |diff| {np.nanmax(np.abs(g - w)) if g.shape == w.shape else 'shape'} "
-              f"nan={np.isnan(g).sum()}")
+        print(
+            f"  {name}: max |diff| {np.nanmax(np.abs(g - w)) if g.shape == w.shape else 'shape'} "
+            f"nan={np.isnan(g).sum()}"
+        )
     return ok
 
 
@@ -44,8 +46,13 @@ def main():
     failures = 0
     cases = []
     for kind in ("rms", "layer"):
-        for shape, dtype in [((5, 16), jnp.float32), ((3, 7, 33), jnp.bfloat16), ((9, 100), jnp.float16),
-                             ((2, 1), jnp.float32), ((70, 8), jnp.float32)]:
+        for shape, dtype in [
+            ((5, 16), jnp.float32),
+            ((3, 7, 33), jnp.bfloat16),
+            ((9, 100), jnp.float16),
+            ((2, 1), jnp.float32),
+            ((70, 8), jnp.float32),
+        ]:
             for has_res in (False, True):
                 cases.append((kind, shape, dtype, has_res, (kind == "layer") == has_res, False))
         cases.append((kind, (6, 100), jnp.float32, True, True, True))  # looped

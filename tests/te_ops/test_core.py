@@ -13,11 +13,19 @@ from te_ops._core import testing as T
 
 def _family(name, gpu_reason=None, gpu_unsupported=None):
     fam = registry.OpFamily(name)
-    fam.register(registry.Implementation(
-        name="fast", forward=lambda x, *, k: x * k + 1000.0, backward=lambda r, g, *, k: g,
-        unsupported_reason=lambda **c: gpu_unsupported, platform="cuda", available=lambda: gpu_reason))
-    fam.register(registry.Implementation(
-        name=registry.REFERENCE, forward=lambda x, *, k: x * k, backward=lambda r, g, *, k: g))
+    fam.register(
+        registry.Implementation(
+            name="fast",
+            forward=lambda x, *, k: x * k + 1000.0,
+            backward=lambda r, g, *, k: g,
+            unsupported_reason=lambda **c: gpu_unsupported,
+            platform="cuda",
+            available=lambda: gpu_reason,
+        )
+    )
+    fam.register(
+        registry.Implementation(name=registry.REFERENCE, forward=lambda x, *, k: x * k, backward=lambda r, g, *, k: g)
+    )
     return fam
 
 
@@ -81,11 +89,18 @@ def test_run_sharded_detects_a_reduction():
 
 def test_auto_false_implementation_is_only_used_by_name():
     fam = registry.OpFamily("fake6")
-    fam.register(registry.Implementation(
-        name="fast", forward=lambda x, *, k: x * k + 1000.0, backward=lambda r, g, *, k: g,
-        platform="cuda", auto=False))
-    fam.register(registry.Implementation(
-        name=registry.REFERENCE, forward=lambda x, *, k: x * k, backward=lambda r, g, *, k: g))
+    fam.register(
+        registry.Implementation(
+            name="fast",
+            forward=lambda x, *, k: x * k + 1000.0,
+            backward=lambda r, g, *, k: g,
+            platform="cuda",
+            auto=False,
+        )
+    )
+    fam.register(
+        registry.Implementation(name=registry.REFERENCE, forward=lambda x, *, k: x * k, backward=lambda r, g, *, k: g)
+    )
     x = jnp.arange(3.0)
     hlo = jax.jit(lambda x: fam.dispatch(None, "forward", (x,), {"k": 3.0}, {})).lower(x).as_text()
     assert "1.000000e+03" not in hlo  # never staged by implementation=None

@@ -102,9 +102,7 @@ def test_jit_and_grad_under_jit():
     x, w, b = inputs((4, 16), 8, jnp.bfloat16, seed=6)
     f = jax.jit(lambda x, w, b: dense(x, w, b, activation="gelu_tanh"))
     T.assert_close(f(x, w, b), jnp_dense(x, w, b, "gelu_tanh"), jnp.bfloat16)
-    g = jax.jit(
-        jax.grad(lambda x, w, b: dense(x, w, b, activation="silu").astype(jnp.float32).sum(), (0, 1, 2))
-    )
+    g = jax.jit(jax.grad(lambda x, w, b: dense(x, w, b, activation="silu").astype(jnp.float32).sum(), (0, 1, 2)))
     out = g(x, w, b)
     assert [o.shape for o in out] == [x.shape, w.shape, b.shape]
 
@@ -132,9 +130,7 @@ def test_vmap_of_grad_per_example():
     def loss(f):
         return lambda xi, w, b: (f(xi, w, b) ** 2).sum()
 
-    ours = jax.vmap(
-        jax.grad(loss(lambda xi, w, b: dense(xi, w, b, activation="gelu")), (1, 2)), (0, None, None)
-    )
+    ours = jax.vmap(jax.grad(loss(lambda xi, w, b: dense(xi, w, b, activation="gelu")), (1, 2)), (0, None, None))
     theirs = jax.vmap(jax.grad(loss(lambda xi, w, b: jnp_dense(xi, w, b, "gelu")), (1, 2)), (0, None, None))
     for a, e in zip(ours(x, w, b), theirs(x, w, b), strict=True):
         assert a.shape[0] == 5
@@ -328,9 +324,7 @@ def _fwd(act="gelu"):
 
 
 def _grad(act="gelu"):
-    return lambda x, w, b: jax.grad(lambda x, w, b: (dense(x, w, b, activation=act) ** 2).sum(), (0, 1, 2))(
-        x, w, b
-    )
+    return lambda x, w, b: jax.grad(lambda x, w, b: (dense(x, w, b, activation=act) ** 2).sum(), (0, 1, 2))(x, w, b)
 
 
 def test_sharded_data_parallel():
@@ -361,9 +355,7 @@ def test_sharded_row_parallel_reduces_before_activation(act):
     args = inputs(_SX, _SN, jnp.float32, seed=23)
     _check_sharded(_fwd(act), args, (Ps(None, None, "t"), Ps("t", None), None), Ps(), mesh, {"all-reduce": 1})
     # the backward of a row-parallel layer needs no collective (dx and dkernel stay sharded on K)
-    _check_sharded(
-        _grad(act), args, (Ps(None, None, "t"), Ps("t", None), None), None, mesh, {"all-reduce": 1}
-    )
+    _check_sharded(_grad(act), args, (Ps(None, None, "t"), Ps("t", None), None), None, mesh, {"all-reduce": 1})
 
 
 def test_sharded_row_parallel_reduce_scatter_when_output_sharded():
@@ -384,9 +376,7 @@ def test_sharded_2d_data_and_tensor_parallel():
 def test_sharded_bf16_row_parallel_close_to_unsharded():
     mesh = T.cpu_mesh((8,), ("t",))
     args = inputs(_SX, _SN, jnp.bfloat16, seed=26)
-    out, ref_out, counts = T.run_sharded(
-        _fwd(), args, (Ps(None, None, "t"), Ps("t", None), None), Ps(), mesh=mesh
-    )
+    out, ref_out, counts = T.run_sharded(_fwd(), args, (Ps(None, None, "t"), Ps("t", None), None), Ps(), mesh=mesh)
     T.assert_close(out, ref_out, jnp.bfloat16)
     assert counts["all-reduce"] == 1
 
@@ -495,9 +485,7 @@ def emulated_native(monkeypatch):
 
     monkeypatch.setattr(dense_native._native, "ffi_call", _emulated_ffi_call)
     impl = api.FAMILY.get("native")
-    monkeypatch.setitem(
-        api.FAMILY._impls, "native", dataclasses.replace(impl, available=lambda: None, platform=None)
-    )
+    monkeypatch.setitem(api.FAMILY._impls, "native", dataclasses.replace(impl, available=lambda: None, platform=None))
 
 
 @pytest.mark.parametrize("act", ACTS)
@@ -505,9 +493,7 @@ def test_api_through_native_glue(emulated_native, act):
     x, w, b = inputs((2, 6, 16), 24, jnp.bfloat16, seed=32)
 
     def loss(impl):
-        return lambda x, w, b: (
-            dense(x, w, b, activation=act, implementation=impl).astype(jnp.float32) ** 2
-        ).sum()
+        return lambda x, w, b: (dense(x, w, b, activation=act, implementation=impl).astype(jnp.float32) ** 2).sum()
 
     for fn in (jax.jit, lambda f: f):
         got = fn(jax.value_and_grad(loss("native"), (0, 1, 2)))(x, w, b)
@@ -523,9 +509,7 @@ def test_row_parallel_through_native_glue(emulated_native):
     native_fn = lambda x, w, b: jax.grad(
         lambda x, w, b: (dense(x, w, b, activation="gelu", implementation="native") ** 2).sum(), (0, 1, 2)
     )(x, w, b)
-    out, _, counts = T.run_sharded(
-        native_fn, args, (Ps(None, None, "t"), Ps("t", None), None), None, mesh=mesh
-    )
+    out, _, counts = T.run_sharded(native_fn, args, (Ps(None, None, "t"), Ps("t", None), None), None, mesh=mesh)
     want = jax.jit(fn)(*args)
     for a, e in zip(out, want, strict=True):
         np.testing.assert_allclose(_np(a), _np(e), rtol=1e-5, atol=1e-4)

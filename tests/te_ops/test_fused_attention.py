@@ -214,9 +214,7 @@ def test_fully_masked_rows_give_zeros():
     assert np.all(np.asarray(grads[0][0, 4:6]) == 0)
     # padding with kv length 0 for one batch row
     q2, k2, v2, _ = _qkv(5, b=2, sq=4, sk=4)
-    out2 = jax.jit(lambda *a: fused_attention(*a, mask_type="padding", kv_seqlens=jnp.array([0, 4])))(
-        q2, k2, v2
-    )
+    out2 = jax.jit(lambda *a: fused_attention(*a, mask_type="padding", kv_seqlens=jnp.array([0, 4])))(q2, k2, v2)
     assert np.all(np.asarray(out2[0]) == 0) and np.isfinite(np.asarray(out2)).all()
 
 
@@ -274,9 +272,9 @@ def test_jit_and_grad_under_jit():
     bias = _bias("heads", 2, 4, 16, 16)
     f = jax.jit(lambda q, k, v, bias: fused_attention(q, k, v, bias=bias, mask_type="causal"))
     _close(f(q, k, v, bias), fused_attention(q, k, v, bias=bias, mask_type="causal"))
-    gj = jax.jit(
-        lambda *a: _grads(lambda q, k, v, bb: fused_attention(q, k, v, bias=bb, mask_type="causal"), *a)
-    )(q, k, v, g, bias)
+    gj = jax.jit(lambda *a: _grads(lambda q, k, v, bb: fused_attention(q, k, v, bias=bb, mask_type="causal"), *a))(
+        q, k, v, g, bias
+    )
     ge = _grads(lambda q, k, v, bb: fused_attention(q, k, v, bias=bb, mask_type="causal"), q, k, v, g, bias)
     for a, e in zip(gj, ge, strict=True):
         _close(a, e)
@@ -298,9 +296,7 @@ def test_vmap_matches_loop(with_bias):
         bias, in_axes_bias = None, None
 
     def f(q, k, v, lens_, bb):
-        return fused_attention(
-            q, k, v, bias=bb, mask_type="padding_causal", q_seqlens=lens_, kv_seqlens=lens_
-        )
+        return fused_attention(q, k, v, bias=bb, mask_type="padding_causal", q_seqlens=lens_, kv_seqlens=lens_)
 
     out = jax.jit(jax.vmap(f, in_axes=(0, 0, 0, 0, in_axes_bias)))(q, k, v, lens, bias)
     fj = jax.jit(f)
@@ -388,9 +384,7 @@ def test_default_on_cpu_is_reference():
     q, k, v, _ = _qkv(0)
     np.testing.assert_array_equal(
         np.asarray(jax.jit(lambda *a: fused_attention(*a, mask_type="causal"))(q, k, v)),
-        np.asarray(
-            jax.jit(lambda *a: fused_attention(*a, mask_type="causal", implementation="reference"))(q, k, v)
-        ),
+        np.asarray(jax.jit(lambda *a: fused_attention(*a, mask_type="causal", implementation="reference"))(q, k, v)),
     )
 
 
@@ -498,9 +492,7 @@ def _emulated_ffi_call(target, result_shapes, *args, **attrs):
     ds = p * (dp - delta)
     dq = jnp.einsum("bhqk,bkhd->bqhd", ds, kk) * scale
     grp = hq // k.shape[2]
-    dk = (
-        (jnp.einsum("bhqk,bqhd->bkhd", ds, q.astype(F32)) * scale).reshape(b, s_k, k.shape[2], grp, -1).sum(3)
-    )
+    dk = (jnp.einsum("bhqk,bqhd->bkhd", ds, q.astype(F32)) * scale).reshape(b, s_k, k.shape[2], grp, -1).sum(3)
     dv = jnp.einsum("bhqk,bqhd->bkhd", p, gf).reshape(b, s_k, k.shape[2], grp, -1).sum(3)
     dk = jnp.where(cols_ok[:, :, None, None], dk, nan)  # padded keys unwritten
     dv = jnp.where(cols_ok[:, :, None, None], dv, nan)

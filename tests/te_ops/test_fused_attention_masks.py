@@ -237,8 +237,10 @@ def test_bottom_right_matches_xla_on_prepended_queries():
 def test_bottom_right_equals_top_left_when_lengths_match():
     q, k, v, _ = _qkv(6, 2, 10, 10)
     ql = kl = jnp.array([10, 6], jnp.int32)
-    for tl, br, extra in (("causal", "causal_bottom_right", {}),
-                          ("padding_causal", "padding_causal_bottom_right", dict(q_seqlens=ql, kv_seqlens=kl))):
+    for tl, br, extra in (
+        ("causal", "causal_bottom_right", {}),
+        ("padding_causal", "padding_causal_bottom_right", dict(q_seqlens=ql, kv_seqlens=kl)),
+    ):
         a = fused_attention(q, k, v, mask_type=tl, window_size=(3, 0), **extra)
         b = fused_attention(q, k, v, mask_type=br, window_size=(3, 0), **extra)
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

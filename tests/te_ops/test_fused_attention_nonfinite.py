@@ -101,8 +101,17 @@ def _setup(case):
         kw.update(q_segment_ids=qs, kv_segment_ids=ks)
     assert not c
     win = kw["window_size"]
-    vis = ref.visible(2, sq, sk, mask_type=kw["mask_type"], window=win, q_seqlens=ql, kv_seqlens=kl,
-                      q_segment_ids=qs, kv_segment_ids=ks)
+    vis = ref.visible(
+        2,
+        sq,
+        sk,
+        mask_type=kw["mask_type"],
+        window=win,
+        q_seqlens=ql,
+        kv_seqlens=kl,
+        q_segment_ids=qs,
+        kv_segment_ids=ks,
+    )
     return (q, k, v, g, bias), kw, vis
 
 
@@ -121,8 +130,9 @@ def test_reference_matches_rowwise_oracle(case, where):
         bias = _sprinkle(bias, 13, frac)
         bias = bias.at[0, 0, 3].set(-jnp.inf)  # a row whose visible scores are all -inf
     scale = 0.3
-    out = jax.jit(lambda q, k, v, bb: fused_attention(q, k, v, bias=bb, scale=scale, implementation="reference",
-                                                      **kw))(q, k, v, bias)
+    out = jax.jit(lambda q, k, v, bb: fused_attention(q, k, v, bias=bb, scale=scale, implementation="reference", **kw))(
+        q, k, v, bias
+    )
     want = _oracle(q, k, v, bias, vis, scale)
     assert np.isnan(want).any() and np.isfinite(want).any(), "the case must hold NaN and finite entries"
     _assert_same_with_nan(out, want, f"{case}/{where}")
@@ -184,8 +194,9 @@ def test_masked_garbage_takes_no_part_in_output_or_gradients(mask_type):
 
     def run(k, v, bb):
         def f(q, k, v, bb):
-            return fused_attention(q, k, v, bias=bb, mask_type=mask_type, q_seqlens=ql, kv_seqlens=kl,
-                                   implementation="reference")
+            return fused_attention(
+                q, k, v, bias=bb, mask_type=mask_type, q_seqlens=ql, kv_seqlens=kl, implementation="reference"
+            )
 
         out, vjp = jax.vjp(f, q, k, v, bb)
         return (out, *vjp(g))
@@ -201,8 +212,9 @@ def test_masked_garbage_takes_no_part_in_output_or_gradients(mask_type):
 def test_nan_row_gradients_are_nan_along_its_pairs_only():
     q, k, v, g, _ = _qkv(5, b=1, sq=8, sk=8, hq=2, hk=2)
     q = q.at[0, 5, 0, 3].set(jnp.nan)  # query 5, head 0 sees keys 0..5 (causal)
-    out, vjp = jax.vjp(lambda q, k, v: fused_attention(q, k, v, mask_type="causal", implementation="reference"),
-                       q, k, v)
+    out, vjp = jax.vjp(
+        lambda q, k, v: fused_attention(q, k, v, mask_type="causal", implementation="reference"), q, k, v
+    )
     dq, dk, dv = (np.asarray(x) for x in vjp(g))
     out = np.asarray(out)
     assert np.isnan(out[0, 5, 0]).all() and np.isfinite(np.delete(out[0, :, 0], 5, axis=0)).all()

@@ -485,6 +485,17 @@ def test_triton_lowering_for_sm90_without_gpu(monkeypatch):
         assert compiled.num_warps == 12 and "setmaxnreg" in ptx and "wgmma.mma_async" in ptx
         assert "cp.async.bulk.tensor" in ptx and compiled.global_scratch_size > 0
         assert compiled.shared <= 227 * 1024 and grid[0] <= 132
+    # the ping-pong variant: two 4-warp consumer warpgroups and the producer warp (12 warps in all)
+    launches.clear()
+    pp = tri.GemmConfig(BN=128, num_stages=4, GLUON_WS=True, PINGPONG=True)
+    with tri.config_override(pp, pp, None):
+        lower(1000)
+    names = sorted(n for n, _, _ in launches)
+    assert names == ["te_grouped_gemm_pingpong"] * 2 + ["te_grouped_wgrad"], names
+    for name, compiled, _grid in launches:
+        if name == "te_grouped_gemm_pingpong":
+            assert compiled.num_warps == 12 and "setmaxnreg" in compiled.asm["ptx"]
+            assert compiled.shared <= 227 * 1024
 
 
 # ----------------------------------------------------------------------------------------------

@@ -167,8 +167,11 @@ def test_rank1_and_special_rows():
     # a zero row: RMSNorm gives 0; a constant row: LayerNorm gives beta
     assert float(jnp.abs(te_ops.rms_norm(jnp.zeros((2, 8)), g)).max()) == 0.0
     beta = jnp.linspace(-1, 1, 8)
-    np.testing.assert_allclose(np.asarray(te_ops.layer_norm(jnp.full((2, 8), 3.0), g, beta)),
-                               np.broadcast_to(np.asarray(beta), (2, 8)), atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(te_ops.layer_norm(jnp.full((2, 8), 3.0), g, beta)),
+        np.broadcast_to(np.asarray(beta), (2, 8)),
+        atol=1e-6,
+    )
     # non-finite rows: NaN spreads over the row; an infinity gives rstd = 0 (RMSNorm: 0 at the finite
     # positions, NaN at the infinite one; LayerNorm: x - mean is infinite or NaN everywhere -> NaN row)
     assert bool(jnp.isnan(te_ops.rms_norm(x.at[3].set(jnp.nan), g)).all())
@@ -218,11 +221,16 @@ def test_vmap_per_example_gradients(kind, has_res):
     """vmap over the leading axis with shared parameters: per-instance dgamma/dbeta (not summed)."""
     x, gamma, beta, r, _, _ = _inputs(7, (3, 5, 16), jnp.float32, kind, has_res)
     f = _loss(kind)
-    per_example = jax.jit(jax.vmap(jax.grad(f, argnums=(0, 1, 2) if kind == "layer" else (0, 1)),
-                                   in_axes=(0, None, None, 0 if has_res else None)))(x, gamma, beta, r)
+    per_example = jax.jit(
+        jax.vmap(
+            jax.grad(f, argnums=(0, 1, 2) if kind == "layer" else (0, 1)),
+            in_axes=(0, None, None, 0 if has_res else None),
+        )
+    )(x, gamma, beta, r)
     for i in range(3):
         one = jax.grad(f, argnums=(0, 1, 2) if kind == "layer" else (0, 1))(
-            x[i], gamma, beta, None if r is None else r[i])
+            x[i], gamma, beta, None if r is None else r[i]
+        )
         for a, b in zip(per_example, one, strict=True):
             T.assert_close(a[i], b, jnp.float32, scale=float(jnp.abs(b).max()))
 
@@ -236,8 +244,9 @@ def test_vmap_batched_parameters_and_inner_axis(kind):
     ys = jax.vmap(f, in_axes=(0, 0, 0 if betas is not None else None))(x, gammas, betas)
     for i in range(4):
         T.assert_close(ys[i], f(x[i], gammas[i], None if betas is None else betas[i]), jnp.float32)
-    g = jax.vmap(jax.grad(lambda x, g, b: jnp.sum(f(x, g, b) ** 3), argnums=1),
-                 in_axes=(0, 0, 0 if betas is not None else None))(x, gammas, betas)
+    g = jax.vmap(
+        jax.grad(lambda x, g, b: jnp.sum(f(x, g, b) ** 3), argnums=1), in_axes=(0, 0, 0 if betas is not None else None)
+    )(x, gammas, betas)
     for i in range(4):
         b_i = None if betas is None else betas[i]
         want = jax.grad(lambda g, x_i=x[i], b_i=b_i: jnp.sum(f(x_i, g, b_i) ** 3))(gammas[i])
@@ -344,8 +353,11 @@ _g = jnp.ones((8,))
         (lambda: te_ops.layer_norm(_x, _g, jnp.ones((2, 8))), ValueError, "beta must have shape"),
         (lambda: te_ops.layer_norm(_x, _g, None), TypeError, "beta is required"),
         (lambda: te_ops.rms_norm(_x, _g, residual=jnp.ones((2, 9))), ValueError, "residual must have x's shape"),
-        (lambda: te_ops.rms_norm(_x, _g, residual=jnp.ones((2, 8), jnp.bfloat16)), TypeError,
-         "residual must have x's dtype"),
+        (
+            lambda: te_ops.rms_norm(_x, _g, residual=jnp.ones((2, 8), jnp.bfloat16)),
+            TypeError,
+            "residual must have x's dtype",
+        ),
         (lambda: te_ops.rms_norm(_x, _g, eps=0.0), ValueError, "eps must be > 0"),
         (lambda: te_ops.rms_norm(_x, _g, eps=-1e-5), ValueError, "eps must be > 0"),
         (lambda: te_ops.rms_norm(_x, _g, eps=float("inf")), ValueError, "eps must be finite"),

@@ -68,9 +68,7 @@ def direct_layout(rm, n0, align):
 def direct_dispatch(x, probs, src_t, src_e):
     ok = (src_t >= 0)[:, None]
     out = jnp.where(ok, x[np.maximum(src_t, 0)], 0)
-    pp = (
-        None if probs is None else jnp.where(src_t >= 0, probs[np.maximum(src_t, 0), np.maximum(src_e, 0)], 0)
-    )
+    pp = None if probs is None else jnp.where(src_t >= 0, probs[np.maximum(src_t, 0), np.maximum(src_e, 0)], 0)
     return out, pp
 
 
@@ -250,9 +248,7 @@ def direct_sort(x, sizes, idx):
     return np.concatenate([chunks[i] for i in idx] + [x[total:]])
 
 
-@pytest.mark.parametrize(
-    "sizes,idx", [([3, 0, 5, 4], [2, 0, 3, 1]), ([1, 2, 3, 4, 5, 6, 7, 8], list(range(8))[::-1])]
-)
+@pytest.mark.parametrize("sizes,idx", [([3, 0, 5, 4], [2, 0, 3, 1]), ([1, 2, 3, 4, 5, 6, 7, 8], list(range(8))[::-1])])
 def test_sort_chunks(sizes, idx):
     n, h = 40, 8
     x = jax.random.normal(jax.random.PRNGKey(4), (n, h))
@@ -352,15 +348,18 @@ def test_sharded_overflow_is_per_shard_and_counts_are_summed():
         res = token_dispatch(x, rm, n0)
         return res.out, res.tokens_per_expert, res.num_dropped, token_combine(res.out, res.row_id_map)
 
-    sharded, _, _ = run_sharded(f, [x, jnp.asarray(rm)], [PS("dp"), PS("dp")], (PS("dp"), PS(), PS(), PS("dp")),
-                                mesh=mesh)
+    sharded, _, _ = run_sharded(
+        f, [x, jnp.asarray(rm)], [PS("dp"), PS("dp")], (PS("dp"), PS(), PS(), PS("dp")), mesh=mesh
+    )
     lays = [direct_layout(rm[i * 8 : (i + 1) * 8], n0 // 8, None) for i in range(8)]
     np.testing.assert_array_equal(sharded[1], sum(lay.tokens_per_expert for lay in lays))
     assert int(sharded[2]) == sum(lay.num_dropped for lay in lays) > 0
     xs = np.asarray(x)
     for i, lay in enumerate(lays):
-        np.testing.assert_array_equal(sharded[0][i * 8 : (i + 1) * 8], direct_dispatch(xs[i * 8 :], None,
-                                                                                      lay.src_t, lay.src_e)[0])
+        np.testing.assert_array_equal(
+            sharded[0][i * 8 : (i + 1) * 8], direct_dispatch(xs[i * 8 :], None, lay.src_t, lay.src_e)[0]
+        )
         kept = (rm[i * 8 : (i + 1) * 8] & ~lay.dropped).sum(1)
-        np.testing.assert_allclose(sharded[3][i * 8 : (i + 1) * 8], xs[i * 8 : (i + 1) * 8] * kept[:, None],
-                                   rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(
+            sharded[3][i * 8 : (i + 1) * 8], xs[i * 8 : (i + 1) * 8] * kept[:, None], rtol=1e-6, atol=1e-6
+        )

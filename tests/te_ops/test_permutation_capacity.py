@@ -113,8 +113,15 @@ def test_overflow_under_jit_and_vmap():
 
     def f(x, rm, p):
         res = token_dispatch(x, rm, n0, probs=p, align_size=2)
-        return (res.out, res.permuted_probs, res.row_id_map, res.pad_offsets, res.tokens_per_expert,
-                res.num_dropped, token_combine(res.out, res.row_id_map, merging_probs=p))
+        return (
+            res.out,
+            res.permuted_probs,
+            res.row_id_map,
+            res.pad_offsets,
+            res.tokens_per_expert,
+            res.num_dropped,
+            token_combine(res.out, res.row_id_map, merging_probs=p),
+        )
 
     batched = jax.jit(jax.vmap(f))(xs, jnp.asarray(rms), ps)
     assert batched[5].shape == (b,)
@@ -132,9 +139,18 @@ def test_overflow_under_jit_and_vmap():
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("t,e,h,n0,align", [(0, 4, 8, 6, None), (0, 4, 8, 6, 2), (6, 0, 8, 6, None),
-                                             (6, 0, 8, 6, 4), (6, 4, 0, 12, None), (6, 4, 8, 0, None),
-                                             (6, 4, 8, 0, 2)])
+@pytest.mark.parametrize(
+    "t,e,h,n0,align",
+    [
+        (0, 4, 8, 6, None),
+        (0, 4, 8, 6, 2),
+        (6, 0, 8, 6, None),
+        (6, 0, 8, 6, 4),
+        (6, 4, 0, 12, None),
+        (6, 4, 8, 0, None),
+        (6, 4, 8, 0, 2),
+    ],
+)
 def test_empty_sizes(t, e, h, n0, align):
     rm = make_routing(t, e, min(2, e), seed=1) if t and e else np.zeros((t, e), bool)
     x = jax.random.normal(jax.random.PRNGKey(4), (t, h))
@@ -158,8 +174,9 @@ def test_empty_sizes(t, e, h, n0, align):
     assert back.shape == (t, h)
     if not (t and e and n and h):
         np.testing.assert_array_equal(back, 0)
-    dx, dp = jax.grad(lambda x, p: jnp.sum(token_dispatch(x, jnp.asarray(rm), n0, probs=p,
-                                                          align_size=align).out ** 2), argnums=(0, 1))(x, probs)
+    dx, dp = jax.grad(
+        lambda x, p: jnp.sum(token_dispatch(x, jnp.asarray(rm), n0, probs=p, align_size=align).out ** 2), argnums=(0, 1)
+    )(x, probs)
     assert dx.shape == x.shape and dp.shape == probs.shape
     if not (t and e and n and h):
         np.testing.assert_array_equal(dx, 0)
@@ -173,8 +190,9 @@ def test_sort_chunks_empty(n, h, sizes):
     assert out.shape == (n, h) and m.shape == (n,)
     np.testing.assert_array_equal(out, direct_sort(x, sizes, idx))
     np.testing.assert_array_equal(np.asarray(out)[np.asarray(m)], x)
-    g = jax.grad(lambda x: jnp.sum(sort_chunks_by_index(x, jnp.asarray(sizes, jnp.int32),
-                                                        jnp.asarray(idx, jnp.int32))[0] ** 2))(x)
+    g = jax.grad(
+        lambda x: jnp.sum(sort_chunks_by_index(x, jnp.asarray(sizes, jnp.int32), jnp.asarray(idx, jnp.int32))[0] ** 2)
+    )(x)
     assert_close(g, 2 * np.asarray(x), jnp.float32)
 
 
@@ -208,26 +226,50 @@ _ERRORS = [
     (lambda: token_combine(_X, _MAP.astype(jnp.int16)), TypeError, "row_id_map must be int32, got dtype int16"),
     (lambda: token_combine(_X, _MAP[:, :8]), ValueError, r"row_id_map must be the int32 \[T, 2E\+1\] map"),
     (lambda: token_combine(_X, _MAP[0]), ValueError, r"row_id_map must be the int32 \[T, 2E\+1\] map"),
-    (lambda: token_combine(_X, _MAP, merging_probs=jnp.ones((8, 5))), ValueError,
-     r"merging_probs must have shape \(8, 4\)"),
+    (
+        lambda: token_combine(_X, _MAP, merging_probs=jnp.ones((8, 5))),
+        ValueError,
+        r"merging_probs must have shape \(8, 4\)",
+    ),
     (lambda: token_combine(_X, _MAP, merging_probs=jnp.ones((4,))), ValueError, "merging_probs must have rank 2"),
     (lambda: token_combine(_X, _MAP, merging_probs=_RM), TypeError, "merging_probs must be float32"),
-    (lambda: token_combine(_X, _MAP, pad_offsets=jnp.zeros((5,), jnp.int32)), ValueError,
-     r"pad_offsets must have shape \(4,\)"),
+    (
+        lambda: token_combine(_X, _MAP, pad_offsets=jnp.zeros((5,), jnp.int32)),
+        ValueError,
+        r"pad_offsets must have shape \(4,\)",
+    ),
     (lambda: token_combine(_X, _MAP, pad_offsets=jnp.zeros((4,))), TypeError, "pad_offsets must be int32"),
-    (lambda: sort_chunks_by_index(None, jnp.ones(2, jnp.int32), jnp.arange(2)), TypeError,
-     "sort_chunks_by_index: x is required"),
+    (
+        lambda: sort_chunks_by_index(None, jnp.ones(2, jnp.int32), jnp.arange(2)),
+        TypeError,
+        "sort_chunks_by_index: x is required",
+    ),
     (lambda: sort_chunks_by_index(_X, None, jnp.arange(2)), TypeError, "split_sizes is required"),
-    (lambda: sort_chunks_by_index(_X, jnp.ones((2,)), jnp.arange(2)), TypeError,
-     "split_sizes must be an integer array, got dtype float32"),
-    (lambda: sort_chunks_by_index(_X, jnp.ones((2, 2), jnp.int32), jnp.arange(2)), ValueError,
-     r"split_sizes must have rank 1 \[S\]"),
-    (lambda: sort_chunks_by_index(_X, jnp.ones((2,), jnp.int32), jnp.arange(3)), ValueError,
-     r"sorted_indices must have shape \(2,\), got \(3,\)"),
-    (lambda: sort_chunks_by_index(_X, jnp.ones((2,), jnp.int32), jnp.ones((2,), bool)), TypeError,
-     "sorted_indices must be an integer array, got dtype bool"),
-    (lambda: sort_chunks_by_index(_X[0], jnp.ones((2,), jnp.int32), jnp.arange(2)), ValueError,
-     r"x must have rank 2 \[N, H\]"),
+    (
+        lambda: sort_chunks_by_index(_X, jnp.ones((2,)), jnp.arange(2)),
+        TypeError,
+        "split_sizes must be an integer array, got dtype float32",
+    ),
+    (
+        lambda: sort_chunks_by_index(_X, jnp.ones((2, 2), jnp.int32), jnp.arange(2)),
+        ValueError,
+        r"split_sizes must have rank 1 \[S\]",
+    ),
+    (
+        lambda: sort_chunks_by_index(_X, jnp.ones((2,), jnp.int32), jnp.arange(3)),
+        ValueError,
+        r"sorted_indices must have shape \(2,\), got \(3,\)",
+    ),
+    (
+        lambda: sort_chunks_by_index(_X, jnp.ones((2,), jnp.int32), jnp.ones((2,), bool)),
+        TypeError,
+        "sorted_indices must be an integer array, got dtype bool",
+    ),
+    (
+        lambda: sort_chunks_by_index(_X[0], jnp.ones((2,), jnp.int32), jnp.arange(2)),
+        ValueError,
+        r"x must have rank 2 \[N, H\]",
+    ),
 ]
 
 

@@ -146,9 +146,7 @@ def test_grouped_selection_excludes_groups():
 def test_sigmoid_bias_scaling_values():
     x = jnp.array([[0.0, 1.0, -1.0, 2.0]], F32)
     bias = jnp.array([0.0, 0.0, 5.0, 0.0])
-    probs, rmap = fused_topk_with_score_function(
-        x, 2, score_function="sigmoid", expert_bias=bias, scaling_factor=2.5
-    )
+    probs, rmap = fused_topk_with_score_function(x, 2, score_function="sigmoid", expert_bias=bias, scaling_factor=2.5)
     np.testing.assert_array_equal(np.asarray(rmap), [[False, False, True, True]])
     sig = jax.nn.sigmoid(jnp.array([-1.0, 2.0]))
     want = 2.5 * sig / (sig.sum() + 1e-20)
@@ -199,9 +197,7 @@ def test_compact_map_bit_exact(e):
 @pytest.mark.parametrize(
     "cfg, compact",
     [(c, False) for c in CONFIGS] + [(CONFIGS[1], True), (CONFIGS[4], True)],
-    ids=lambda c: (
-        "-".join(f"{k}{v}" for k, v in c.items()) if isinstance(c, dict) else ("compact" if c else "bool")
-    ),
+    ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()) if isinstance(c, dict) else ("compact" if c else "bool"),
 )
 def test_topk_gradient(cfg, compact):
     t, e = 16, 32
@@ -224,27 +220,21 @@ def test_topk_gradient(cfg, compact):
 def test_no_gradient_to_bias():
     x = rand(jax.random.PRNGKey(3), (8, 16))
     bias = jnp.linspace(-1, 1, 16)
-    g = jax.grad(
-        lambda b: fused_topk_with_score_function(x, 2, score_function="sigmoid", expert_bias=b)[0].sum()
-    )(bias)
+    g = jax.grad(lambda b: fused_topk_with_score_function(x, 2, score_function="sigmoid", expert_bias=b)[0].sum())(bias)
     np.testing.assert_array_equal(np.asarray(g), 0.0)
 
 
 @pytest.mark.parametrize("score_function", ["softmax", "sigmoid"])
 def test_aux_scores_and_gradient(score_function):
     x = tied_logits(jax.random.PRNGKey(5), (32, 24), levels=4)
-    rmap, scores = jax.jit(
-        lambda x: compute_routing_scores_for_aux_loss(x, 3, score_function=score_function)
-    )(x)
+    rmap, scores = jax.jit(lambda x: compute_routing_scores_for_aux_loss(x, 3, score_function=score_function))(x)
     want_m, want_s = jax.jit(lambda x: direct_scores(x, 3, score_function))(x)
     np.testing.assert_array_equal(np.asarray(rmap), np.asarray(want_m))
     assert_close(scores, want_s)
     w = rand(jax.random.PRNGKey(6), x.shape)
     xr = rand(jax.random.PRNGKey(8), x.shape)
     ours = jax.jit(
-        jax.grad(
-            lambda x: jnp.sum(compute_routing_scores_for_aux_loss(x, 3, score_function=score_function)[1] * w)
-        )
+        jax.grad(lambda x: jnp.sum(compute_routing_scores_for_aux_loss(x, 3, score_function=score_function)[1] * w))
     )
     theirs = jax.jit(jax.grad(lambda x: jnp.sum(direct_scores(x, 3, score_function)[1] * w)))
     assert_close(ours(xr), theirs(xr), scale=2.0)
@@ -352,9 +342,7 @@ def test_errors():
         compute_routing_scores_for_aux_loss(x, 17)
     with pytest.raises(TypeError, match="logits must be float32, bfloat16 or float16, got dtype int32"):
         fused_topk_with_score_function(jnp.zeros((4, 16), jnp.int32), 2)
-    with pytest.raises(
-        ValueError, match=r"logits must have rank 2 \[tokens, experts\], got shape \(2, 4, 16\)"
-    ):
+    with pytest.raises(ValueError, match=r"logits must have rank 2 \[tokens, experts\], got shape \(2, 4, 16\)"):
         fused_topk_with_score_function(jnp.zeros((2, 4, 16)), 2)
     with pytest.raises(ValueError, match="expert_bias is only supported with score_function='sigmoid'"):
         fused_topk_with_score_function(x, 2, expert_bias=jnp.zeros(16))
@@ -407,9 +395,7 @@ def test_topk_sharded_over_tokens_has_no_collectives():
             compact_routing_map=True,
         )
         g = jax.grad(
-            lambda x: jnp.sum(
-                fused_topk_with_score_function(x, 4, score_function="sigmoid", expert_bias=b)[0] ** 2
-            )
+            lambda x: jnp.sum(fused_topk_with_score_function(x, 4, score_function="sigmoid", expert_bias=b)[0] ** 2)
         )(x)
         m2, s = compute_routing_scores_for_aux_loss(x, 4)
         gs = jax.grad(lambda x: jnp.sum(compute_routing_scores_for_aux_loss(x, 4)[1] ** 2))(x)
@@ -438,9 +424,7 @@ def test_aux_loss_sharded_equals_unsharded():
 
     # gradient: stays sharded over tokens, no collective
     gfn = jax.grad(fn)
-    gout, gref, gcounts = run_sharded(
-        gfn, [probs, tpe], [PS("data", None), PS()], PS("data", None), mesh=mesh
-    )
+    gout, gref, gcounts = run_sharded(gfn, [probs, tpe], [PS("data", None), PS()], PS("data", None), mesh=mesh)
     assert sum(gcounts.values()) == 0, gcounts
     assert_close(gout, gref)
 
@@ -497,7 +481,5 @@ def test_native_path_lowers_for_cuda(monkeypatch, poison):
     text = traced.lower(lowering_platforms=("cuda",)).as_text()
     targets = set(re.findall(r"te_router_\w+", text))
     assert targets == {f"te_router_{n}_{d}" for n in ("topk", "scores", "aux_loss") for d in ("fwd", "bwd")}
-    assert (
-        "scaling_factor = 2.5" in text and "group_topk = 4 : i32" in text and "num_groups = 8 : i32" in text
-    )
+    assert "scaling_factor = 2.5" in text and "group_topk = 4 : i32" in text and "num_groups = 8 : i32" in text
     assert ("output_operand_aliases" in text) == poison

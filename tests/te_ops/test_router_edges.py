@@ -210,8 +210,9 @@ def test_static_argument_errors():
         compute_routing_scores_for_aux_loss(x, 2, compact_routing_map="yes")
     with pytest.raises(ValueError, match=f"{SCORES_OP}: score_function must be one of"):
         compute_routing_scores_for_aux_loss(x, 2, score_function="relu")
-    with pytest.raises(TypeError, match=f"{TOPK_OP}: expert_bias must be float32, bfloat16, float16 or float64, got "
-                                        "dtype int32"):
+    with pytest.raises(
+        TypeError, match=f"{TOPK_OP}: expert_bias must be float32, bfloat16, float16 or float64, got dtype int32"
+    ):
         fused_topk_with_score_function(x, 2, score_function="sigmoid", expert_bias=jnp.ones(8, jnp.int32))
     with pytest.raises(TypeError, match=f"{LOSS_OP}: tokens_per_expert must be an int or float array, got dtype bool"):
         fused_moe_aux_loss(x, jnp.ones(8, bool), topk=2, coeff=0.1)
@@ -244,8 +245,11 @@ def test_unpack_ignores_padding_bits():
 
 
 def test_pack_unpack_errors():
-    with pytest.raises(TypeError, match=r"te_ops.pack_routing_map: routing_map must be a bool array, got dtype "
-                                        r"int32. Convert it with routing_map != 0"):
+    with pytest.raises(
+        TypeError,
+        match=r"te_ops.pack_routing_map: routing_map must be a bool array, got dtype "
+        r"int32. Convert it with routing_map != 0",
+    ):
         pack_routing_map(jnp.ones((2, 8), jnp.int32))
     with pytest.raises(ValueError, match="te_ops.pack_routing_map: routing_map must have rank >= 1"):
         pack_routing_map(jnp.array(True))

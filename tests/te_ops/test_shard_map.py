@@ -18,9 +18,14 @@ def mesh():
 def _grads_match(mesh, loss, x, w, reference_loss=None):
     """loss(x, w) summed over shards inside shard_map (x sharded, w replicated) vs unsharded
     (``reference_loss``, default ``loss`` on the whole x)."""
-    sharded = jax.jit(jax.shard_map(
-        jax.grad(lambda x, w: jax.lax.psum(loss(x, w), "x"), argnums=(0, 1)),
-        mesh=mesh, in_specs=(P("x"), P()), out_specs=(P("x"), P())))
+    sharded = jax.jit(
+        jax.shard_map(
+            jax.grad(lambda x, w: jax.lax.psum(loss(x, w), "x"), argnums=(0, 1)),
+            mesh=mesh,
+            in_specs=(P("x"), P()),
+            out_specs=(P("x"), P()),
+        )
+    )
     gx, gw = sharded(x, w)
     rx, rw = jax.jit(jax.grad(reference_loss or loss, argnums=(0, 1)))(x, w)
     T.assert_close(gx, rx, jnp.float32, scale=float(jnp.abs(rx).max()))
@@ -62,6 +67,6 @@ def test_router_in_shard_map(mesh):
 
     def loss(logits, w):
         probs, _ = te_ops.fused_topk_with_score_function(logits * w, 2, score_function="softmax")
-        return jnp.sum(probs ** 2)
+        return jnp.sum(probs**2)
 
     _grads_match(mesh, loss, logits, jnp.ones((8,)))

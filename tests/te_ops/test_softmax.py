@@ -305,10 +305,18 @@ def test_default_forward_kernel_rule(mode):
     mod = _native_module_or_skip()
     mod.softmax_set_tuning(0, 0)
     cases = [  # (dtype, cols, scale) -> kernel
-        ((1, 1024, 0.125), "register"), ((1, 1032, 0.125), "warp-row"), ((1, 4096, 0.125), "warp-row"),
-        ((2, 2048, -0.5), "warp-row"), ((0, 512, 1.0), "register"), ((0, 516, 1.0), "warp-row"),
-        ((0, 2048, 1.0), "warp-row"), ((0, 2052, 1.0), "register"), ((1, 4104, 0.125), "register"),
-        ((1, 4097, 0.125), "register"), ((1, 4096, 0.0), "register"), ((1, 4096, float("inf")), "register"),
+        ((1, 1024, 0.125), "register"),
+        ((1, 1032, 0.125), "warp-row"),
+        ((1, 4096, 0.125), "warp-row"),
+        ((2, 2048, -0.5), "warp-row"),
+        ((0, 512, 1.0), "register"),
+        ((0, 516, 1.0), "warp-row"),
+        ((0, 2048, 1.0), "warp-row"),
+        ((0, 2052, 1.0), "register"),
+        ((1, 4104, 0.125), "register"),
+        ((1, 4097, 0.125), "register"),
+        ((1, 4096, 0.0), "register"),
+        ((1, 4096, float("inf")), "register"),
     ]
     for (dtype, cols, scale), want in cases:
         c = mod.softmax_config(dtype, 1000, cols, mode, scale)
@@ -386,18 +394,21 @@ def test_nonfinite_inputs_forward_and_backward(variant, dtype, scale):
     want = _expected_nonfinite(x, scale, keep)
     assert bool(jnp.isnan(want).any()) and bool((want == 0).all(-1).any()), "the case must hold NaN and zero rows"
     _assert_same_with_nan(y, want, dtype, variant)
-    _assert_same_with_nan(dx, _grad_rule(y.astype(jnp.float32), dy.astype(dtype).astype(jnp.float32), scale),
-                          dtype, variant)
+    _assert_same_with_nan(
+        dx, _grad_rule(y.astype(jnp.float32), dy.astype(dtype).astype(jnp.float32), scale), dtype, variant
+    )
 
 
 def test_nonfinite_rules_row_by_row():
-    x = jnp.array([
-        [1.0, jnp.nan, 2.0, 3.0],            # NaN -> whole row NaN
-        [1.0, jnp.inf, 2.0, 3.0],            # +inf -> whole row NaN
-        [-jnp.inf, 0.0, -jnp.inf, 0.0],      # -inf -> probability 0
-        [-jnp.inf] * 4,                      # nothing finite -> zeros
-        [-jnp.inf, jnp.nan, -jnp.inf, -jnp.inf],  # NaN wins over "nothing finite"
-    ])
+    x = jnp.array(
+        [
+            [1.0, jnp.nan, 2.0, 3.0],  # NaN -> whole row NaN
+            [1.0, jnp.inf, 2.0, 3.0],  # +inf -> whole row NaN
+            [-jnp.inf, 0.0, -jnp.inf, 0.0],  # -inf -> probability 0
+            [-jnp.inf] * 4,  # nothing finite -> zeros
+            [-jnp.inf, jnp.nan, -jnp.inf, -jnp.inf],  # NaN wins over "nothing finite"
+        ]
+    )
     y = np.asarray(te_ops.scaled_softmax(x, 1.0))
     assert np.isnan(y[0]).all() and np.isnan(y[1]).all()
     np.testing.assert_array_equal(y[2], [0.0, 0.5, 0.0, 0.5])
@@ -408,8 +419,9 @@ def test_nonfinite_rules_row_by_row():
     ym = np.asarray(te_ops.scaled_masked_softmax(x[None, None], mask, 1.0))[0, 0]
     assert np.isnan(ym[0, [0, 1, 3]]).all() and ym[0, 2] == 0
     xm = x[2:3].at[0, 2].set(jnp.nan)  # NaN at the masked position
-    np.testing.assert_array_equal(np.asarray(te_ops.scaled_masked_softmax(xm[None, None], mask, 1.0))[0, 0, 0],
-                                  [0.0, 0.5, 0.0, 0.5])
+    np.testing.assert_array_equal(
+        np.asarray(te_ops.scaled_masked_softmax(xm[None, None], mask, 1.0))[0, 0, 0], [0.0, 0.5, 0.0, 0.5]
+    )
     # zero gradient on rows without a finite element, whatever dy holds
     g = jax.grad(lambda x: jnp.sum(te_ops.scaled_softmax(x, 1.0) * jnp.array([1.0, jnp.nan, 2.0, 3.0])))(x[3:4])
     np.testing.assert_array_equal(np.asarray(g), 0.0)

@@ -40,8 +40,7 @@ def _plugin_triton_module():
 PLUGIN = _plugin_triton_module()
 needs_plugin = pytest.mark.skipif(
     PLUGIN is None or not HAS_TRITON,
-    reason="needs Triton and the jax CUDA plugin's _triton module "
-    "(pip install --no-deps jax-cuda13-plugin==0.11.2)",
+    reason="needs Triton and the jax CUDA plugin's _triton module (pip install --no-deps jax-cuda13-plugin==0.11.2)",
 )
 
 
@@ -184,20 +183,13 @@ def test_lowering_for_cuda_without_gpu(monkeypatch):
 
         def loss(x, p):
             out, pp, m, *_ = token_dispatch(x, rm, t * k, probs=p, align_size=4, implementation=impl)
-            return (
-                jnp.sum(token_combine(out, m, merging_probs=p, implementation=impl).astype(jnp.float32))
-                + pp.sum()
-            )
+            return jnp.sum(token_combine(out, m, merging_probs=p, implementation=impl).astype(jnp.float32)) + pp.sum()
 
         fn = jax.jit(lambda x, p: (loss(x, p), jax.grad(loss, argnums=(0, 1))(x, p)))
         with tb.target_override(TARGET):
             if poison:
                 with native.poisoned_outputs():
-                    return (
-                        fn.trace(jnp.ones((t, h), jnp.bfloat16), p)
-                        .lower(lowering_platforms=("cuda",))
-                        .as_text()
-                    )
+                    return fn.trace(jnp.ones((t, h), jnp.bfloat16), p).lower(lowering_platforms=("cuda",)).as_text()
             return fn.trace(jnp.ones((t, h), jnp.bfloat16), p).lower(lowering_platforms=("cuda",)).as_text()
 
     for impl in ("triton", "gluon"):
@@ -329,9 +321,7 @@ def test_launch_is_a_typed_ffi_custom_call(monkeypatch):
         )[0]
     )
     with tb.target_override(TARGET):
-        hlo = (
-            fn.trace(jnp.ones((512,), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text(dialect="hlo")
-        )
+        hlo = fn.trace(jnp.ones((512,), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text(dialect="hlo")
     calls = [ln for ln in hlo.splitlines() if "custom-call(" in ln]
     assert len(calls) == 1 and len(tb.triton_launch_names(hlo)) == 1, calls
     assert f'custom_call_target="{tb.FFI_TARGET}"' in calls[0]
