@@ -388,6 +388,7 @@ def _pp_consumer(
     c_bufs,
     ready,
     empty,
+    turn,
     gs_ptr,
     M,
     KC,
@@ -436,6 +437,11 @@ def _pp_consumer(
                 GROUP_M,
             )
             acc = gl.zeros([BM, BN], gl.float32, mma_layout)
+            # the other warpgroup's mainloop of tile j - 1 is done: the ring is consumed in tile order,
+            # so no consumer ever waits more than one lap ahead of the producer (mbarrier phases are
+            # parities: a wait two laps ahead would pass on a stale phase)
+            if j > 0:
+                mbarrier.wait(turn.index(WHICH), ((j - 1) // 2) & 1)
             if in_group:
                 for ki in range(k_iters):
                     s = (it + ki) % STAGES
@@ -448,6 +454,7 @@ def _pp_consumer(
                     mbarrier.arrive(empty.index((it + ki + STAGES - 1) % STAGES), pred=ki > 0)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 mbarrier.arrive(empty.index((it + k_iters + STAGES - 1) % STAGES))
+            mbarrier.arrive(turn.index(1 - WHICH))  # its turn: this tile's epilogue overlaps its mainloop
             cols = nt * BN + gl.arange(0, BN, layout=col_layout)
             if HAS_BIAS:
                 bias = gl.load(bias_ptr + g.to(gl.int64) * NOUT + cols, mask=(cols < NOUT) & in_group, other=0.0)
@@ -480,6 +487,7 @@ def _pp_consumer0(
     c_bufs,
     ready,
     empty,
+    turn,
     gs_ptr,
     M,
     KC,
@@ -506,6 +514,7 @@ def _pp_consumer0(
         c_bufs,
         ready,
         empty,
+        turn,
         gs_ptr,
         M,
         KC,
@@ -536,6 +545,7 @@ def _pp_consumer1(
     c_bufs,
     ready,
     empty,
+    turn,
     gs_ptr,
     M,
     KC,
@@ -562,6 +572,7 @@ def _pp_consumer1(
         c_bufs,
         ready,
         empty,
+        turn,
         gs_ptr,
         M,
         KC,
@@ -592,6 +603,7 @@ def _pp_producer(
     c_bufs,
     ready,
     empty,
+    turn,
     gs_ptr,
     M,
     KC,
@@ -677,9 +689,12 @@ def grouped_gemm_pingpong_kernel(
     c_bufs = gl.allocate_shared_memory(dtype, [2, BM, BN], smem_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
     gl.warp_specialize(
         [
             (
@@ -695,6 +710,7 @@ def grouped_gemm_pingpong_kernel(
                     c_bufs,
                     ready,
                     empty,
+                    turn,
                     gs_ptr,
                     M,
                     KC,
@@ -724,6 +740,7 @@ def grouped_gemm_pingpong_kernel(
                     c_bufs,
                     ready,
                     empty,
+                    turn,
                     gs_ptr,
                     M,
                     KC,
@@ -753,6 +770,7 @@ def grouped_gemm_pingpong_kernel(
                     c_bufs,
                     ready,
                     empty,
+                    turn,
                     gs_ptr,
                     M,
                     KC,
