@@ -136,7 +136,8 @@ def sweep(x, w, s, dy, reps, case=""):
     flops = 2.0 * m * k * n
     rows, best, first = [], {}, {}
     for name, gc, wc in CANDIDATES:
-        if sweep.only and not any(p in name for p in sweep.only):
+        # "_" in a filter matches a space (BENCH_ARGS in scripts/gpu_run.sh are split on spaces)
+        if sweep.only and not any(p.replace("_", " ") in name for p in sweep.only):
             continue
         kernels = {
             "fwd": jax.jit(lambda x, w, s, gc=gc: tri.grouped_gemm(x, w, s, None, trans_b=False, cfg=gc)),
@@ -334,7 +335,9 @@ def main():
     )
     parser.add_argument("--sweep-only", action="store_true", help="stop after the sweeps")
     parser.add_argument(
-        "--candidates", default=None, help="comma-separated substrings: sweep only the candidates whose name has one"
+        "--candidates",
+        default=None,
+        help="comma-separated substrings (_ matches a space): sweep only the candidates whose name has one",
     )
     parser.add_argument("--no-torch", action="store_true", help="skip the torch._grouped_mm comparison")
     parser.add_argument("--no-ragged", action="store_true", help="skip jax.lax.ragged_dot (a dense expansion: slow)")
