@@ -116,7 +116,7 @@ def _jit_kernel_names(*rel_paths: str) -> frozenset[str]:
     return frozenset(names)
 
 
-GROUPED_GEMM_KERNELS = _jit_kernel_names("grouped_dense/triton_kernels.py")
+GROUPED_GEMM_KERNELS = _jit_kernel_names("grouped_dense/triton_kernels.py", "grouped_dense/gluon_kernels.py")
 PERMUTATION_KERNELS = _jit_kernel_names("permutation/triton_kernels.py", "permutation/gluon_kernels.py")
 NORM_KERNELS = _jit_kernel_names("normalization/triton_kernels.py")
 

@@ -183,6 +183,9 @@ class KernelSpec:
     num_stages: int
     divisible_by_16: tuple[str, ...] = ()  # integer parameters promised to be multiples of 16
     maxnreg: int | None = None  # register limit per thread (warp-specialized kernels redistribute it)
+    # not None: the kernel's global scratch (device-side TMA descriptors) is the XLA buffer passed as
+    # its last runtime parameter ``te_scratch``, this many bytes per program (see triton_call)
+    scratch_bytes_per_program: int | None = None
 
     @property
     def gluon(self) -> bool:
@@ -222,6 +225,7 @@ def cache_key(spec: KernelSpec, target: tuple) -> tuple:
         spec.num_stages,
         spec.divisible_by_16,
         spec.maxnreg,
+        spec.scratch_bytes_per_program,
         tuple(target),
     )
 
@@ -337,17 +341,56 @@ def _compile_uncached(spec: KernelSpec, target: tuple) -> CompiledKernel:
             f"te_ops triton bridge: kernel {md.name} needs launch features jaxlib's launcher lacks "
             f"({unsupported or 'host tensor descriptors / tensor memory'})"
         )
+    asm = dict(k.asm)
+    scratch_size, scratch_align = int(md.global_scratch_size), int(md.global_scratch_align)
+    if spec.scratch_bytes_per_program is not None:
+        if scratch_size and (
+            scratch_size > spec.scratch_bytes_per_program or spec.scratch_bytes_per_program % max(scratch_align, 1)
+        ):
+            raise ValueError(
+                f"te_ops triton bridge: kernel {md.name} needs {scratch_size} bytes of global scratch per "
+                f"program aligned to {scratch_align}; the caller reserved scratch_bytes_per_program="
+                f"{spec.scratch_bytes_per_program}"
+            )
+        if scratch_size:
+            asm["ptx"] = redirect_global_scratch(asm["ptx"], md.name)
+        scratch_size, scratch_align = 0, 0  # jaxlib must not allocate it (cuMemAllocAsync per launch)
     return CompiledKernel(
         name=md.name,
-        asm=dict(k.asm),
+        asm=asm,
         shared=int(md.shared),
         num_warps=int(md.num_warps),
         num_ctas=int(md.num_ctas),
-        global_scratch_size=int(md.global_scratch_size),
-        global_scratch_align=int(md.global_scratch_align),
+        global_scratch_size=scratch_size,
+        global_scratch_align=scratch_align,
         target=tuple(target),
         metadata=md,
     )
+
+
+def redirect_global_scratch(ptx: str, kernel_name: str) -> str:
+    """PTX of ``kernel_name`` whose global-scratch base is read from its last user parameter
+    (``te_scratch``, an XLA buffer) instead of the hidden global-scratch parameter.
+
+    Triton kernels end with two hidden pointers, global scratch and profile scratch, which jaxlib's
+    launcher fills. For global scratch it calls ``cuMemAllocAsync`` / ``cuMemFreeAsync`` around every
+    launch, and XLA cannot put such a launch into a command buffer (a child graph with memory nodes:
+    CUDA_ERROR_NOT_SUPPORTED, seen on the H200 2026-12-04). The kernel computes its per-program
+    scratch address from the base it loads once from that parameter; pointing that load at the
+    ``te_scratch`` parameter (the third from last) makes the launch allocation-free. jaxlib then
+    passes a null hidden pointer that nothing reads.
+    """
+    head = ptx.index(f".entry {kernel_name}(")
+    params = re.findall(rf"\b{re.escape(kernel_name)}_param_(\d+)\b", ptx[head : ptx.index(")", head)])
+    n = len(params)
+    if n < 3:
+        raise ValueError(f"te_ops triton bridge: {kernel_name} has {n} PTX parameters; expected te_scratch + 2 hidden")
+    hidden, mine = f"{kernel_name}_param_{n - 2}", f"{kernel_name}_param_{n - 3}"
+    body_at = ptx.index(")", head)
+    body = re.sub(rf"\[{re.escape(hidden)}\]", f"[{mine}]", ptx[body_at:])
+    if re.search(rf"\b{re.escape(hidden)}\b", body):
+        raise ValueError(f"te_ops triton bridge: {kernel_name} uses its global-scratch parameter in an unexpected way")
+    return ptx[:body_at] + body
 
 
 def unavailable_reason_for_compile(gluon: bool) -> str | None:
@@ -554,6 +597,7 @@ def triton_call(
     divisible_by_16: Sequence[str] = (),
     name: str | None = None,
     maxnreg: int | None = None,
+    scratch_bytes_per_program: int | None = None,
 ) -> list[jax.Array]:
     """Launches ``kernel`` on ``grid`` from JAX.
 
@@ -574,6 +618,13 @@ def triton_call(
       maxnreg: registers per thread the kernel may use (Triton's ``maxnreg``). A warp-specialized
         Gluon kernel needs it: its partitions' ``setmaxnreg`` budgets are carved out of it, and the
         default (255) would not fit the register file with a producer warpgroup added.
+      scratch_bytes_per_program: set (an int >= 0) for kernels that may build TMA descriptors on the
+        device (their "global scratch"; 0 where the configuration needs none, e.g. without TMA).
+        The kernel must end its runtime parameters with a pointer ``te_scratch``
+        (after its outputs); the bridge passes an XLA buffer of grid x this many bytes there and
+        points the kernel's scratch at it (:func:`redirect_global_scratch`), so the launch allocates
+        nothing and stays command-buffer safe. Compiling fails with a clear error if the kernel
+        needs more per program.
 
     Returns:
       The list of outputs.
@@ -583,6 +634,15 @@ def triton_call(
     out_shape = list(out_shape)
     arg_names = list(kernel.arg_names)
     runtime_names = [n for n in arg_names if n not in constexprs]
+    n_user_outputs = len(out_shape)
+    if scratch_bytes_per_program is not None:
+        if not runtime_names or runtime_names[-1] != "te_scratch":
+            raise TypeError(
+                f"te_ops triton bridge: scratch_bytes_per_program needs kernel {kernel.__name__} to end its "
+                f"runtime parameters with te_scratch, got {runtime_names}"
+            )
+        programs = int(np.prod([int(g) for g in grid]))
+        out_shape.append(jax.ShapeDtypeStruct((max(16, programs * int(scratch_bytes_per_program)),), jnp.uint8))
     written = [i for i in range(len(out_shape)) if i not in aliases.values()]
     if len(runtime_names) != len(args) + len(written):
         raise TypeError(
@@ -594,7 +654,7 @@ def triton_call(
         outs = [jnp.zeros(s.shape, s.dtype) for s in out_shape]
         for i, o in aliases.items():
             outs[o] = args[i]
-        return outs
+        return outs[:n_user_outputs]
 
     signature, kernel_params, operands = [], [], []
     names = iter(runtime_names)
@@ -618,7 +678,7 @@ def triton_call(
         signature.append((n, _POINTER_TYPES[jnp.dtype(s.dtype)]))
         zero = int(np.prod(s.shape)) * jnp.dtype(s.dtype).itemsize if i in zeroed_outputs else 0
         kernel_params.append(("array", zero))
-        if poison:
+        if poison and i < n_user_outputs:  # never the scratch buffer
             poison_ops.append((i, poison_like(s)))
     full_sig = dict(signature)
     sig = tuple((n, full_sig.get(n, "constexpr")) for n in arg_names)
@@ -630,6 +690,7 @@ def triton_call(
         int(num_stages),
         tuple(sorted(divisible_by_16)),
         None if maxnreg is None else int(maxnreg),
+        None if scratch_bytes_per_program is None else int(scratch_bytes_per_program),
     )
     # map operand positions: args that are arrays, in order
     array_arg_pos = [k for k, a in enumerate(args) if _is_array(a)]
@@ -639,7 +700,7 @@ def triton_call(
         alias_pairs.append((len(operands), i))
         operands.append(buf)
     out_avals = tuple(jax.core.ShapedArray(s.shape, s.dtype) for s in out_shape)
-    return triton_call_p.bind(
+    outs = triton_call_p.bind(
         *operands,
         spec=spec,
         kernel_params=tuple(kernel_params),
@@ -648,6 +709,7 @@ def triton_call(
         aliases=tuple(alias_pairs),
         name=name or kernel.__name__,
     )
+    return list(outs[:n_user_outputs])
 
 
 # ----------------------------------------------------------------------------------------------

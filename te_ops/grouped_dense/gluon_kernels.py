@@ -265,6 +265,7 @@ def grouped_gemm_ws_kernel(
     G,
     num_programs,
     out_ptr,
+    te_scratch,
     BM: gl.constexpr,
     BN: gl.constexpr,
     BK: gl.constexpr,
@@ -276,7 +277,9 @@ def grouped_gemm_ws_kernel(
     NUM_WARPS: gl.constexpr,
 ):
     """a: [M, KC]; b: [G, KC, NOUT] (or [G, NOUT, KC] with TRANS_B); bias: [G, NOUT]; out: [M, NOUT].
-    KC must be a multiple of BK; K and N multiples of 8 (16-byte rows for TMA)."""
+    KC must be a multiple of BK; K and N multiples of 8 (16-byte rows for TMA). ``te_scratch``: the
+    XLA buffer that holds the device-side TMA descriptors (the bridge redirects Triton's global
+    scratch to it, so the launch allocates nothing and can be captured in a CUDA graph)."""
     KC = KC8 * 8
     NOUT = N8 * 8
     dtype: gl.constexpr = a_ptr.dtype.element_ty
@@ -654,6 +657,7 @@ def grouped_gemm_pingpong_kernel(
     G,
     num_programs,
     out_ptr,
+    te_scratch,
     BM: gl.constexpr,
     BN: gl.constexpr,
     BK: gl.constexpr,

@@ -44,6 +44,9 @@ from te_ops.grouped_dense.reference import Residuals
 SDS = jax.ShapeDtypeStruct
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 MAX_GROUPS = 1024
+# Global scratch reserved per program for kernels that build TMA descriptors on the device (128 bytes
+# per descriptor, at most 3 here); an XLA buffer, so the launch stays CUDA-graph safe.
+TMA_SCRATCH_BYTES = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,6 +213,7 @@ def grouped_gemm(a, b, group_sizes, bias, *, trans_b: bool, cfg: GemmConfig):
                 num_warps=4,
                 num_stages=1,
                 maxnreg=cfg.maxnreg,
+                scratch_bytes_per_program=TMA_SCRATCH_BYTES,
                 name="te_grouped_gemm_pingpong",
             )[0]
     if (
@@ -247,8 +251,10 @@ def grouped_gemm(a, b, group_sizes, bias, *, trans_b: bool, cfg: GemmConfig):
             num_warps=cfg.num_warps,
             num_stages=1,
             maxnreg=cfg.maxnreg,
+            scratch_bytes_per_program=TMA_SCRATCH_BYTES,
             name="te_grouped_gemm_ws",
         )[0]
+    use_tma = bool(cfg.USE_TMA) and kc % cfg.BK == 0
     return tb.triton_call(
         _k().grouped_gemm_kernel,
         a,
@@ -272,10 +278,11 @@ def grouped_gemm(a, b, group_sizes, bias, *, trans_b: bool, cfg: GemmConfig):
             HAS_BIAS=bias is not None,
             EVEN_K=(kc % cfg.BK == 0),
             FLATTEN=bool(cfg.FLATTEN),
-            USE_TMA=bool(cfg.USE_TMA) and kc % cfg.BK == 0,
+            USE_TMA=use_tma,
         ),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        scratch_bytes_per_program=TMA_SCRATCH_BYTES if use_tma else 0,
         name="te_grouped_gemm",
     )[0]
 
@@ -302,6 +309,7 @@ def grouped_wgrad(x, dy, group_sizes, g: int, *, cfg: WgradConfig, out_dtype):
         ),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        scratch_bytes_per_program=TMA_SCRATCH_BYTES if cfg.USE_TMA else 0,
         name="te_grouped_wgrad",
     )[0]
 

@@ -18,6 +18,10 @@ Two kernels, all sizes runtime scalars (a new M or new group sizes never recompi
   program: no atomics, deterministic); loads are masked at the group's row range so no other group's
   rows enter the sum; empty groups store zeros.
 
+``te_scratch`` (both kernels): the XLA buffer that holds the TMA descriptors the USE_TMA variants
+build on the device (the bridge points Triton's global scratch at it: no allocation per launch,
+so the launch can be captured in a CUDA graph); unused without TMA.
+
 Alignment: K and N are passed divided by 8 (``KC8``, ``N8``) and multiplied back inside, so Triton's
 alignment analysis knows every row starts on a 16-byte boundary and vectorises the loads (the bridge
 does not value-specialise integer arguments). Offsets that scale with M are int64.
@@ -58,6 +62,7 @@ def grouped_gemm_kernel(
     G,
     num_programs,
     out_ptr,
+    te_scratch,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
@@ -175,6 +180,7 @@ def grouped_wgrad_kernel(
     N8,
     G,
     dw_ptr,
+    te_scratch,
     BKO: tl.constexpr,
     BN: tl.constexpr,
     BR: tl.constexpr,

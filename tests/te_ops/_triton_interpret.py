@@ -114,9 +114,14 @@ def interpreted_call(
     zeroed_outputs=(),
     name=None,
     divisible_by_16=(),
+    maxnreg=None,
+    scratch_bytes_per_program=None,
 ):
     _fix_interpreter_for_numpy2()
     aliases = dict(input_output_aliases or {})
+    n_user = len(out_shape)
+    if scratch_bytes_per_program is not None:  # the te_scratch parameter (the interpreter's TMA needs none)
+        out_shape = [*out_shape, jax.ShapeDtypeStruct((16,), jnp.uint8)]
     bufs = []
     for a in args:
         if hasattr(a, "shape") and not isinstance(a, (np.generic, int, float)):
@@ -146,7 +151,7 @@ def interpreted_call(
     if min(grid) > 0:
         kernel[grid](*kargs, **(constexprs or {}))
     # copy back (a zero-copy jnp.asarray of a NumPy buffer that dies here would read freed memory)
-    return [jnp.array(np.array(o, copy=True), copy=True) for o in outs]
+    return [jnp.array(np.array(o, copy=True), copy=True) for o in outs[:n_user]]
 
 
 def main():

@@ -9,6 +9,7 @@ shim, no torch") with NaN-poisoned outputs. fp16 only there: the shim's bfloat16
 read correctly by Triton 3.6's interpreter (fp16 runs the same kernel code)."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -474,7 +475,7 @@ def test_triton_lowering_for_sm90_without_gpu(monkeypatch):
     launches.clear()
     ws = tri.GemmConfig(GLUON_WS=True)
     with tri.config_override(ws, ws, None):
-        lower(1000)
+        txt = lower(1000)
         lower(2500)
     names = sorted(n for n, _, _ in launches)
     assert names == ["te_grouped_gemm_ws"] * 4 + ["te_grouped_wgrad"] * 2, names
@@ -483,8 +484,27 @@ def test_triton_lowering_for_sm90_without_gpu(monkeypatch):
             continue
         ptx = compiled.asm["ptx"]
         assert compiled.num_warps == 12 and "setmaxnreg" in ptx and "wgmma.mma_async" in ptx
-        assert "cp.async.bulk.tensor" in ptx and compiled.global_scratch_size > 0
-        assert compiled.shared <= 227 * 1024 and grid[0] <= 132
+        assert "cp.async.bulk.tensor" in ptx and compiled.shared <= 227 * 1024 and grid[0] <= 132
+        # the descriptors' global scratch is the te_scratch buffer (the third-from-last parameter),
+        # not the hidden one jaxlib would allocate per launch (which breaks command buffers)
+        assert compiled.global_scratch_size == 0
+        entry = ptx[ptx.index(".entry") : ptx.index(")", ptx.index(".entry"))]
+        n = len(re.findall(rf"{compiled.name}_param_\d+", entry))
+        assert f"[{compiled.name}_param_{n - 3}]" in ptx and f"[{compiled.name}_param_{n - 2}]" not in ptx
+    # 14 programs (M=1000: 8 + 6 tile rows, one N tile) x 512 bytes for the forward and dx launches
+    assert txt.count("tensor<7168xui8>") >= 2, re.findall(r"tensor<\d+xui8>", txt)
+    # the Triton TMA variants (USE_TMA) build descriptors on the device too: same redirection
+    launches.clear()
+    tma_cfg = tri.GemmConfig(USE_TMA=True)
+    with tri.config_override(tma_cfg, tma_cfg, tri.WgradConfig(USE_TMA=True)):
+        lower(1000)
+    assert sorted(n for n, _, _ in launches) == ["te_grouped_gemm", "te_grouped_gemm", "te_grouped_wgrad"]
+    for _, compiled, _grid in launches:
+        ptx = compiled.asm["ptx"]
+        entry = ptx[ptx.index(".entry") : ptx.index(")", ptx.index(".entry"))]
+        n = len(re.findall(rf"{compiled.name}_param_\d+", entry))
+        assert compiled.global_scratch_size == 0 and "cp.async.bulk.tensor" in ptx
+        assert f"[{compiled.name}_param_{n - 3}]" in ptx and f"[{compiled.name}_param_{n - 2}]" not in ptx
     # the ping-pong variant: two 4-warp consumer warpgroups and the producer warp (12 warps in all)
     launches.clear()
     pp = tri.GemmConfig(BN=128, num_stages=4, GLUON_WS=True, PINGPONG=True)

@@ -401,3 +401,20 @@ def test_find_thunk_dump_picks_the_module(tmp_path):
     (tmp_path / "module_0003.jit_a.thunk_sequence.txt").write_text("before")
     assert tb.find_thunk_dump(tmp_path, "jit_a") == "A"
     assert tb.find_thunk_dump(tmp_path, "jit_b") is None
+
+
+def test_redirect_global_scratch_points_the_scratch_load_at_te_scratch():
+    """The hidden global-scratch parameter (second from last) is read from te_scratch (third from
+    last) instead: jaxlib then allocates nothing per launch, which keeps the launch graph-capturable."""
+    ptx = (
+        ".visible .entry k(\n\t.param .u64 .ptr .global .align 1 k_param_0,\n\t.param .u32 k_param_1,\n"
+        "\t.param .u64 .ptr .global .align 1 k_param_2,\n\t.param .u64 .ptr .global .align 1 k_param_3,\n"
+        "\t.param .u64 .ptr .global .align 1 k_param_4\n)\n{\n\tld.param.b64 %rd1, [k_param_0];\n"
+        "\tld.param.b64 %rd9, [k_param_3];\n\tmad.wide.u32 %rd10, %r1, 384, %rd9;\n}\n"
+    )
+    out = tb.redirect_global_scratch(ptx, "k")
+    assert "ld.param.b64 %rd9, [k_param_2];" in out and "[k_param_3]" not in out
+    assert out.count("k_param_3") == 1  # only its declaration is left
+    assert "ld.param.b64 %rd1, [k_param_0];" in out  # other parameters untouched
+    with pytest.raises(ValueError, match="unexpected way"):
+        tb.redirect_global_scratch(ptx.replace("[k_param_3]", "k_param_3"), "k")
