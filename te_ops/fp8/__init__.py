@@ -1,0 +1,20 @@
+"""FP8: scaling recipes, the quantized-tensor pytree and the reference quantization
+(:mod:`te_ops.fp8.recipes`, :mod:`te_ops.fp8.reference`, :mod:`te_ops.fp8.api`)."""
+
+from te_ops.fp8.api import dequantize, initial_state, quantize
+from te_ops.fp8.recipes import E4M3, E5M2, BlockScaling, CurrentScaling, DelayedScaling, format_max
+from te_ops.fp8.reference import DelayedScalingState, QuantizedTensor
+
+__all__ = [
+    "E4M3",
+    "E5M2",
+    "BlockScaling",
+    "CurrentScaling",
+    "DelayedScaling",
+    "DelayedScalingState",
+    "QuantizedTensor",
+    "dequantize",
+    "format_max",
+    "initial_state",
+    "quantize",
+]

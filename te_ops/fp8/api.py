@@ -1,0 +1,115 @@
+"""Public FP8 quantization API: :func:`quantize`, :func:`dequantize`, :func:`initial_state`.
+
+This first step is the reference path only (pure JAX, every platform): it defines the quantized
+bytes that the fused quantize kernels and the FP8 GEMMs of the FP8 issue must reproduce.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from te_ops._core.validation import check_float, err, static_choice
+from te_ops.fp8 import reference as ref
+from te_ops.fp8.recipes import ROLES, BlockScaling, CurrentScaling, DelayedScaling
+from te_ops.fp8.reference import DelayedScalingState, QuantizedTensor
+
+OP = "fp8.quantize"
+INPUT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def _check_recipe(op: str, recipe: Any) -> None:
+    if not isinstance(recipe, (CurrentScaling, DelayedScaling, BlockScaling)):
+        raise TypeError(
+            err(op, f"recipe must be a te_ops.fp8 CurrentScaling, DelayedScaling or BlockScaling, got {recipe!r:.80}.")
+        )
+
+
+def initial_state(recipe: DelayedScaling) -> DelayedScalingState:
+    """A fresh delayed-scaling state for one tensor: an all-zero amax history and scale 1.
+
+    Args:
+      recipe: a :class:`~te_ops.fp8.DelayedScaling` (its ``history_len`` sets the history length).
+
+    Returns:
+      ``DelayedScalingState(amax_history float32 [history_len], scale float32 [])``.
+    """
+    if not isinstance(recipe, DelayedScaling):
+        raise TypeError(err("fp8.initial_state", f"recipe must be a DelayedScaling, got {recipe!r:.80}."))
+    return ref.initial_state(recipe)
+
+
+def quantize(
+    x: jax.Array,
+    recipe: CurrentScaling | DelayedScaling | BlockScaling,
+    role: str,
+    state: DelayedScalingState | None = None,
+) -> QuantizedTensor | tuple[QuantizedTensor, DelayedScalingState]:
+    """Quantizes ``x`` to FP8 with ``recipe`` for a tensor ``role`` ("x", "w" or "g").
+
+    Per tensor (current and delayed scaling) or per block (block scaling of the last two axes):
+    ``scale = min(fmax / amax / 2**margin, FLT_MAX)`` (1 where amax is 0 or not finite; a power of
+    two if the recipe asks), ``data = fp8(clip(x * scale, -fmax, fmax))`` (round to nearest even,
+    +-Inf saturate, NaN stays NaN), ``scale_inv = 1 / scale``. docs/semantics.md, "FP8
+    quantization", has the full rules, including the delayed-scaling state update.
+
+    Args:
+      x: float32, bfloat16 or float16 array; block scaling needs rank >= 2 (blocks tile the last two
+        axes; partial edge blocks are allowed).
+      recipe: :class:`~te_ops.fp8.CurrentScaling`, :class:`~te_ops.fp8.DelayedScaling` or
+        :class:`~te_ops.fp8.BlockScaling` (static: part of the jit cache key).
+      role: "x" (activation), "w" (weight) or "g" (gradient): picks the format (and the block shape).
+      state: the tensor's :class:`DelayedScalingState` with delayed scaling (required), else None.
+
+    Returns:
+      A :class:`QuantizedTensor`; with delayed scaling ``(QuantizedTensor, new state)``.
+
+    Equivalent to (current scaling)::
+
+        fmax = jnp.finfo(fmt).max
+        scale = fmax / jnp.max(jnp.abs(x.astype(jnp.float32)))
+        data = jnp.clip(x.astype(jnp.float32) * scale, -fmax, fmax).astype(fmt)
+    """
+    x = check_float(OP, "x", x, INPUT_DTYPES)
+    _check_recipe(OP, recipe)
+    static_choice(OP, "role", role, ROLES)
+    if isinstance(recipe, DelayedScaling):
+        if not isinstance(state, DelayedScalingState):
+            raise TypeError(
+                err(
+                    OP,
+                    "DelayedScaling needs state=DelayedScalingState (te_ops.fp8.initial_state(recipe)), "
+                    f"got {state!r:.80}.",
+                )
+            )
+        hist = jnp.shape(state.amax_history)
+        if hist != (recipe.history_len,) or jnp.shape(state.scale) != ():
+            raise ValueError(
+                err(OP, f"state must hold amax_history [{recipe.history_len}] and a scalar scale (recipe.history_len="
+                        f"{recipe.history_len}), got amax_history {hist} and scale {jnp.shape(state.scale)}.")
+            )  # fmt: skip
+    elif state is not None:
+        raise ValueError(err(OP, f"state is only for DelayedScaling; {type(recipe).__name__} takes state=None."))
+    if isinstance(recipe, BlockScaling) and x.ndim < 2:
+        raise ValueError(
+            err(OP, f"BlockScaling tiles the last two axes; x must have rank >= 2, got shape {x.shape}. "
+                    "Reshape a vector to [1, n].")
+        )  # fmt: skip
+    return ref.quantize(x, recipe, role, state)
+
+
+def dequantize(q: QuantizedTensor, dtype: Any = None) -> jax.Array:
+    """``q.data * q.scale_inv`` (per block for block-scaled tensors), computed in float32.
+
+    Args:
+      q: a :class:`QuantizedTensor` from :func:`quantize`.
+      dtype: output dtype (default: the dtype the tensor had before quantization).
+
+    Returns:
+      An array of ``q``'s shape.
+    """
+    if not isinstance(q, QuantizedTensor):
+        raise TypeError(err("fp8.dequantize", f"q must be a te_ops.fp8.QuantizedTensor, got {type(q).__name__}."))
+    return ref.dequantize(q, dtype)

@@ -1,0 +1,233 @@
+"""te_ops.fp8 reference quantization against an independent NumPy / ml_dtypes formulation: exact
+bytes for every recipe, error bounds, edge values (zeros, all-equal, NaN, +-Inf, outliers), the
+delayed-scaling state update, pytree behaviour under jit / vmap, and the error messages."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from te_ops import fp8
+
+NP_FMT = {jnp.dtype(jnp.float8_e4m3fn): ml_dtypes.float8_e4m3fn, jnp.dtype(jnp.float8_e5m2): ml_dtypes.float8_e5m2}
+FLT_MAX = np.float32(np.finfo(np.float32).max)
+
+
+def _np_scale(amax, fmax, margin=0, pow2=False):
+    amax = np.float32(amax)
+    if not np.isfinite(amax) or amax <= 0:
+        return np.float32(1.0)
+    s = np.minimum(np.float32(fmax) / amax / np.float32(2.0**margin), FLT_MAX).astype(np.float32)
+    if pow2:
+        s = np.float32(np.ldexp(1.0, np.frexp(s)[1] - 1))  # the largest power of two <= s
+    return s
+
+
+def _np_cast(x32, scale, fmt):
+    fmax = np.float32(fp8.format_max(fmt))
+    with np.errstate(invalid="ignore", over="ignore"):
+        return np.clip(x32 * np.float32(scale), -fmax, fmax).astype(NP_FMT[jnp.dtype(fmt)])
+
+
+def _bytes(a):
+    return np.asarray(a).view(np.uint8)
+
+
+def _inputs(seed, shape, dtype, outliers=True):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape).astype(np.float32) * 2.0
+    if outliers and x.size > 4:
+        idx = rng.choice(x.size, size=max(1, x.size // 100), replace=False)
+        x.reshape(-1)[idx] *= 300.0  # heavy-tailed: a few values two orders above the rest
+    return jnp.asarray(x).astype(dtype)
+
+
+RECIPES = [
+    fp8.CurrentScaling(),
+    fp8.CurrentScaling(formats="e4m3", margin=2),
+    fp8.CurrentScaling(power_of_2=True),
+]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("recipe", RECIPES, ids=repr)
+@pytest.mark.parametrize("role", ["x", "w", "g"])
+def test_current_scaling_bytes_match_numpy(dtype, recipe, role):
+    x = _inputs(1, (37, 129), dtype)
+    q = fp8.quantize(x, recipe, role)
+    fmt = recipe.format(role)
+    x32 = np.asarray(x.astype(jnp.float32))
+    s = _np_scale(np.max(np.abs(x32)), fp8.format_max(fmt), recipe.margin, recipe.power_of_2)
+    assert q.data.dtype == fmt and q.scale_inv.shape == () and q.block is None
+    np.testing.assert_array_equal(_bytes(q.data), _bytes(_np_cast(x32, s, fmt)))
+    assert float(q.scale_inv) == float(np.float32(1.0) / s)
+    if recipe.power_of_2:
+        assert float(np.log2(float(q.scale_inv))).is_integer()
+
+
+@pytest.mark.parametrize("role,rel,sub", [("x", 2.0**-4, 2.0**-10), ("g", 2.0**-3, 2.0**-17)])
+def test_round_trip_error_within_half_an_ulp(role, rel, sub):
+    """|dequantize(q) - x| <= half an ulp: 2^-4 |x| for E4M3 (3 mantissa bits), 2^-3 for E5M2, plus
+    half the smallest subnormal (times 1/scale) where x lands in the format's subnormals."""
+    x = _inputs(2, (64, 256), jnp.float32)
+    q = fp8.quantize(x, fp8.CurrentScaling(), role)
+    err = np.abs(np.asarray(fp8.dequantize(q)) - np.asarray(x))
+    bound = rel * np.abs(np.asarray(x)) + sub * float(q.scale_inv) * 1.0001
+    assert np.all(err <= bound), float(np.max(err - bound))
+
+
+def test_edge_values():
+    c = fp8.CurrentScaling()
+    z = fp8.quantize(jnp.zeros((8, 16), jnp.bfloat16), c, "x")  # amax 0: scale 1, zeros
+    assert float(z.scale_inv) == 1.0 and not np.any(_bytes(z.data))
+    e = fp8.quantize(jnp.full((4, 4), -3.5, jnp.float32), c, "w")  # all equal: every element -fmax
+    assert np.all(np.asarray(e.data.astype(jnp.float32)) == -448.0)
+    np.testing.assert_allclose(np.asarray(fp8.dequantize(e)), -3.5, rtol=2.0**-4)
+    x = jnp.array([[1.0, jnp.nan, -2.0, 4.0]], jnp.float32)  # NaN: amax NaN -> scale 1; NaN stays
+    n = fp8.quantize(x, c, "x")
+    assert float(n.scale_inv) == 1.0 and np.isnan(np.asarray(n.data.astype(jnp.float32))[0, 1])
+    assert list(np.asarray(n.data.astype(jnp.float32))[0, [0, 2, 3]]) == [1.0, -2.0, 4.0]
+    i = fp8.quantize(jnp.array([[jnp.inf, -jnp.inf, 1.0]], jnp.float32), c, "g")  # E5M2: Inf saturates
+    assert list(np.asarray(i.data.astype(jnp.float32))[0]) == [57344.0, -57344.0, 1.0]
+    tiny = fp8.quantize(jnp.full((2, 2), 1e-45, jnp.float32), c, "x")  # fmax / amax overflows: FLT_MAX
+    assert np.isfinite(float(tiny.scale_inv)) and float(tiny.scale_inv) > 0
+    empty = fp8.quantize(jnp.zeros((0, 5), jnp.float32), c, "x")
+    assert empty.data.shape == (0, 5) and float(empty.scale_inv) == 1.0
+
+
+def _np_blocks(x32, block, fmt, pow2):
+    br, bc = block
+    r, c = x32.shape[-2:]
+    nr, nc = -(-r // br), -(-c // bc)
+    data = np.zeros(x32.shape, NP_FMT[jnp.dtype(fmt)])
+    sinv = np.zeros(x32.shape[:-2] + (nr, nc), np.float32)
+    for idx in np.ndindex(*x32.shape[:-2]):
+        for i in range(nr):
+            for j in range(nc):
+                blk = x32[idx][i * br : (i + 1) * br, j * bc : (j + 1) * bc]
+                s = _np_scale(np.max(np.abs(blk)), fp8.format_max(fmt), 0, pow2)
+                data[idx][i * br : (i + 1) * br, j * bc : (j + 1) * bc] = _np_cast(blk, s, fmt)
+                sinv[idx + (i, j)] = np.float32(1.0) / s
+    return data, sinv
+
+
+@pytest.mark.parametrize(
+    "shape,role,recipe",
+    [
+        ((3, 300), "x", fp8.BlockScaling()),  # 1 x 128 tiles, partial last tile
+        ((2, 5, 256), "g", fp8.BlockScaling(formats="hybrid")),  # batched rows, E5M2 gradients
+        ((200, 300), "w", fp8.BlockScaling()),  # 128 x 128 blocks, partial in both axes
+        ((130, 129), "w", fp8.BlockScaling(power_of_2=False, weight_block=(64, 64))),
+    ],
+)
+def test_block_scaling_bytes_match_numpy(shape, role, recipe):
+    x = _inputs(3, shape, jnp.bfloat16)
+    q = fp8.quantize(x, recipe, role)
+    fmt = recipe.format(role)
+    data, sinv = _np_blocks(np.asarray(x.astype(jnp.float32)), recipe.block(role), fmt, recipe.power_of_2)
+    assert q.block == recipe.block(role) and q.scale_inv.shape == sinv.shape
+    np.testing.assert_array_equal(_bytes(q.data), _bytes(data))
+    np.testing.assert_array_equal(np.asarray(q.scale_inv), sinv)
+    back = np.asarray(fp8.dequantize(q, jnp.float32))
+    want = (
+        data.astype(np.float32)
+        * np.repeat(np.repeat(sinv, recipe.block(role)[0], -2), recipe.block(role)[1], -1)[
+            ..., : shape[-2], : shape[-1]
+        ]
+    )
+    np.testing.assert_array_equal(back, want)
+
+
+def test_block_scaling_limits_outlier_damage():
+    """One outlier spoils only its own 1 x 128 tile: the other tiles keep E4M3 precision."""
+    x = _inputs(4, (4, 512), jnp.float32, outliers=False)
+    x = x.at[0, 3].set(1e4)
+    err_block = np.abs(np.asarray(fp8.dequantize(fp8.quantize(x, fp8.BlockScaling(), "x"))) - np.asarray(x))
+    err_tensor = np.abs(np.asarray(fp8.dequantize(fp8.quantize(x, fp8.CurrentScaling(), "x"))) - np.asarray(x))
+    rel = lambda e: float(np.max(e[1:] / (np.abs(np.asarray(x))[1:] + 1e-3)))  # noqa: E731
+    assert rel(err_block) <= 2.0**-4 + 1e-6 < rel(err_tensor)
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_delayed_scaling_state_update_matches_numpy(algo):
+    recipe = fp8.DelayedScaling(history_len=3, margin=1, amax_compute_algo=algo)
+    state = fp8.initial_state(recipe)
+    hist, scale = np.zeros(3, np.float32), np.float32(1.0)
+    fmt = recipe.format("x")
+    for step, mult in enumerate([1.0, 4.0, 0.5, float("nan"), 2.0]):
+        x = _inputs(10 + step, (16, 32), jnp.bfloat16) * mult
+        q, state = fp8.quantize(x, recipe, "x", state)
+        x32 = np.asarray(x.astype(jnp.float32))
+        np.testing.assert_array_equal(_bytes(q.data), _bytes(_np_cast(x32, scale, fmt)))  # the *previous* scale
+        assert float(q.scale_inv) == float(np.float32(1.0) / scale)
+        hist = np.roll(hist, 1)
+        hist[0] = np.max(np.abs(x32))
+        ref_amax = np.max(np.where(np.isfinite(hist), hist, 0)) if algo == "max" else hist[0]
+        if np.isfinite(ref_amax) and ref_amax > 0:
+            scale = _np_scale(ref_amax, fp8.format_max(fmt), recipe.margin)
+        np.testing.assert_array_equal(np.asarray(state.amax_history), hist)
+        assert float(state.scale) == float(scale), step
+
+
+def test_pytrees_under_jit_and_vmap():
+    recipe = fp8.BlockScaling()
+    x = _inputs(5, (3, 4, 256), jnp.bfloat16)
+    q = jax.jit(lambda x: fp8.quantize(x, recipe, "x"))(x)
+    leaves, tree = jax.tree.flatten(q)
+    assert len(leaves) == 2 and jax.tree.unflatten(tree, leaves).block == (1, 128)
+    qv = jax.vmap(lambda x: fp8.quantize(x, fp8.CurrentScaling(), "x"))(x)  # one scale per example
+    assert qv.scale_inv.shape == (3,)
+    for b in range(3):
+        one = fp8.quantize(x[b], fp8.CurrentScaling(), "x")
+        np.testing.assert_array_equal(_bytes(qv.data[b]), _bytes(one.data))
+    d = fp8.DelayedScaling(history_len=8)
+    _, st = jax.jit(lambda x, s: fp8.quantize(x, d, "w", s))(x[0], fp8.initial_state(d))
+    assert st.amax_history.shape == (8,) and float(st.amax_history[0]) > 0
+
+
+@pytest.mark.parametrize(
+    "call,exc,match",
+    [
+        (lambda: fp8.quantize(jnp.ones((2, 2), jnp.int32), fp8.CurrentScaling(), "x"), TypeError, "x must be"),
+        (lambda: fp8.quantize(jnp.ones((2, 2)), "current", "x"), TypeError, "recipe must be"),
+        (lambda: fp8.quantize(jnp.ones((2, 2)), fp8.CurrentScaling(), "y"), ValueError, "role must be one of"),
+        (lambda: fp8.quantize(jnp.ones((2, 2)), fp8.DelayedScaling(), "x"), TypeError, "needs state"),
+        (
+            lambda: fp8.quantize(
+                jnp.ones((2, 2)),
+                fp8.DelayedScaling(history_len=4),
+                "x",
+                fp8.initial_state(fp8.DelayedScaling(history_len=8)),
+            ),
+            ValueError,
+            "amax_history \\[4\\]",
+        ),  # fmt: skip
+        (
+            lambda: fp8.quantize(jnp.ones((2, 2)), fp8.CurrentScaling(), "x", fp8.initial_state(fp8.DelayedScaling())),
+            ValueError,
+            "only for DelayedScaling",
+        ),
+        (lambda: fp8.quantize(jnp.ones((8,)), fp8.BlockScaling(), "x"), ValueError, "rank >= 2"),
+        (lambda: fp8.CurrentScaling(margin=-1), ValueError, "margin must be"),
+        (lambda: fp8.CurrentScaling(formats="e5m2"), ValueError, "formats must be"),
+        (lambda: fp8.DelayedScaling(history_len=0), ValueError, "history_len"),
+        (lambda: fp8.DelayedScaling(amax_compute_algo="mean"), ValueError, "amax_compute_algo"),
+        (lambda: fp8.BlockScaling(act_block=(0, 128)), ValueError, "act_block"),
+        (lambda: fp8.initial_state(fp8.CurrentScaling()), TypeError, "DelayedScaling"),
+        (lambda: fp8.dequantize(jnp.ones(3)), TypeError, "QuantizedTensor"),
+    ],
+)
+def test_errors_name_the_argument(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
+
+
+def test_recipes_are_static_and_hashable():
+    assert hash(fp8.BlockScaling()) == hash(fp8.BlockScaling())
+    f = jax.jit(lambda x, r: fp8.dequantize(fp8.quantize(x, r, "x")), static_argnums=1)
+    x = _inputs(6, (4, 128), jnp.float32)
+    a, b = f(x, fp8.CurrentScaling()), f(x, fp8.BlockScaling())
+    assert a.shape == b.shape == x.shape and not np.array_equal(np.asarray(a), np.asarray(b))
