@@ -4,6 +4,8 @@ delayed-scaling state update, pytree behaviour under jit / vmap, and the error m
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -231,3 +233,43 @@ def test_recipes_are_static_and_hashable():
     x = _inputs(6, (4, 128), jnp.float32)
     a, b = f(x, fp8.CurrentScaling()), f(x, fp8.BlockScaling())
     assert a.shape == b.shape == x.shape and not np.array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize(
+    "recipe,role,shape,spec,collectives",
+    [
+        # per tensor: amax is max-reduced over the axes the tensor is sharded on (XLA reduces a 2-axis
+        # sharding one axis at a time: two scalar all-reduces)
+        (fp8.CurrentScaling(), "x", (16, 256), ("d", None), {"all-reduce": 1}),
+        (fp8.CurrentScaling(), "x", (16, 256), ("d", "t"), {"all-reduce": 2}),
+        # blocks that never straddle shards: no communication at all
+        (fp8.BlockScaling(), "x", (16, 256), ("d", None), {"all-reduce": 0}),
+        (fp8.BlockScaling(), "w", (256, 512), (None, "t"), {"all-reduce": 0}),
+    ],
+)
+def test_sharded_quantize_matches_and_reduces_amax_once(recipe, role, shape, spec, collectives):
+    """On 8 CPU devices (a 2 x 4 mesh): the sharded quantization gives the unsharded bytes and scales,
+    with the amax max-reduced over exactly the sharded axes (collective counts of the compiled HLO)."""
+    from jax.sharding import PartitionSpec as Ps
+
+    from te_ops._core import testing as T
+
+    mesh = T.cpu_mesh((2, 4), ("d", "t"))
+    x = _inputs(7, shape, jnp.bfloat16)
+    out, ref, counts = T.run_sharded(lambda x: fp8.quantize(x, recipe, role), (x,), (Ps(*spec),), mesh=mesh)
+    np.testing.assert_array_equal(_bytes(out.data), _bytes(ref.data))
+    np.testing.assert_array_equal(np.asarray(out.scale_inv), np.asarray(ref.scale_inv))
+    for name, n in collectives.items():
+        assert counts[name] == n, counts
+    assert counts["all-gather"] == 0 and counts["all-to-all"] == 0, counts
+    if collectives["all-reduce"]:  # each reduces a float32 scalar over sharded mesh axes, together all of them
+        xs = jax.device_put(x, jax.sharding.NamedSharding(mesh, Ps(*spec)))
+        hlo = jax.jit(lambda x: fp8.quantize(x, recipe, role)).lower(xs).compile().as_text()
+        lines = [ln for ln in hlo.splitlines() if " all-reduce(" in ln]
+        assert all("= f32[] all-reduce(" in ln for ln in lines), lines
+        axes = {
+            a
+            for ln in lines
+            for a in re.findall(r"'(\w+)'", ln.split("replica_groups=")[1].split("}")[0].split("{")[1])
+        }
+        assert axes == {a for a in spec if a}, (axes, lines)
