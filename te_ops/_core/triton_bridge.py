@@ -498,6 +498,8 @@ _POINTER_TYPES = {
     jnp.dtype(jnp.bool_): "*i8",
     jnp.dtype(jnp.int16): "*i16",
     jnp.dtype(jnp.uint32): "*u32",
+    jnp.dtype(jnp.float8_e4m3fn): "*fp8e4nv",
+    jnp.dtype(jnp.float8_e5m2): "*fp8e5",
 }
 
 

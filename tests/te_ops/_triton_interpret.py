@@ -47,6 +47,8 @@ _NAMES = {
     "int8": "int8",
     "bfloat16": "bfloat16",
     "uint8": "uint8",
+    "float8_e4m3fn": "float8_e4m3fn",
+    "float8_e5m2": "float8_e5m2",
 }
 
 
@@ -139,7 +141,7 @@ def interpreted_call(
         dt = np.dtype(s.dtype)
         if i in zeroed_outputs:
             outs.append(np.zeros(s.shape, dt))
-        elif np.issubdtype(dt, np.floating) or str(dt) == "bfloat16":
+        elif np.issubdtype(dt, np.floating) or str(dt) == "bfloat16" or str(dt).startswith("float8"):
             outs.append(np.full(s.shape, np.nan, dt))
         else:
             outs.append(np.full(s.shape, np.iinfo(dt).max, dt))

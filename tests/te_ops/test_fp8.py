@@ -318,3 +318,127 @@ def test_accuracy_table_bounds():
     g = rng.standard_normal((512, 512)).astype(np.float32)
     gq = np.asarray(fp8.dequantize(fp8.quantize(jnp.asarray(g), fp8.CurrentScaling(), "g")))
     assert np.linalg.norm(gq - g) / np.linalg.norm(g) <= 0.065
+
+
+# ----------------------------------------------------------------------------------------------
+# The Triton block-quantize kernel under Triton's interpreter (CPU): the reference's bytes
+# ----------------------------------------------------------------------------------------------
+
+_KERNEL_CASES = [  # (shape, dtype, block, format, power_of_2, margin)
+    ((3, 300), jnp.bfloat16, (1, 128), fp8.E4M3, True, 0),
+    ((2, 5, 256), jnp.float32, (1, 128), fp8.E5M2, True, 0),
+    ((200, 300), jnp.bfloat16, (128, 128), fp8.E4M3, True, 0),
+    ((130, 129), jnp.float16, (64, 64), fp8.E4M3, False, 1),
+    ((1, 70), jnp.float32, (1, 32), fp8.E5M2, False, 0),
+]
+
+
+def _special(x):
+    """Edge values in the first rows: a NaN, +-Inf, an all-zero block, format subnormals after
+    scaling, values just below a binade (rounding carries into the exponent), exact ties."""
+    x = np.array(x, np.float32)
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.shape[0] >= 3 and flat.shape[1] >= 64:
+        flat[0, 5] = np.nan
+        flat[1, :32] = 0.0
+        flat[1, 40] = np.inf
+        flat[2, :16] = np.float32(1e-4) * np.arange(16)
+        flat[2, 16:24] = [7.99, 15.97, 126.9, -126.2, 0.0078, 3.0, 5.0, -7.0]
+    return flat.reshape(x.shape)
+
+
+def _kernel_main() -> int:
+    import os
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, root)
+    from tests.te_ops import _triton_interpret as ti  # sets TRITON_INTERPRET=1 before triton loads
+
+    jax.config.update("jax_platforms", "cpu")
+    ti._fix_interpreter_for_numpy2()
+    from te_ops.fp8 import reference as ref
+    from te_ops.fp8 import triton as tri
+
+    tri.tb.triton_call = ti.interpreted_call
+    failures = 0
+    for i, (shape, dtype, block, fmt, pow2, margin) in enumerate(_KERNEL_CASES):
+        x = jnp.asarray(_special(np.random.default_rng(i).standard_normal(shape) * 3.0)).astype(dtype)
+        got = tri.block_quantize(x, block, fmt, power_of_2=pow2, margin=margin)
+        # the reference with the same margin: scale / 2**margin
+        want_scale = ref.compute_scale(
+            jnp.max(jnp.abs(ref._blocked(jnp.where(jnp.isnan(x), 0, x), block)[0]), axis=(-3, -1)),
+            fp8.format_max(fmt),
+            margin,
+            pow2,
+        )
+        blocked_nan = jnp.any(jnp.isnan(ref._blocked(x, block)[0]), axis=(-3, -1))
+        want_scale = jnp.where(blocked_nan, 1.0, want_scale)
+        xb, _ = ref._blocked(x, block)
+        wq = ref.cast_scaled(xb, want_scale[..., :, None, :, None], fmt)
+        wq = wq.reshape(*x.shape[:-2], xb.shape[-4] * block[0], xb.shape[-2] * block[1])[..., : shape[-2], : shape[-1]]
+        g, w = np.asarray(got.data), np.asarray(wq)
+        gn, wn = np.isnan(g.astype(np.float32)), np.isnan(w.astype(np.float32))
+        ok = np.array_equal(gn, wn) and np.array_equal(g.view(np.uint8)[~gn], w.view(np.uint8)[~wn])
+        ok = ok and np.array_equal(np.asarray(got.scale_inv), np.asarray(1.0 / want_scale))
+        if margin == 0:  # the public reference quantize is the same thing
+            pub = ref.quantize_blocks(x, block, fmt, power_of_2=pow2)
+            pn = np.isnan(np.asarray(pub.data).astype(np.float32))
+            ok = ok and np.array_equal(np.asarray(pub.data).view(np.uint8)[~pn], g.view(np.uint8)[~gn])
+        print(f"case {i} {shape} {jnp.dtype(dtype).name} {block} {jnp.dtype(fmt).name}: {'ok' if ok else 'MISMATCH'}")
+        failures += not ok
+    print(f"interpret failures: {failures}")
+    return failures
+
+
+def test_block_quantize_kernel_under_interpreter():
+    """Bytes and scales of the Triton kernel equal the reference's, NaN positions included."""
+    import os
+    import subprocess
+    import sys
+
+    from te_ops._core import triton_bridge as tb
+
+    if tb.triton_unavailable_reason() is not None:
+        pytest.skip(f"needs Triton: {tb.triton_unavailable_reason()}")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, TRITON_INTERPRET="1", JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--interpret-kernel"],
+        capture_output=True, text=True, env=env, timeout=600, cwd=root,
+    )  # fmt: skip
+    assert r.returncode == 0 and "interpret failures: 0" in r.stdout, (r.stdout[-3000:], r.stderr[-3000:])
+
+
+if __name__ == "__main__":
+    import sys
+
+    if "--interpret-kernel" in sys.argv:
+        sys.exit(1 if _kernel_main() else 0)
+
+
+def test_block_quantize_kernel_lowers_for_sm90_without_gpu(monkeypatch):
+    """The kernel compiles for sm_90 here (jaxlib's launcher stubbed): vectorised 16-byte row loads
+    when C is a multiple of 16, correctly rounded divisions, no spills; one launch per call."""
+    from te_ops._core import native
+    from te_ops._core import triton_bridge as tb
+
+    if tb.triton_unavailable_reason() is not None:
+        pytest.skip(f"needs Triton: {tb.triton_unavailable_reason()}")
+    from te_ops.fp8 import triton as tri
+
+    launches = []
+    monkeypatch.setattr(native, "cuda_device_unavailable_reason", lambda: None)
+    monkeypatch.setattr(tb, "launcher_unavailable_reason", lambda: None)
+    monkeypatch.setattr(
+        tb, "_launcher_call", lambda params, compiled, grid, platform, name: launches.append((compiled, grid)) or b"x"
+    )
+    fn = jax.jit(lambda x: tri.block_quantize(x, (1, 128), fp8.E4M3, power_of_2=True))
+    with tb.target_override(("cuda", 90, 32)):
+        txt = fn.trace(jnp.ones((4, 96, 512), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
+    assert txt.count(tb.FFI_TARGET) == 1 and len(launches) == 1
+    compiled, grid = launches[0]
+    ptx = compiled.asm["ptx"]
+    assert grid == (4, 3, 4)  # batch, 96 rows / 32 per program, 512 / 128 column blocks
+    assert "div.rn.f32" in ptx and "st.local" not in ptx and "ld.global.v" in ptx

@@ -1,0 +1,85 @@
+"""Triton implementation of FP8 block quantization (kernels in ``triton_kernels.py``), launched
+through our Triton bridge. Same results as :func:`te_ops.fp8.reference.quantize_blocks`, byte for
+byte (tests/te_ops/test_fp8.py runs the kernel under Triton's interpreter on the CPU).
+
+Status: correct under the interpreter; not yet run on a GPU, so :func:`te_ops.fp8.quantize` does not
+route to it yet (it will, as a registered implementation, once the GPU tests and the bandwidth
+benchmark have run).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from te_ops._core import triton_bridge as tb
+from te_ops.fp8.recipes import E4M3, E5M2, format_max
+from te_ops.fp8.reference import QuantizedTensor
+
+SDS = jax.ShapeDtypeStruct
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# (mantissa bits, smallest normal exponent) of each format
+FORMAT_BITS = {E4M3: (3, -6), E5M2: (2, -14)}
+ROWS_PER_PROGRAM = 32  # rows of (1 x BC) blocks a program quantizes together
+
+
+def _k():
+    from te_ops.fp8 import triton_kernels
+
+    return triton_kernels
+
+
+def _is_pow2(v: int) -> bool:
+    return v >= 1 and v & (v - 1) == 0
+
+
+def unsupported_reason(*, dtype=None, block=None, fmt=None, **_) -> str | None:
+    if dtype is not None and jnp.dtype(dtype) not in SUPPORTED_DTYPES:
+        return f"the Triton FP8 quantize kernel takes float32, bfloat16 or float16, got {jnp.dtype(dtype)}"
+    if block is not None and not (all(_is_pow2(v) for v in block) and block[0] * block[1] <= 128 * 128):
+        return f"the Triton FP8 quantize kernel needs power-of-two blocks of at most 128 x 128 elements, got {block}"
+    if fmt is not None and jnp.dtype(fmt) not in FORMAT_BITS:
+        return f"unknown FP8 format {fmt}"
+    return None
+
+
+def block_quantize(x: jax.Array, block: tuple[int, int], fmt, *, power_of_2: bool, margin: int = 0) -> QuantizedTensor:
+    """Block scaling of the last two axes of ``x`` (rank >= 2) in one pass over ``x``."""
+    fmt = jnp.dtype(fmt)
+    shape = x.shape
+    r, c = shape[-2:]
+    b = math.prod(shape[:-2])
+    br, bc = block
+    nrb, ncb = -(-r // br), -(-c // bc)
+    nb = max(1, ROWS_PER_PROGRAM // br)
+    mbits, emin = FORMAT_BITS[fmt]
+    if b * r * c == 0:
+        return QuantizedTensor(
+            jnp.zeros(shape, fmt), jnp.ones(shape[:-2] + (nrb, ncb), jnp.float32), tuple(block), jnp.dtype(x.dtype)
+        )
+    q, sinv = tb.triton_call(
+        _k().block_quantize_kernel,
+        x.reshape(b, r, c),
+        np.int32(r),
+        np.int32(c),
+        out_shape=[SDS((b, r, c), jnp.uint8), SDS((b, nrb, ncb), jnp.float32)],
+        grid=(b, -(-nrb // nb), ncb),
+        constexprs=dict(
+            BR=br,
+            BC=bc,
+            NB=nb,
+            FMAX=format_max(fmt),
+            MBITS=mbits,
+            EMIN=emin,
+            MARGIN_MUL=2.0**-margin,
+            POW2=bool(power_of_2),
+        ),
+        num_warps=4,
+        divisible_by_16=("C",) if c % 16 == 0 else (),  # lets Triton vectorise the row accesses
+        name="te_fp8_block_quantize",
+    )
+    q = jax.lax.bitcast_convert_type(q, fmt)  # the kernel writes the FP8 bytes
+    return QuantizedTensor(q.reshape(shape), sinv.reshape(shape[:-2] + (nrb, ncb)), tuple(block), jnp.dtype(x.dtype))

@@ -1,0 +1,109 @@
+"""Triton kernels of FP8 quantization (imported only where they run: this module imports triton).
+
+``block_quantize_kernel`` reads each element of a ``[B, R, C]`` tensor once and writes its FP8 value
+and one float32 inverse scale per ``(BR, BC)`` block of the last two axes (block scaling; per-tensor
+scaling is the same kernel with one block covering the tensor, but that cannot be one pass).
+The numbers are those of :mod:`te_ops.fp8.reference`, bit for bit:
+
+* ``amax`` per block with NaNs set aside (a block holding a NaN, or an Inf, gets scale 1);
+* ``scale = min(fmax / amax / 2**margin, FLT_MAX)`` with a correctly rounded division
+  (``div_rn``: the default GPU division is approximate), power of two by clearing the mantissa bits;
+* ``q = round(clip(x * scale, -fmax, fmax))``: rounded to the FP8 grid (nearest even, the format's
+  subnormals included) and encoded to the FP8 byte with integer arithmetic, stored as uint8 (the
+  launcher bitcasts it). The bytes are then independent of how a backend converts float32 to FP8:
+  Triton's CPU interpreter rounds wrongly at binade boundaries and turns NaN into 384; the GPU's
+  ``cvt.rn.satfinite`` would be right but is not needed.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def round_to_fp8_grid(v, MBITS: tl.constexpr, EMIN: tl.constexpr):
+    """``v`` (float32, |v| <= the format's max, or NaN) rounded to the nearest value of an FP8
+    format with MBITS mantissa bits and smallest normal exponent EMIN, ties to even; NaN kept."""
+    SHIFT: tl.constexpr = 23 - MBITS
+    bits = v.to(tl.uint32, bitcast=True)
+    lsb = (bits >> SHIFT) & 1
+    half_minus_one = (1 << (SHIFT - 1)) - 1
+    keep = ~((1 << SHIFT) - 1)
+    normal = ((bits + half_minus_one + lsb) & keep).to(tl.float32, bitcast=True)
+    # below 2**EMIN the grid step is 2**(EMIN - MBITS): scale it to 1 (exact) and round to an integer
+    # with the 1.5 * 2**23 trick (one round-to-nearest-even float32 addition)
+    # (on the magnitude, then the sign put back: a negative value that rounds to zero is -0, as the
+    # float32 -> FP8 conversion gives)
+    up = tl.abs(v) * (2.0 ** (MBITS - EMIN))
+    mag = ((up + 12582912.0) - 12582912.0) * (2.0 ** (EMIN - MBITS))
+    # OR the sign bit in (-mag is 0 - mag in Triton: +0, not -0, for mag = 0)
+    sub = (mag.to(tl.uint32, bitcast=True) | (bits & 0x80000000)).to(tl.float32, bitcast=True)
+    out = tl.where(tl.abs(v) < 2.0**EMIN, sub, normal)
+    return tl.where(v != v, v, out)
+
+
+@triton.jit
+def encode_fp8(v, MBITS: tl.constexpr, EMIN: tl.constexpr):
+    """The FP8 byte (uint8) of ``v``, a float32 that is exactly representable in the format (the
+    output of :func:`round_to_fp8_grid`) or NaN (encoded as 0x7F, with v's sign). Integer arithmetic
+    only: the bytes do not depend on how a backend converts float32 to FP8 (Triton's interpreter
+    turns NaN into 384)."""
+    bits = v.to(tl.uint32, bitcast=True)
+    sign = (bits >> 31) << 7
+    exp = ((bits >> 23) & 0xFF).to(tl.int32) - 127
+    mant = (bits >> (23 - MBITS)) & ((1 << MBITS) - 1)
+    normal = (((exp + (1 - EMIN)).to(tl.uint32)) << MBITS) | mant
+    subnormal = (tl.abs(v) * (2.0 ** (MBITS - EMIN))).to(tl.uint32)  # an exact integer < 2**MBITS
+    code = tl.where(tl.abs(v) < 2.0**EMIN, subnormal, normal)
+    code = tl.where(v != v, 0x7F, code) | sign
+    return code.to(tl.uint8)
+
+
+@triton.jit
+def block_quantize_kernel(
+    x_ptr,
+    R,
+    C,
+    q_ptr,
+    sinv_ptr,
+    BR: tl.constexpr,
+    BC: tl.constexpr,
+    NB: tl.constexpr,
+    FMAX: tl.constexpr,
+    MBITS: tl.constexpr,
+    EMIN: tl.constexpr,
+    MARGIN_MUL: tl.constexpr,
+    POW2: tl.constexpr,
+):
+    """x: [B, R, C]; q: [B, R, C] FP8 bytes (uint8); sinv: [B, cdiv(R, BR), cdiv(C, BC)] float32.
+
+    Grid (B, cdiv(R, BR * NB), cdiv(C, BC)): a program quantizes NB blocks stacked along rows."""
+    b = tl.program_id(0).to(tl.int64)
+    rb0 = tl.program_id(1) * NB  # first row block of this program
+    cb = tl.program_id(2)
+    TR: tl.constexpr = BR * NB
+    rows = rb0 * BR + tl.arange(0, TR)
+    cols = cb * BC + tl.arange(0, BC)
+    mask = (rows < R)[:, None] & (cols < C)[None, :]
+    offs = b * R * C + rows.to(tl.int64)[:, None] * C + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    ax = tl.abs(x)
+    nan = x != x
+    ax3 = tl.reshape(tl.where(nan, 0.0, ax), (NB, BR, BC))
+    amax = tl.max(tl.max(ax3, axis=2), axis=1)  # [NB]
+    has_nan = tl.sum(tl.sum(tl.reshape(nan.to(tl.int32), (NB, BR, BC)), axis=2), axis=1) > 0
+    ok = (amax > 0.0) & (amax < float("inf")) & (~has_nan)
+    safe = tl.where(ok, amax, 1.0)
+    scale = tl.minimum(tl.math.div_rn(tl.full((NB,), FMAX, tl.float32), safe) * MARGIN_MUL, 3.4028234663852886e38)
+    if POW2:
+        scale = (scale.to(tl.uint32, bitcast=True) & 0xFF800000).to(tl.float32, bitcast=True)
+    scale = tl.where(ok, scale, 1.0)
+    s2 = tl.reshape(tl.broadcast_to(scale[:, None, None], (NB, BR, BC)), (TR, BC))
+    v = tl.minimum(tl.maximum(x * s2, -FMAX), FMAX)
+    v = tl.where(nan, x, v)
+    q = encode_fp8(round_to_fp8_grid(v, MBITS, EMIN), MBITS, EMIN)
+    tl.store(q_ptr + offs, q, mask=mask)
+    nrb = tl.cdiv(R, BR)
+    ncb = tl.cdiv(C, BC)
+    rbs = rb0 + tl.arange(0, NB)
+    sinv = tl.math.div_rn(tl.full((NB,), 1.0, tl.float32), scale)
+    tl.store(sinv_ptr + b * nrb * ncb + rbs.to(tl.int64) * ncb + cb, sinv, mask=rbs < nrb)
