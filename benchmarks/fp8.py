@@ -1,0 +1,83 @@
+"""FP8 quantization benchmark: the Triton block-quantize kernel (te_ops/fp8/triton.py) vs the same
+quantization written in jnp and jitted by XLA (te_ops/fp8/reference.py), side by side in one
+process, with a plain cast of the same bytes (no scaling: XLA's fused convert, a practical ceiling). Prints a table and writes
+benchmarks/results/<device>/fp8.json (with a ``summary`` for scripts/perf_table.py).
+
+    python benchmarks/fp8.py
+
+Bytes moved = input read + FP8 bytes written + float32 scales written. Target (issue "[3 of 5] FP8
+on Hopper"): quantize kernels at >= 3.8 TB/s (90% of the copy ceiling measured on the H200).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _timing  # noqa: E402
+
+from te_ops import fp8  # noqa: E402
+from te_ops._core import triton_bridge as tb  # noqa: E402
+from te_ops.fp8 import reference as ref  # noqa: E402
+
+TARGET_TBPS = 3.8
+L2_BYTES = 60 * 2**20
+CASES = [  # (name, shape, block)
+    ("activations 1x128", (16384, 7168), (1, 128)),
+    ("weights 128x128", (7168, 4096), (128, 128)),
+    ("activations 1x128 (MoE rows)", (65536, 2048), (1, 128)),
+]
+
+
+def _arg_sets(shape, dtype):
+    nbytes = shape[0] * shape[1] * jnp.dtype(dtype).itemsize
+    n = max(2, -(-2 * L2_BYTES // nbytes))
+    keys = jax.random.split(jax.random.key(0), n)
+    return [(jax.random.normal(k, shape, jnp.float32).astype(dtype),) for k in keys]
+
+
+def main():
+    why = tb.unavailable_reason()
+    if why or jax.devices()[0].platform != "gpu":
+        print(f"fp8 benchmark needs the Triton GPU path: {why or 'no GPU'}")
+        return
+    from te_ops.fp8 import triton as tri
+
+    rows, summary = [], []
+    for name, shape, block in CASES:
+        dtype = jnp.bfloat16
+        sets = _arg_sets(shape, dtype)
+        r, c = shape
+        nblocks = -(-r // block[0]) * -(-c // block[1])
+        moved = r * c * (jnp.dtype(dtype).itemsize + 1) + 4 * nblocks
+        fns = {
+            "triton": jax.jit(lambda x, block=block: tri.block_quantize(x, block, fp8.E4M3, power_of_2=True)),
+            "xla": jax.jit(lambda x, block=block: ref.quantize_blocks(x, block, fp8.E4M3, power_of_2=True)),
+            "cast": jax.jit(lambda x: (x.astype(jnp.float8_e4m3fn), x[:, ::128].astype(jnp.float32))),
+        }
+        times, _ = _timing.time_interleaved(fns, sets)
+        got = fns["triton"](sets[0][0])
+        want = fns["xla"](sets[0][0])
+        same = bool(jnp.array_equal(jax.lax.bitcast_convert_type(got.data, jnp.uint8),
+                                    jax.lax.bitcast_convert_type(want.data, jnp.uint8)))  # fmt: skip
+        row = {"case": name, "shape": f"{r}x{c}", "block": f"{block[0]}x{block[1]}", "dtype": "bfloat16",
+               "ours_ms": times["triton"], "xla_ms": times["xla"], "cast_ms": times["cast"],
+               "ours_TBps": moved / times["triton"] / 1e9, "xla_TBps": moved / times["xla"] / 1e9,
+               "speedup": times["xla"] / times["triton"], "bytes_equal_to_xla": same,
+               "meets_target": moved / times["triton"] / 1e9 >= TARGET_TBPS}  # fmt: skip
+        rows.append(row)
+        summary.append({"workload": f"block quantize {name} {r}x{c} bf16 -> e4m3", "ours_ms": times["triton"],
+                        "alternative": "XLA (jnp reference, jitted)", "alternative_ms": times["xla"],
+                        "headline": False})  # fmt: skip
+    _timing.print_table("FP8 block quantization (bf16 -> e4m3)", rows,
+                        ["case", "shape", "block", "ours_ms", "xla_ms", "cast_ms", "ours_TBps", "xla_TBps", "speedup",
+                         "bytes_equal_to_xla", "meets_target"])  # fmt: skip
+    _timing.write_json("fp8", {"rows": rows, "summary": summary, "target_TBps": TARGET_TBPS})
+
+
+if __name__ == "__main__":
+    main()
