@@ -1,6 +1,7 @@
 """FP8 quantization benchmark: the Triton block-quantize kernel (te_ops/fp8/triton.py) vs the same
 quantization written in jnp and jitted by XLA (te_ops/fp8/reference.py), side by side in one
-process, with a plain cast of the same bytes (no scaling: XLA's fused convert, a practical ceiling). Prints a table and writes
+process, with a plain cast of the same bytes (no scaling: XLA's fused convert, a practical
+ceiling). Prints a table and writes
 benchmarks/results/<device>/fp8.json (with a ``summary`` for scripts/perf_table.py).
 
     python benchmarks/fp8.py
