@@ -3,7 +3,7 @@
 
 Per tensor or per block, with ``fmax`` the format's largest finite value:
 
-1. ``amax = max |x|`` over the tensor (or block), in float32.
+1. ``amax = max |x|`` over the tensor (or block), in float32, a NaN counting as +Inf.
 2. ``scale = min(fmax / amax / 2**margin, FLT_MAX)``; with ``power_of_2`` rounded down to a power
    of two (``2**floor(log2(scale))``). ``amax == 0`` or a non-finite amax gives ``scale = 1``
    (current and block scaling); delayed scaling keeps its previous scale instead.
@@ -86,11 +86,19 @@ def cast_scaled(x: jax.Array, scale: jax.Array, fmt) -> jax.Array:
     return jnp.clip(x.astype(F32) * scale, -fmax, fmax).astype(fmt)
 
 
+def _abs_max(a: jax.Array, axis=None) -> jax.Array:
+    """``max |a|`` in float32 with NaN counted as +Inf: one max reduction (one all-reduce when
+    sharded) whose result does not depend on how a backend's max treats NaN (XLA's may drop it).
+    NaN and Inf lead to the same scale (1), so nothing is lost."""
+    ab = jnp.abs(a.astype(F32))
+    return jnp.max(jnp.where(jnp.isnan(ab), jnp.inf, ab), axis=axis)
+
+
 def amax(x: jax.Array) -> jax.Array:
-    """``max |x|`` in float32 (NaN if x holds a NaN; 0 for an empty tensor)."""
+    """``max |x|`` in float32 (+Inf if x holds a NaN or an Inf; 0 for an empty tensor)."""
     if x.size == 0:
         return jnp.zeros((), F32)
-    return jnp.max(jnp.abs(x.astype(F32)))
+    return _abs_max(x)
 
 
 def quantize_tensor(x: jax.Array, fmt, *, margin: int = 0, power_of_2: bool = False) -> QuantizedTensor:
@@ -134,7 +142,7 @@ def quantize_blocks(x: jax.Array, block: tuple[int, int], fmt, *, power_of_2: bo
     r, c = x.shape[-2:]
     xb, _ = _blocked(x, block)
     if xb.size:
-        block_amax = jnp.max(jnp.abs(xb), axis=(-3, -1))  # [..., nR, nC]
+        block_amax = _abs_max(xb, axis=(-3, -1))  # [..., nR, nC]
     else:
         block_amax = jnp.zeros(xb.shape[:-3] + xb.shape[-2:-1], F32)
     scale = compute_scale(block_amax, format_max(fmt), 0, power_of_2)

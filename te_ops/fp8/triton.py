@@ -83,3 +83,45 @@ def block_quantize(x: jax.Array, block: tuple[int, int], fmt, *, power_of_2: boo
     )
     q = jax.lax.bitcast_convert_type(q, fmt)  # the kernel writes the FP8 bytes
     return QuantizedTensor(q.reshape(shape), sinv.reshape(shape[:-2] + (nrb, ncb)), tuple(block), jnp.dtype(x.dtype))
+
+
+def dual_quantize(
+    x: jax.Array, block: int, fmt, *, power_of_2: bool, margin: int = 0
+) -> tuple[QuantizedTensor, QuantizedTensor]:
+    """``x [R, C]`` quantized in 1 x ``block`` row tiles and, from the same read, ``x^T [C, R]`` in
+    1 x ``block`` row tiles (x's block x 1 column tiles): the forward and the weight-gradient operand
+    of a block-scaled GEMM. Equal to ``reference.quantize_blocks(x, (1, block))`` and
+    ``reference.quantize_blocks(x.T, (1, block))``."""
+    fmt = jnp.dtype(fmt)
+    r, c = x.shape
+    mbits, emin = FORMAT_BITS[fmt]
+    nrb, ncb = -(-r // block), -(-c // block)
+    if r * c == 0:
+        return (
+            QuantizedTensor(jnp.zeros((r, c), fmt), jnp.ones((r, ncb), jnp.float32), (1, block), jnp.dtype(x.dtype)),
+            QuantizedTensor(jnp.zeros((c, r), fmt), jnp.ones((c, nrb), jnp.float32), (1, block), jnp.dtype(x.dtype)),
+        )
+    q, sinv, qt, sinvt = tb.triton_call(
+        _k().dual_quantize_kernel,
+        x,
+        np.int32(r),
+        np.int32(c),
+        out_shape=[
+            SDS((r, c), jnp.uint8),
+            SDS((r, ncb), jnp.float32),
+            SDS((c, r), jnp.uint8),
+            SDS((c, nrb), jnp.float32),
+        ],
+        grid=(nrb, ncb),
+        constexprs=dict(
+            B=block, FMAX=format_max(fmt), MBITS=mbits, EMIN=emin, MARGIN_MUL=2.0**-margin, POW2=bool(power_of_2)
+        ),
+        num_warps=8,
+        divisible_by_16=tuple(n for n, v in (("R", r), ("C", c)) if v % 16 == 0),
+        name="te_fp8_dual_quantize",
+    )
+    cast = lambda a: jax.lax.bitcast_convert_type(a, fmt)  # noqa: E731
+    return (
+        QuantizedTensor(cast(q), sinv, (1, block), jnp.dtype(x.dtype)),
+        QuantizedTensor(cast(qt), sinvt, (1, block), jnp.dtype(x.dtype)),
+    )

@@ -107,3 +107,70 @@ def block_quantize_kernel(
     rbs = rb0 + tl.arange(0, NB)
     sinv = tl.math.div_rn(tl.full((NB,), 1.0, tl.float32), scale)
     tl.store(sinv_ptr + b * nrb * ncb + rbs.to(tl.int64) * ncb + cb, sinv, mask=rbs < nrb)
+
+
+@triton.jit
+def _scales(amax, has_nan, FMAX: tl.constexpr, MARGIN_MUL: tl.constexpr, POW2: tl.constexpr):
+    """Scales of a vector of block amaxes (the rules of block_quantize_kernel)."""
+    ok = (amax > 0.0) & (amax < float("inf")) & (~has_nan)
+    safe = tl.where(ok, amax, 1.0)
+    scale = tl.minimum(tl.math.div_rn(tl.full(amax.shape, FMAX, tl.float32), safe) * MARGIN_MUL, 3.4028234663852886e38)
+    if POW2:
+        scale = (scale.to(tl.uint32, bitcast=True) & 0xFF800000).to(tl.float32, bitcast=True)
+    return tl.where(ok, scale, 1.0)
+
+
+@triton.jit
+def _quantize_tile(x, nan, scale, FMAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr):
+    v = tl.minimum(tl.maximum(x * scale, -FMAX), FMAX)
+    v = tl.where(nan, x, v)
+    return encode_fp8(round_to_fp8_grid(v, MBITS, EMIN), MBITS, EMIN)
+
+
+@triton.jit
+def dual_quantize_kernel(
+    x_ptr,
+    R,
+    C,
+    q_ptr,
+    sinv_ptr,
+    qt_ptr,
+    sinvt_ptr,
+    B: tl.constexpr,
+    FMAX: tl.constexpr,
+    MBITS: tl.constexpr,
+    EMIN: tl.constexpr,
+    MARGIN_MUL: tl.constexpr,
+    POW2: tl.constexpr,
+):
+    """One read of a [B, B] tile of x [R, C], two quantizations written:
+
+    * q [R, C] in 1 x B row tiles, sinv [R, cdiv(C, B)] (the forward operand);
+    * qt [C, R] = x^T in 1 x B row tiles, i.e. x in B x 1 column tiles, written transposed, with
+      sinvt [C, cdiv(R, B)] (the operand a weight gradient x^T @ dy needs), quantized from x itself,
+      not from q.
+    Grid (cdiv(R, B), cdiv(C, B))."""
+    rb = tl.program_id(0)
+    cb = tl.program_id(1)
+    rows = rb * B + tl.arange(0, B)
+    cols = cb * B + tl.arange(0, B)
+    rmask = rows < R
+    cmask = cols < C
+    mask = rmask[:, None] & cmask[None, :]
+    offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    nan = x != x
+    ax = tl.where(nan, 0.0, tl.abs(x))
+    # row tiles: one scale per row of the tile
+    srow = _scales(tl.max(ax, axis=1), tl.sum(nan.to(tl.int32), axis=1) > 0, FMAX, MARGIN_MUL, POW2)
+    q = _quantize_tile(x, nan, srow[:, None], FMAX, MBITS, EMIN)
+    tl.store(q_ptr + offs, q, mask=mask)
+    ncb = tl.cdiv(C, B)
+    tl.store(sinv_ptr + rows.to(tl.int64) * ncb + cb, tl.math.div_rn(tl.full((B,), 1.0, tl.float32), srow), mask=rmask)
+    # column tiles: one scale per column of the tile, stored transposed
+    scol = _scales(tl.max(ax, axis=0), tl.sum(nan.to(tl.int32), axis=0) > 0, FMAX, MARGIN_MUL, POW2)
+    qc = _quantize_tile(x, nan, scol[None, :], FMAX, MBITS, EMIN)
+    offs_t = cols.to(tl.int64)[None, :] * R + rows[:, None]
+    tl.store(qt_ptr + offs_t, qc, mask=mask)
+    nrb = tl.cdiv(R, B)
+    tl.store(sinvt_ptr + cols.to(tl.int64) * nrb + rb, tl.math.div_rn(tl.full((B,), 1.0, tl.float32), scol), mask=cmask)

@@ -63,3 +63,16 @@ def test_block_quantize_matches_reference_bytes(i):
         got = jax.jit(lambda x: tri.block_quantize(x, block, fmt, power_of_2=pow2))(x)
     want = jax.jit(lambda x: ref.quantize_blocks(x, block, fmt, power_of_2=pow2))(x)
     _same(got, want)
+
+
+@needs_triton
+@pytest.mark.parametrize("shape,block", [((130, 200), 64), ((4096, 7168), 128), ((7168, 4096), 128)])
+def test_dual_quantize_matches_reference_bytes(shape, block):
+    """Row tiles of x and of x^T from one read, each equal to the reference of its own."""
+    from te_ops.fp8 import triton as tri
+
+    x = _x(7, shape, jnp.bfloat16)
+    with native.poisoned_outputs():
+        q, qt = jax.jit(lambda x: tri.dual_quantize(x, block, fp8.E4M3, power_of_2=True))(x)
+    _same(q, jax.jit(lambda x: ref.quantize_blocks(x, (1, block), fp8.E4M3, power_of_2=True))(x))
+    _same(qt, jax.jit(lambda x: ref.quantize_blocks(x.T, (1, block), fp8.E4M3, power_of_2=True))(x))
