@@ -407,9 +407,8 @@ def _kernel_main() -> int:
             ok = ok and g.shape == w.shape and np.array_equal(gn, wn)
             ok = ok and np.array_equal(g.view(np.uint8)[~gn], w.view(np.uint8)[~wn])
             ok = ok and np.array_equal(np.asarray(got.scale_inv), np.asarray(want.scale_inv))
-        print(
-            f"dual case {i} {shape} {jnp.dtype(dtype).name} 1x{block} {jnp.dtype(fmt).name}: {'ok' if ok else 'MISMATCH'}"
-        )
+        verdict = "ok" if ok else "MISMATCH"
+        print(f"dual case {i} {shape} {jnp.dtype(dtype).name} 1x{block} {jnp.dtype(fmt).name}: {verdict}")
         failures += not ok
     print(f"interpret failures: {failures}")
     return failures
