@@ -125,3 +125,35 @@ def dual_quantize(
         QuantizedTensor(cast(q), sinv, (1, block), jnp.dtype(x.dtype)),
         QuantizedTensor(cast(qt), sinvt, (1, block), jnp.dtype(x.dtype)),
     )
+
+
+def block_scaled_gemm(qa: QuantizedTensor, qb_t: QuantizedTensor, out_dtype=jnp.bfloat16) -> jax.Array:
+    """``dequantize(qa) @ dequantize(qb_t).T`` with the FP8 operands on the tensor cores.
+
+    qa: [M, K] in 1 x 128 row tiles (scale_inv [M, cdiv(K, 128)]); qb_t: the weight *transposed*,
+    [N, K], in 128 x 128 blocks (scale_inv [cdiv(N, 128), cdiv(K, 128)]), K-major as Hopper's FP8
+    wgmma reads it. Partial sums are promoted to float32 every 128 elements of K.
+    """
+    m, k = qa.data.shape
+    n = qb_t.data.shape[0]
+    if qa.block != (1, 128) or qb_t.block != (128, 128):
+        raise ValueError(f"block_scaled_gemm takes 1x128 x 128x128 blocks, got {qa.block} and {qb_t.block}")
+    bm, bn, bk = 128, 128, 128
+    grid = (-(-m // bm) * -(-n // bn),)
+    return tb.triton_call(
+        _k().block_scaled_gemm_kernel,
+        qa.data,
+        qa.scale_inv,
+        qb_t.data,
+        qb_t.scale_inv,
+        np.int32(m),
+        np.int32(n),
+        np.int32(k),
+        out_shape=[SDS((m, n), out_dtype)],
+        grid=grid,
+        constexprs=dict(BM=bm, BN=bn, BK=bk, GROUP_M=8),
+        num_warps=8,
+        num_stages=3,
+        divisible_by_16=tuple(nm for nm, v in (("K", k), ("N", n)) if v % 16 == 0),
+        name="te_fp8_block_gemm",
+    )[0]

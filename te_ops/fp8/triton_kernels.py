@@ -174,3 +174,55 @@ def dual_quantize_kernel(
     tl.store(qt_ptr + offs_t, qc, mask=mask)
     nrb = tl.cdiv(R, B)
     tl.store(sinvt_ptr + cols.to(tl.int64) * nrb + rb, tl.math.div_rn(tl.full((B,), 1.0, tl.float32), scol), mask=cmask)
+
+
+@triton.jit
+def block_scaled_gemm_kernel(
+    a_ptr,
+    sa_ptr,
+    b_ptr,
+    sb_ptr,
+    M,
+    N,
+    K,
+    out_ptr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """out [M, N] = block-scaled a [M, K] (FP8, 1 x BK row tiles, sa [M, cdiv(K, BK)]) @ b^T, where
+    b [N, K] (FP8, K-major, as Hopper's FP8 wgmma wants it) is scaled in BN x BK blocks
+    (sb [cdiv(N, BN), cdiv(K, BK)]): for each K block the FP8 products are summed by the tensor cores
+    into a fresh float32 partial, which is then scaled and added to the float32 accumulator
+    (DeepSeek-V3's promotion every BK = 128 elements of K). BN must equal the weight block rows."""
+    pid = tl.program_id(0)
+    n_m = tl.cdiv(M, BM)
+    n_n = tl.cdiv(N, BN)
+    per_group = GROUP_M * n_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(n_m - first_m, GROUP_M)
+    pm = first_m + (pid % per_group) % group_m
+    pn = (pid % per_group) // group_m
+    rows = pm * BM + tl.arange(0, BM)
+    cols = pn * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    rmask = rows < M
+    cmask = cols < N
+    n_kb = tl.cdiv(K, BK)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for kb in range(0, n_kb):
+        ks = kb * BK + offs_k
+        kmask = ks < K
+        a = tl.load(
+            a_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0
+        )
+        b = tl.load(
+            b_ptr + cols.to(tl.int64)[None, :] * K + ks[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0
+        )
+        partial = tl.dot(a, b)  # [BM, BN] float32, this K block only
+        sa = tl.load(sa_ptr + rows.to(tl.int64) * n_kb + kb, mask=rmask, other=0.0)
+        sb = tl.load(sb_ptr + pn * n_kb + kb)
+        acc += partial * (sa[:, None] * sb)
+    out = acc.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], out, mask=rmask[:, None] & cmask[None, :])

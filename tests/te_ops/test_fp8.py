@@ -410,6 +410,19 @@ def _kernel_main() -> int:
         verdict = "ok" if ok else "MISMATCH"
         print(f"dual case {i} {shape} {jnp.dtype(dtype).name} 1x{block} {jnp.dtype(fmt).name}: {verdict}")
         failures += not ok
+    # the block-scaled GEMM: 1 x 128 activations @ (128 x 128 weights)^T, K and N with partial blocks
+    rng = np.random.default_rng(77)
+    for m, k, n in [(200, 300, 130), (64, 128, 100)]:
+        x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+        w_t = jnp.asarray(rng.standard_normal((n, k)) / np.sqrt(k), jnp.float32)
+        qa = ref.quantize_blocks(x, (1, 128), fp8.E4M3, power_of_2=True)
+        qb = ref.quantize_blocks(w_t, (128, 128), fp8.E4M3, power_of_2=True)
+        got = np.asarray(tri.block_scaled_gemm(qa, qb, jnp.float32))
+        want = np.asarray(ref.dequantize(qa, jnp.float32)) @ np.asarray(ref.dequantize(qb, jnp.float32)).T
+        err = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+        ok = err < 1e-5  # the same products, summed in another order in float32
+        print(f"gemm {m}x{k}x{n}: max rel diff {err:.2e} {'ok' if ok else 'MISMATCH'}")
+        failures += not ok
     print(f"interpret failures: {failures}")
     return failures
 
