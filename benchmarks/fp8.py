@@ -113,10 +113,10 @@ def main():
         qa = jax.jit(lambda x: ref.quantize_blocks(x, (1, 128), fp8.E4M3, power_of_2=True))(x)
         qb = jax.jit(lambda w: ref.quantize_blocks(w, (128, 128), fp8.E4M3, power_of_2=True))(w_t)
         fns = {
-            "fp8 block-scaled (triton)": jax.jit(lambda a, b: tri.block_scaled_gemm(a, b, jnp.bfloat16)),
-            "bf16 (XLA)": jax.jit(lambda a, b: jnp.dot(x, w_t.T)),
+            "fp8 block-scaled (triton)": jax.jit(lambda a, b, x, w: tri.block_scaled_gemm(a, b, jnp.bfloat16)),
+            "bf16 (XLA)": jax.jit(lambda a, b, x, w: jnp.dot(x, w.T)),
         }
-        times, _ = _timing.time_interleaved(fns, [(qa, qb)], repeats=5, calls=10)
+        times, _ = _timing.time_interleaved(fns, [(qa, qb, x, w_t)], repeats=5, calls=10)
         flops = 2.0 * m * k * n
         for name, t in times.items():
             gemm_rows.append({"gemm": f"{m}x{k}x{n}", "impl": name, "ms": t, "TFLOPs": flops / t / 1e9})
