@@ -2,6 +2,7 @@
 (:mod:`te_ops.fp8.recipes`, :mod:`te_ops.fp8.reference`, :mod:`te_ops.fp8.api`)."""
 
 from te_ops.fp8.api import dequantize, initial_state, quantize
+from te_ops.fp8.dense import fp8_dense
 from te_ops.fp8.recipes import E4M3, E5M2, BlockScaling, CurrentScaling, DelayedScaling, format_max
 from te_ops.fp8.reference import DelayedScalingState, QuantizedTensor
 
@@ -14,6 +15,7 @@ __all__ = [
     "DelayedScalingState",
     "QuantizedTensor",
     "dequantize",
+    "fp8_dense",
     "format_max",
     "initial_state",
     "quantize",

@@ -1,0 +1,171 @@
+"""``fp8_dense``: ``y = x @ kernel`` with FP8 operands in the forward and both backward GEMMs.
+
+Which tensor is quantized how (``E4M3`` for x and the kernel, the recipe's gradient format for dy):
+
+================  ==========================  =======================================================
+GEMM              left operand                right operand (``b_t``: [out, reduction])
+================  ==========================  =======================================================
+y  = x @ w        x, 1 x 128 row tiles        w^T [N, K], 128 x 128 blocks
+dx = dy @ w^T     dy, 1 x 128 row tiles       w [K, N], the same 128 x 128 blocks transposed
+dw = x^T @ dy     x^T [K, M], 1 x 128 tiles   dy^T [N, M], 128 x 128 blocks
+================  ==========================  =======================================================
+
+(block scaling; with current scaling every operand has one scale per tensor). Each GEMM multiplies
+the dequantized operands and sums in float32: ``gemm(a, b_t) = dequantize(a) @ dequantize(b_t)^T``.
+The transposed copies are quantized from the high-precision tensor, not from its FP8 copy. The
+Triton path (block scaling) reads x once for both of its quantizations (``dual_quantize``) and runs
+the block-scaled FP8 GEMM kernel; it is opt-in (``implementation="triton"``) until it has run on a
+GPU. Delayed scaling needs its state threaded through the forward and backward passes and is not
+supported here yet.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from te_ops._core.validation import check_float, err, static_choice
+from te_ops.fp8 import reference as ref
+from te_ops.fp8.recipes import BlockScaling, CurrentScaling, DelayedScaling
+from te_ops.fp8.reference import QuantizedTensor
+
+OP = "fp8_dense"
+F32 = jnp.float32
+DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def _transpose(q: QuantizedTensor) -> QuantizedTensor:
+    """The FP8 transpose of a 2-D tensor with per-tensor or square-block scales (exact: the same
+    blocks hold the same values)."""
+    if q.block is not None and q.block[0] != q.block[1]:
+        raise ValueError(f"only square blocks transpose exactly, got {q.block}")
+    sinv = q.scale_inv if q.block is None else q.scale_inv.T
+    return QuantizedTensor(q.data.T, sinv, q.block, q.dtype)
+
+
+def gemm_reference(a: QuantizedTensor, b_t: QuantizedTensor, out_dtype) -> jax.Array:
+    """``dequantize(a) @ dequantize(b_t)^T``, products and sums in float32."""
+    y = jnp.dot(ref.dequantize(a, F32), ref.dequantize(b_t, F32).T, precision=jax.lax.Precision.HIGHEST)
+    return y.astype(out_dtype)
+
+
+def _q(x, recipe, role, block):
+    fmt = recipe.format(role)
+    if isinstance(recipe, BlockScaling):
+        return ref.quantize_blocks(x, block, fmt, power_of_2=recipe.power_of_2)
+    return ref.quantize_tensor(x, fmt, margin=recipe.margin, power_of_2=recipe.power_of_2)
+
+
+def _reference_ops(recipe):
+    act, wblk = (1, 128), (128, 128)
+    if isinstance(recipe, BlockScaling):
+        act, wblk = recipe.act_block, recipe.weight_block
+
+    def quant_x(x):
+        return _q(x, recipe, "x", act), _q(x.T, recipe, "x", act)
+
+    def quant_w_t(w):
+        return _q(w.T, recipe, "w", wblk)
+
+    def quant_dy(dy):
+        return _q(dy, recipe, "g", act), _q(dy.T, recipe, "g", wblk)
+
+    return quant_x, quant_w_t, quant_dy, gemm_reference
+
+
+def _triton_ops(recipe):
+    from te_ops.fp8 import triton as tri
+
+    def quant_x(x):
+        return tri.dual_quantize(x, 128, recipe.format("x"), power_of_2=recipe.power_of_2)
+
+    def quant_w_t(w):
+        return tri.block_quantize(w.T, (128, 128), recipe.format("w"), power_of_2=recipe.power_of_2)
+
+    def quant_dy(dy):
+        g = recipe.format("g")
+        return (
+            tri.block_quantize(dy, (1, 128), g, power_of_2=recipe.power_of_2),
+            tri.block_quantize(dy.T, (128, 128), g, power_of_2=recipe.power_of_2),
+        )
+
+    return quant_x, quant_w_t, quant_dy, tri.block_scaled_gemm
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _fp8_dense(x, w, recipe, implementation):
+    return _fwd(x, w, recipe, implementation)[0]
+
+
+def _fwd(x, w, recipe, implementation):
+    quant_x, quant_w_t, _, gemm = (_triton_ops if implementation == "triton" else _reference_ops)(recipe)
+    qx, qx_t = quant_x(x)
+    qw_t = quant_w_t(w)
+    return gemm(qx, qw_t, x.dtype), (qx_t, qw_t, jnp.zeros((), w.dtype))
+
+
+def _bwd(recipe, implementation, res, dy):
+    qx_t, qw_t, w_proto = res
+    _, _, quant_dy, gemm = (_triton_ops if implementation == "triton" else _reference_ops)(recipe)
+    qdy, qdy_t = quant_dy(dy)
+    dx = gemm(qdy, _transpose(qw_t), dy.dtype)  # dy @ w^T: b_t = w [K, N]
+    dw = gemm(qx_t, qdy_t, w_proto.dtype)  # x^T @ dy: a = x^T [K, M], b_t = dy^T [N, M]
+    return dx, dw
+
+
+_fp8_dense.defvjp(_fwd, _bwd)
+
+
+def fp8_dense(x: jax.Array, kernel: jax.Array, recipe: CurrentScaling | BlockScaling, *, implementation=None):
+    """``x @ kernel`` with FP8 operands in the forward GEMM and in both backward GEMMs.
+
+    Each GEMM multiplies dequantized FP8 operands and sums in float32 (module docstring: which
+    tensor is quantized with which blocks); the output has x's dtype, the kernel gradient the
+    kernel's dtype. Quantization follows :func:`te_ops.fp8.quantize` (docs/semantics.md, "FP8
+    quantization").
+
+    Args:
+      x: [..., K] float32, bfloat16 or float16.
+      kernel: [K, N], x's dtype.
+      recipe: :class:`~te_ops.fp8.CurrentScaling` or :class:`~te_ops.fp8.BlockScaling` (static).
+        With block scaling the weight blocks must be square (the dgrad GEMM reuses them
+        transposed).
+      implementation: None or "reference" (pure JAX, every platform), or "triton" (block scaling
+        with 1 x 128 / 128 x 128 blocks on a CUDA GPU; opt-in while it has not run on a GPU).
+
+    Returns:
+      [..., N] in x's dtype.
+
+    Equivalent to (current scaling, forward)::
+
+        deq = lambda q: q.data.astype(jnp.float32) * q.scale_inv
+        y = deq(quantize(x, recipe, "x")) @ deq(quantize(kernel, recipe, "w"))
+    """
+    x = check_float(OP, "x", x, DTYPES)
+    kernel = check_float(OP, "kernel", kernel, DTYPES, rank=2, layout="[K, N]")
+    if isinstance(recipe, DelayedScaling):
+        raise NotImplementedError(
+            err(OP, "DelayedScaling needs its state threaded through the forward and backward passes; not supported "
+                    "by fp8_dense yet. Use CurrentScaling or BlockScaling.")
+        )  # fmt: skip
+    if not isinstance(recipe, (CurrentScaling, BlockScaling)):
+        raise TypeError(err(OP, f"recipe must be a te_ops.fp8 CurrentScaling or BlockScaling, got {recipe!r:.80}."))
+    if x.ndim < 1 or x.shape[-1] != kernel.shape[0]:
+        raise ValueError(err(OP, f"x's last axis must match kernel's K = {kernel.shape[0]}, got x shape {x.shape}."))
+    if x.dtype != kernel.dtype:
+        raise TypeError(err(OP, f"x and kernel must have the same dtype, got {x.dtype} and {kernel.dtype}."))
+    if isinstance(recipe, BlockScaling) and recipe.weight_block[0] != recipe.weight_block[1]:
+        raise ValueError(err(OP, f"BlockScaling.weight_block must be square for fp8_dense, got {recipe.weight_block}."))
+    implementation = static_choice(OP, "implementation", implementation, (None, "reference", "triton"))
+    if implementation == "triton" and not (
+        isinstance(recipe, BlockScaling) and recipe.act_block == (1, 128) and recipe.weight_block == (128, 128)
+    ):
+        raise ValueError(
+            err(OP, "implementation='triton' takes BlockScaling with act_block (1, 128) and weight_block (128, 128), "
+                    f"got {recipe!r}.")
+        )  # fmt: skip
+    lead = x.shape[:-1]
+    y = _fp8_dense(x.reshape(-1, x.shape[-1]), kernel, recipe, implementation or "reference")
+    return y.reshape(*lead, kernel.shape[1])
