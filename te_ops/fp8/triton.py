@@ -157,3 +157,43 @@ def block_scaled_gemm(qa: QuantizedTensor, qb_t: QuantizedTensor, out_dtype=jnp.
         divisible_by_16=tuple(nm for nm, v in (("K", k), ("N", n)) if v % 16 == 0),
         name="te_fp8_block_gemm",
     )[0]
+
+
+def grouped_block_scaled_gemm(
+    qa: QuantizedTensor, qb_t: QuantizedTensor, group_sizes: jax.Array, out_dtype=jnp.bfloat16, num_programs=None
+) -> jax.Array:
+    """MoE experts in FP8: ``out[rows of g] = dequantize(qa)[rows of g] @ dequantize(qb_t[g]).T``.
+
+    qa: [M, K] in 1 x 128 row tiles; qb_t: [G, N, K] (each expert's weight transposed, K-major) in
+    128 x 128 blocks, scale_inv [G, cdiv(N, 128), cdiv(K, 128)]; group_sizes int32 [G] on the
+    device (grouped_dense's rule: rows past the groups are zero).
+    """
+    from te_ops.grouped_dense import triton as gd
+
+    m, k = qa.data.shape
+    g, n, _ = qb_t.data.shape
+    if qa.block != (1, 128) or qb_t.block != (128, 128):
+        raise ValueError(f"grouped_block_scaled_gemm takes 1x128 x 128x128 blocks, got {qa.block} and {qb_t.block}")
+    bm, bn, bk = 128, 128, 128
+    n_tiles = -(-n // bn)
+    grid = num_programs or max(1, min(gd.num_sms(), (-(-m // bm) + g + 1) * n_tiles))
+    return tb.triton_call(
+        _k().grouped_block_scaled_gemm_kernel,
+        qa.data,
+        qa.scale_inv,
+        qb_t.data,
+        qb_t.scale_inv,
+        group_sizes.astype(jnp.int32),
+        np.int32(m),
+        np.int32(n),
+        np.int32(k),
+        np.int32(g),
+        np.int32(grid),
+        out_shape=[SDS((m, n), out_dtype)],
+        grid=(grid,),
+        constexprs=dict(BM=bm, BN=bn, BK=bk, BLOCK_G=max(16, 1 << max(0, (g - 1).bit_length()))),
+        num_warps=8,
+        num_stages=3,
+        divisible_by_16=tuple(nm for nm, v in (("K", k), ("N", n)) if v % 16 == 0),
+        name="te_fp8_grouped_block_gemm",
+    )[0]

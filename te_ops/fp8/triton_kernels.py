@@ -18,6 +18,8 @@ The numbers are those of :mod:`te_ops.fp8.reference`, bit for bit:
 import triton
 import triton.language as tl
 
+from te_ops.grouped_dense.triton_kernels import _group_table  # the group-size rule of grouped_dense
+
 
 @triton.jit
 def round_to_fp8_grid(v, MBITS: tl.constexpr, EMIN: tl.constexpr):
@@ -226,3 +228,74 @@ def block_scaled_gemm_kernel(
         acc += partial * (sa[:, None] * sb)
     out = acc.to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], out, mask=rmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def grouped_block_scaled_gemm_kernel(
+    a_ptr,
+    sa_ptr,
+    b_ptr,
+    sb_ptr,
+    gs_ptr,
+    M,
+    N,
+    K,
+    G,
+    num_programs,
+    out_ptr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+):
+    """Grouped block-scaled FP8 GEMM (MoE experts): out[rows of g] = a[rows of g] @ b[g]^T.
+
+    a [M, K] FP8 in 1 x BK row tiles (sa [M, cdiv(K, BK)]); b [G, N, K] FP8, K-major, in BN x BK
+    blocks (sb [G, cdiv(N, BN), cdiv(K, BK)]); group sizes on the device (the rule of
+    grouped_dense: clamped >= 0, clipped at M; rows past the groups are zero). Persistent: the
+    programs walk one tile schedule derived from the group sizes; tiles start at each group's first
+    row; A rows past the group's end are clamped to its last row and never stored. A fresh float32
+    partial per BK block of K is scaled into the float32 accumulator."""
+    pid = tl.program_id(0)
+    gi, start, end = _group_table(gs_ptr, G, M, BLOCK_G)
+    sizes = end - start
+    n_tiles = tl.cdiv(N, BN)
+    m_tiles_g = (sizes + BM - 1) // BM
+    tiles_g = m_tiles_g * n_tiles
+    cum = tl.cumsum(tiles_g, axis=0)
+    group_tiles = tl.sum(tiles_g, axis=0)
+    used_rows = tl.max(end, axis=0)
+    tail_m_tiles = (M - used_rows + BM - 1) // BM
+    total = group_tiles + tail_m_tiles * n_tiles
+    n_kb = tl.cdiv(K, BK)
+    offs_k = tl.arange(0, BK)
+    for t in range(pid, total, num_programs):
+        in_group = t < group_tiles
+        g = tl.minimum(tl.sum((cum <= t).to(tl.int32), axis=0), G - 1)
+        sel = gi == g
+        g_first = tl.sum(tl.where(sel, cum - tiles_g, 0), axis=0)
+        row0 = tl.where(in_group, tl.sum(tl.where(sel, start, 0), axis=0), used_rows)
+        row_end = tl.where(in_group, tl.sum(tl.where(sel, end, 0), axis=0), M)
+        lt = tl.where(in_group, t - g_first, t - group_tiles)
+        mt = lt // n_tiles
+        nt = lt % n_tiles
+        rows = row0 + mt * BM + tl.arange(0, BM)
+        rows_ld = tl.minimum(rows, tl.maximum(row_end - 1, 0)).to(tl.int64)
+        cols = nt * BN + tl.arange(0, BN)
+        cmask = cols < N
+        g64 = g.to(tl.int64)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        iters = tl.where(in_group, n_kb, 0)
+        for kb in range(0, iters):
+            ks = kb * BK + offs_k
+            kmask = ks < K
+            a = tl.load(a_ptr + rows_ld[:, None] * K + ks[None, :], mask=kmask[None, :], other=0.0)
+            b = tl.load(b_ptr + g64 * N * K + cols.to(tl.int64)[None, :] * K + ks[:, None],
+                        mask=kmask[:, None] & cmask[None, :], other=0.0)  # fmt: skip
+            partial = tl.dot(a, b)
+            sa = tl.load(sa_ptr + rows_ld * n_kb + kb)
+            sb = tl.load(sb_ptr + (g64 * n_tiles + nt) * n_kb + kb)
+            acc += partial * (sa[:, None] * sb)
+        out = acc.to(out_ptr.dtype.element_ty)
+        o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
+        tl.store(o_ptrs, out, mask=(rows < row_end)[:, None] & cmask[None, :])

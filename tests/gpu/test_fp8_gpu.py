@@ -113,3 +113,30 @@ def test_fp8_dense_triton_path_matches_reference():
     for name, a, b in zip(("y", "dx", "dw"), outs["triton"], outs["reference"], strict=True):
         a32, b32 = np.asarray(a, np.float32), np.asarray(b, np.float32)
         np.testing.assert_allclose(a32, b32, rtol=0, atol=1e-2 * float(np.max(np.abs(b32))), err_msg=name)
+
+
+@needs_triton
+@pytest.mark.parametrize("m,k,n,g", [(300, 256, 130, 4), (32768, 1024, 4096, 16), (65536, 7168, 4096, 32)])
+def test_grouped_block_scaled_gemm_matches_reference(m, k, n, g):
+    """Experts in FP8 vs per-group dequantized float32 GEMMs; uneven groups with an empty one and
+    rows past the groups (zero), outputs NaN-poisoned."""
+    from te_ops.fp8 import triton as tri
+
+    rng = np.random.default_rng(m + g)
+    sizes = np.floor(rng.dirichlet(np.full(g, 0.7)) * m * 0.9).astype(np.int32)
+    sizes[1] = 0
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w_t = jnp.asarray(rng.standard_normal((g, n, k)) / np.sqrt(k), jnp.bfloat16)
+    qa = ref.quantize_blocks(x, (1, 128), fp8.E4M3, power_of_2=True)
+    qb = ref.quantize_blocks(w_t, (128, 128), fp8.E4M3, power_of_2=True)
+    with native.poisoned_outputs():
+        got = np.asarray(jax.jit(lambda a, b, s: tri.grouped_block_scaled_gemm(a, b, s, jnp.float32))(qa, qb, sizes))
+    xd, wd = ref.dequantize(qa, jnp.float32), ref.dequantize(qb, jnp.float32)
+    r0 = 0
+    assert not np.isnan(got).any()
+    for gi, size in enumerate(sizes):
+        want = np.asarray(jnp.dot(xd[r0 : r0 + size], wd[gi].T, precision="highest"))
+        if size:
+            np.testing.assert_allclose(got[r0 : r0 + size], want, rtol=0, atol=2e-3 * float(np.max(np.abs(want))))
+        r0 += size
+    assert np.all(got[r0:] == 0), "rows past the groups must be zero"

@@ -423,6 +423,26 @@ def _kernel_main() -> int:
         ok = err < 1e-5  # the same products, summed in another order in float32
         print(f"gemm {m}x{k}x{n}: max rel diff {err:.2e} {'ok' if ok else 'MISMATCH'}")
         failures += not ok
+    # the grouped block-scaled GEMM (MoE experts): uneven, empty and clipped groups, rows past the groups zero
+    for m, k, n, sizes in [(300, 256, 130, [100, 0, 150, 30]), (200, 130, 128, [0, 0, 0]), (90, 128, 64, [10, 90, 5])]:
+        g = len(sizes)
+        x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+        w_t = jnp.asarray(rng.standard_normal((g, n, k)) / np.sqrt(k), jnp.float32)
+        qa = ref.quantize_blocks(x, (1, 128), fp8.E4M3, power_of_2=True)
+        qb = ref.quantize_blocks(w_t, (128, 128), fp8.E4M3, power_of_2=True)
+        got = np.asarray(
+            tri.grouped_block_scaled_gemm(qa, qb, jnp.array(sizes, jnp.int32), jnp.float32, num_programs=3)
+        )
+        xd, wd = np.asarray(ref.dequantize(qa, jnp.float32)), np.asarray(ref.dequantize(qb, jnp.float32))
+        want, r0 = np.zeros((m, n), np.float32), 0
+        for gi, size in enumerate(sizes):
+            size = max(0, min(size, m - r0))
+            want[r0 : r0 + size] = xd[r0 : r0 + size] @ wd[gi].T
+            r0 += size
+        err = float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-6))
+        ok = err < 1e-5 and not np.isnan(got).any()
+        print(f"grouped gemm {m}x{k}x{n} {sizes}: max rel diff {err:.2e} {'ok' if ok else 'MISMATCH'}")
+        failures += not ok
     # fp8_dense through the Triton path (dual quantize, block quantize, block-scaled GEMM) vs the reference
     x = jnp.asarray(rng.standard_normal((200, 256)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((256, 130)) / 16, jnp.float32)
