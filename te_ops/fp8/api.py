@@ -46,6 +46,8 @@ def quantize(
     recipe: CurrentScaling | DelayedScaling | BlockScaling,
     role: str,
     state: DelayedScalingState | None = None,
+    *,
+    implementation: str | None = None,
 ) -> QuantizedTensor | tuple[QuantizedTensor, DelayedScalingState]:
     """Quantizes ``x`` to FP8 with ``recipe`` for a tensor ``role`` ("x", "w" or "g").
 
@@ -62,6 +64,9 @@ def quantize(
         :class:`~te_ops.fp8.BlockScaling` (static: part of the jit cache key).
       role: "x" (activation), "w" (weight) or "g" (gradient): picks the format (and the block shape).
       state: the tensor's :class:`DelayedScalingState` with delayed scaling (required), else None.
+      implementation: None or "reference" (pure JAX, every platform), or "triton": the one-pass
+        block-quantize kernel (block scaling with power-of-two blocks of at most 128 x 128 elements,
+        CUDA GPU; opt-in until it has run on a GPU). Both give the same bytes.
 
     Returns:
       A :class:`QuantizedTensor`; with delayed scaling ``(QuantizedTensor, new state)``.
@@ -97,6 +102,19 @@ def quantize(
             err(OP, f"BlockScaling tiles the last two axes; x must have rank >= 2, got shape {x.shape}. "
                     "Reshape a vector to [1, n].")
         )  # fmt: skip
+    static_choice(OP, "implementation", implementation, (None, "reference", "triton"))
+    if implementation == "triton":
+        from te_ops.fp8 import triton as tri
+
+        block = recipe.block(role) if isinstance(recipe, BlockScaling) else None
+        why = (
+            "it implements BlockScaling only"
+            if block is None
+            else tri.unsupported_reason(dtype=x.dtype, block=block, fmt=recipe.format(role))
+        )
+        if why:
+            raise ValueError(err(OP, f"implementation='triton' cannot take this call: {why}."))
+        return tri.block_quantize(x, block, recipe.format(role), power_of_2=recipe.power_of_2)
     return ref.quantize(x, recipe, role, state)
 
 

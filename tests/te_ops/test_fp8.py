@@ -221,6 +221,17 @@ def test_pytrees_under_jit_and_vmap():
         (lambda: fp8.BlockScaling(act_block=(0, 128)), ValueError, "act_block"),
         (lambda: fp8.initial_state(fp8.CurrentScaling()), TypeError, "DelayedScaling"),
         (lambda: fp8.dequantize(jnp.ones(3)), TypeError, "QuantizedTensor"),
+        (
+            lambda: fp8.quantize(jnp.ones((4, 4)), fp8.CurrentScaling(), "x", implementation="triton"),
+            ValueError,
+            "BlockScaling only",
+        ),
+        (
+            lambda: fp8.quantize(jnp.ones((4, 4)), fp8.BlockScaling(act_block=(1, 100)), "x", implementation="triton"),
+            ValueError,
+            "power-of-two blocks",
+        ),
+        (lambda: fp8.quantize(jnp.ones((4, 4)), fp8.BlockScaling(), "x", implementation="cuda"), ValueError, "one of"),
     ],
 )
 def test_errors_name_the_argument(call, exc, match):
@@ -373,6 +384,13 @@ def _kernel_main() -> int:
     for i, (shape, dtype, block, fmt, pow2, margin) in enumerate(_KERNEL_CASES):
         x = jnp.asarray(_special(np.random.default_rng(i).standard_normal(shape) * 3.0)).astype(dtype)
         got = tri.block_quantize(x, block, fmt, power_of_2=pow2, margin=margin)
+        if margin == 0:  # the public entry point routes to the same kernel
+            role = "x" if fmt == fp8.E4M3 else "g"
+            recipe = fp8.BlockScaling(formats="e4m3" if role == "x" else "hybrid", act_block=block, power_of_2=pow2)
+            via_api = fp8.quantize(x, recipe, role, implementation="triton")
+            if not np.array_equal(np.asarray(via_api.data).view(np.uint8), np.asarray(got.data).view(np.uint8)):
+                print(f"case {i}: te_ops.fp8.quantize(implementation='triton') differs from the kernel")
+                failures += 1
         # the reference with the same margin: scale / 2**margin
         want_scale = ref.compute_scale(
             jnp.max(jnp.abs(ref._blocked(jnp.where(jnp.isnan(x), 0, x), block)[0]), axis=(-3, -1)),
