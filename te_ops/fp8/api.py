@@ -64,9 +64,10 @@ def quantize(
         :class:`~te_ops.fp8.BlockScaling` (static: part of the jit cache key).
       role: "x" (activation), "w" (weight) or "g" (gradient): picks the format (and the block shape).
       state: the tensor's :class:`DelayedScalingState` with delayed scaling (required), else None.
-      implementation: None or "reference" (pure JAX, every platform), or "triton": the one-pass
-        block-quantize kernel (block scaling with power-of-two blocks of at most 128 x 128 elements,
-        CUDA GPU; opt-in until it has run on a GPU). Both give the same bytes.
+      implementation: None or "reference" (pure JAX, every platform), or "triton" (CUDA GPU; opt-in
+        until it has run on a GPU): block scaling in one pass (power-of-two blocks of at most
+        128 x 128 elements), delayed scaling in one pass (cast with the state's scale, amax recorded),
+        current scaling in two (amax, then cast). Both give the same bytes.
 
     Returns:
       A :class:`QuantizedTensor`; with delayed scaling ``(QuantizedTensor, new state)``.
@@ -106,15 +107,19 @@ def quantize(
     if implementation == "triton":
         from te_ops.fp8 import triton as tri
 
+        fmt = recipe.format(role)
         block = recipe.block(role) if isinstance(recipe, BlockScaling) else None
-        why = (
-            "it implements BlockScaling only"
-            if block is None
-            else tri.unsupported_reason(dtype=x.dtype, block=block, fmt=recipe.format(role))
-        )
+        why = tri.unsupported_reason(dtype=x.dtype, block=block, fmt=fmt)
         if why:
             raise ValueError(err(OP, f"implementation='triton' cannot take this call: {why}."))
-        return tri.block_quantize(x, block, recipe.format(role), power_of_2=recipe.power_of_2)
+        if isinstance(recipe, BlockScaling):
+            return tri.block_quantize(x, block, fmt, power_of_2=recipe.power_of_2)
+        if isinstance(recipe, DelayedScaling):  # one read: cast with the state's scale, amax recorded
+            q, x_amax = tri.tensor_cast(x, state.scale, fmt, with_amax=True)
+            scale = state.scale.astype(jnp.float32)
+            qt = QuantizedTensor(q, (1.0 / scale).astype(jnp.float32), None, jnp.dtype(x.dtype))
+            return qt, ref.update_delayed_state(state, recipe, fmt, x_amax)
+        return tri.quantize_tensor(x, fmt, margin=recipe.margin, power_of_2=recipe.power_of_2)
     return ref.quantize(x, recipe, role, state)
 
 

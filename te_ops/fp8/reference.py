@@ -116,14 +116,20 @@ def quantize_delayed(
     zero or not finite."""
     scale = state.scale.astype(F32)
     q = QuantizedTensor(cast_scaled(x, scale, fmt), (1.0 / scale).astype(F32), None, jnp.dtype(x.dtype))
-    hist = jnp.roll(state.amax_history.astype(F32), 1).at[0].set(amax(x))
+    return q, update_delayed_state(state, recipe, fmt, amax(x))
+
+
+def update_delayed_state(state: DelayedScalingState, recipe: DelayedScaling, fmt, x_amax) -> DelayedScalingState:
+    """The state after a step whose tensor had amax ``x_amax`` (see :func:`quantize_delayed`)."""
+    scale = state.scale.astype(F32)
+    hist = jnp.roll(state.amax_history.astype(F32), 1).at[0].set(jnp.asarray(x_amax, F32))
     if recipe.amax_compute_algo == "max":
         ref_amax = jnp.max(jnp.where(jnp.isfinite(hist), hist, 0.0))
     else:
         ref_amax = hist[0]
     ok = jnp.isfinite(ref_amax) & (ref_amax > 0)
     new_scale = jnp.where(ok, compute_scale(ref_amax, format_max(fmt), recipe.margin, False), scale)
-    return q, DelayedScalingState(hist, new_scale.astype(F32))
+    return DelayedScalingState(hist, new_scale.astype(F32))
 
 
 def _blocked(x: jax.Array, block: tuple[int, int]) -> tuple[jax.Array, tuple[int, int]]:

@@ -197,3 +197,60 @@ def grouped_block_scaled_gemm(
         divisible_by_16=tuple(nm for nm, v in (("K", k), ("N", n)) if v % 16 == 0),
         name="te_fp8_grouped_block_gemm",
     )[0]
+
+
+ELEMS_PER_PROGRAM = 4096
+
+
+def tensor_amax(x: jax.Array) -> jax.Array:
+    """max |x| in float32 (NaN counts as +Inf, 0 for an empty tensor), on the device."""
+    n = x.size
+    if n == 0:
+        return jnp.zeros((), jnp.float32)
+    (bits,) = tb.triton_call(
+        _k().amax_kernel,
+        x.reshape(-1),
+        np.int64(n),
+        out_shape=[SDS((1,), jnp.int32)],
+        grid=(-(-n // ELEMS_PER_PROGRAM),),
+        zeroed_outputs=(0,),
+        constexprs=dict(BLOCK=ELEMS_PER_PROGRAM),
+        num_warps=4,
+        name="te_fp8_amax",
+    )
+    return jax.lax.bitcast_convert_type(bits[0], jnp.float32)
+
+
+def tensor_cast(x: jax.Array, scale: jax.Array, fmt, *, with_amax: bool) -> tuple[jax.Array, jax.Array | None]:
+    """FP8 of ``clip(x * scale, -fmax, fmax)`` with a device scale, and the amax of x from the same
+    read when ``with_amax``."""
+    fmt = jnp.dtype(fmt)
+    n = x.size
+    mbits, emin = FORMAT_BITS[fmt]
+    if n == 0:
+        return jnp.zeros(x.shape, fmt), (jnp.zeros((), jnp.float32) if with_amax else None)
+    q, bits = tb.triton_call(
+        _k().tensor_cast_kernel,
+        x.reshape(-1),
+        jnp.asarray(scale, jnp.float32).reshape(1),
+        np.int64(n),
+        out_shape=[SDS((n,), jnp.uint8), SDS((1,), jnp.int32)],
+        grid=(-(-n // ELEMS_PER_PROGRAM),),
+        zeroed_outputs=(1,),
+        constexprs=dict(
+            BLOCK=ELEMS_PER_PROGRAM, FMAX=format_max(fmt), MBITS=mbits, EMIN=emin, WITH_AMAX=bool(with_amax)
+        ),
+        num_warps=4,
+        name="te_fp8_tensor_cast",
+    )
+    q = jax.lax.bitcast_convert_type(q, fmt).reshape(x.shape)
+    return q, (jax.lax.bitcast_convert_type(bits[0], jnp.float32) if with_amax else None)
+
+
+def quantize_tensor(x: jax.Array, fmt, *, margin: int = 0, power_of_2: bool = False) -> QuantizedTensor:
+    """Per-tensor current scaling: an amax pass, the scale (reference rule), a cast pass."""
+    from te_ops.fp8 import reference as ref
+
+    scale = ref.compute_scale(tensor_amax(x), format_max(fmt), margin, power_of_2)
+    q, _ = tensor_cast(x, scale, fmt, with_amax=False)
+    return QuantizedTensor(q, (1.0 / scale).astype(jnp.float32), None, jnp.dtype(x.dtype))

@@ -299,3 +299,44 @@ def grouped_block_scaled_gemm_kernel(
         out = acc.to(out_ptr.dtype.element_ty)
         o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
         tl.store(o_ptrs, out, mask=(rows < row_end)[:, None] & cmask[None, :])
+
+
+@triton.jit
+def amax_kernel(x_ptr, n, amax_ptr, BLOCK: tl.constexpr):
+    """amax_ptr[0] (float32 bits as int32, zeroed by the launcher) = max |x| over the n elements,
+    a NaN counting as +Inf (the reference's rule). Non-negative float32 values order like their
+    bit patterns, so an integer atomic max combines the programs."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+    ax = tl.where(x != x, float("inf"), tl.abs(x))
+    m = tl.max(ax, axis=0)
+    tl.atomic_max(amax_ptr, m.to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def tensor_cast_kernel(
+    x_ptr,
+    scale_ptr,
+    n,
+    q_ptr,
+    amax_ptr,
+    BLOCK: tl.constexpr,
+    FMAX: tl.constexpr,
+    MBITS: tl.constexpr,
+    EMIN: tl.constexpr,
+    WITH_AMAX: tl.constexpr,
+):
+    """q = FP8 bytes of clip(x * scale, -fmax, fmax) with one device-side scale (current scaling:
+    from amax_kernel; delayed scaling: the state's), and, WITH_AMAX, the tensor's amax recorded in
+    the same pass (delayed scaling: one read of x for both)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.load(scale_ptr)
+    nan = x != x
+    v = tl.minimum(tl.maximum(x * scale, -FMAX), FMAX)
+    v = tl.where(nan, x, v)
+    tl.store(q_ptr + offs, encode_fp8(round_to_fp8_grid(v, MBITS, EMIN), MBITS, EMIN), mask=mask)
+    if WITH_AMAX:
+        ax = tl.where(nan, float("inf"), tl.abs(x))
+        tl.atomic_max(amax_ptr, tl.max(ax, axis=0).to(tl.int32, bitcast=True))

@@ -140,3 +140,25 @@ def test_grouped_block_scaled_gemm_matches_reference(m, k, n, g):
             np.testing.assert_allclose(got[r0 : r0 + size], want, rtol=0, atol=2e-3 * float(np.max(np.abs(want))))
         r0 += size
     assert np.all(got[r0:] == 0), "rows past the groups must be zero"
+
+
+@needs_triton
+@pytest.mark.parametrize("shape", [(37, 129), (16384, 7168)])
+def test_per_tensor_kernels_match_reference(shape):
+    """Current scaling (amax pass + cast pass) and delayed scaling (one pass, amax recorded) through
+    te_ops.fp8.quantize(implementation="triton") vs the reference: bytes, scales, the new state."""
+    x = _x(3, shape, jnp.bfloat16)
+    for recipe in (fp8.CurrentScaling(), fp8.CurrentScaling(formats="e4m3", margin=1, power_of_2=True)):
+        for role in ("x", "g"):
+            with native.poisoned_outputs():
+                got = jax.jit(lambda x, r=recipe, role=role: fp8.quantize(x, r, role, implementation="triton"))(x)
+            _same(got, jax.jit(lambda x, r=recipe, role=role: fp8.quantize(x, r, role))(x))
+    d = fp8.DelayedScaling(history_len=8)
+    st = fp8.initial_state(d)
+    for _ in range(3):
+        (qa, sa), (qb, sb) = (jax.jit(lambda x, s, m=m: fp8.quantize(x, d, "x", s, implementation=m))(x, st)
+                              for m in ("triton", "reference"))  # fmt: skip
+        _same(qa, qb)
+        np.testing.assert_array_equal(np.asarray(sa.amax_history), np.asarray(sb.amax_history))
+        assert float(sa.scale) == float(sb.scale)
+        st = sa

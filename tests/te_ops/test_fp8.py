@@ -222,11 +222,6 @@ def test_pytrees_under_jit_and_vmap():
         (lambda: fp8.initial_state(fp8.CurrentScaling()), TypeError, "DelayedScaling"),
         (lambda: fp8.dequantize(jnp.ones(3)), TypeError, "QuantizedTensor"),
         (
-            lambda: fp8.quantize(jnp.ones((4, 4)), fp8.CurrentScaling(), "x", implementation="triton"),
-            ValueError,
-            "BlockScaling only",
-        ),
-        (
             lambda: fp8.quantize(jnp.ones((4, 4)), fp8.BlockScaling(act_block=(1, 100)), "x", implementation="triton"),
             ValueError,
             "power-of-two blocks",
@@ -461,6 +456,35 @@ def _kernel_main() -> int:
         ok = err < 1e-5 and not np.isnan(got).any()
         print(f"grouped gemm {m}x{k}x{n} {sizes}: max rel diff {err:.2e} {'ok' if ok else 'MISMATCH'}")
         failures += not ok
+    # per-tensor kernels: amax pass + cast pass (current scaling), cast with a recorded amax (delayed)
+    for i, (shape, dtype) in enumerate([((37, 129), jnp.bfloat16), ((3, 5000), jnp.float32), ((64, 64), jnp.float16)]):
+        x = jnp.asarray(_special(np.random.default_rng(90 + i).standard_normal(shape) * 2.0)).astype(dtype)
+        for fmt in (fp8.E4M3, fp8.E5M2):
+            got = tri.quantize_tensor(x, fmt, margin=1, power_of_2=i == 1)
+            want = ref.quantize_tensor(x, fmt, margin=1, power_of_2=i == 1)
+            g, w = np.asarray(got.data), np.asarray(want.data)
+            gn, wn = np.isnan(g.astype(np.float32)), np.isnan(w.astype(np.float32))
+            ok = np.array_equal(gn, wn) and np.array_equal(g.view(np.uint8)[~gn], w.view(np.uint8)[~wn])
+            ok = ok and float(got.scale_inv) == float(want.scale_inv)
+            q, am = tri.tensor_cast(x, jnp.float32(3.0), fmt, with_amax=True)
+            wq = ref.cast_scaled(x, jnp.float32(3.0), fmt)
+            qn = np.isnan(np.asarray(q).astype(np.float32))
+            ok = ok and np.array_equal(np.asarray(q).view(np.uint8)[~qn], np.asarray(wq).view(np.uint8)[~qn])
+            ok = ok and float(am) == float(ref.amax(x))
+            # the public entry point: current and delayed scaling through the kernels
+            rec = fp8.DelayedScaling(history_len=4, formats="hybrid")
+            role = "x" if fmt == fp8.E4M3 else "g"
+            st = ref.initial_state(rec)
+            st = ref.DelayedScalingState(st.amax_history, jnp.float32(2.0))
+            (qa, sa), (qb, sb) = (fp8.quantize(x, rec, role, st, implementation=m) for m in ("triton", "reference"))
+            an = np.isnan(np.asarray(qa.data).astype(np.float32))
+            ok = ok and np.array_equal(np.asarray(qa.data).view(np.uint8)[~an], np.asarray(qb.data).view(np.uint8)[~an])
+            ok = ok and np.array_equal(np.asarray(sa.amax_history), np.asarray(sb.amax_history))
+            ok = ok and float(sa.scale) == float(sb.scale)
+            cur = fp8.quantize(x, fp8.CurrentScaling(), role, implementation="triton")
+            ok = ok and float(cur.scale_inv) == float(fp8.quantize(x, fp8.CurrentScaling(), role).scale_inv)
+            print(f"tensor case {i} {shape} {jnp.dtype(fmt).name}: {'ok' if ok else 'MISMATCH'}")
+            failures += not ok
     # fp8_dense through the Triton path (dual quantize, block quantize, block-scaled GEMM) vs the reference
     x = jnp.asarray(rng.standard_normal((200, 256)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((256, 130)) / 16, jnp.float32)
