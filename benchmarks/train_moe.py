@@ -70,9 +70,9 @@ def build_models(cfg: dict, names: list[str]) -> dict[str, tuple]:
     for name in names:
         if name == "te_layers":
             out[name] = (ex.MoELM(dict(cfg, norm="te")), "te_layers (te_ops fused ops)", {})
-        elif name == "te_layers_ws":  # te_layers with the Gluon warp-specialized grouped GEMM (fwd / dx)
-            out[name] = (ex.MoELM(dict(cfg, norm="te")), "te_layers, Gluon warp-specialized grouped GEMM",
-                         {"grouped_gemm": "gluon_ws"})  # fmt: skip
+        elif name in GROUPED_GEMM_VARIANTS:  # te_layers with another grouped GEMM kernel configuration
+            out[name] = (ex.MoELM(dict(cfg, norm="te")), f"te_layers, {GROUPED_GEMM_VARIANTS[name]} grouped GEMM",
+                         {"grouped_gemm": name.removeprefix("te_layers_")})  # fmt: skip
         elif name == "te_layers_flax_norm":  # the same with flax.linen.RMSNorm: what the fused norms bring
             out[name] = (ex.MoELM(dict(cfg, norm="flax")), "te_layers with flax RMSNorm", {})
         elif name == "ragged_dot":
@@ -86,18 +86,33 @@ def build_models(cfg: dict, names: list[str]) -> dict[str, tuple]:
                          {"attention": impl, "capacity_factor": cf})  # fmt: skip
         else:
             raise SystemExit(f"train_moe benchmark: unknown model {name!r} in --models; known: te_layers, "
-                             "te_layers_flax_norm, ragged_dot, strong_cf<factor>")  # fmt: skip
+                             "te_layers_flax_norm, te_layers_ws, te_layers_pp, te_layers_tma, ragged_dot, strong_cf<factor>")  # fmt: skip
     return out
 
 
+# te_layers model variants that trace with another grouped GEMM configuration (te_ops.grouped_dense.
+# triton.config_override): name -> label. All build TMA descriptors on the device (graph-safe scratch).
+GROUPED_GEMM_VARIANTS = {
+    "te_layers_ws": "Gluon warp-specialized",
+    "te_layers_pp": "Gluon ping-pong",
+    "te_layers_tma": "Triton TMA (forward, dx and dkernels)",
+}
+
+
 def _context(extra: dict):
-    """The trace-time setting a model variant needs (``grouped_gemm: gluon_ws``), else None."""
-    if extra.get("grouped_gemm") != "gluon_ws":
+    """The trace-time setting a model variant needs (``extra["grouped_gemm"]``), else None."""
+    kind = extra.get("grouped_gemm")
+    if kind is None:
         return None
     from te_ops.grouped_dense import triton as tri
 
-    ws = tri.GemmConfig(GLUON_WS=True)
-    return lambda: tri.config_override(ws, ws, None)
+    if kind == "ws":
+        cfgs = (tri.GemmConfig(GLUON_WS=True),) * 2 + (None,)
+    elif kind == "pp":
+        cfgs = (tri.GemmConfig(BN=128, num_stages=4, GLUON_WS=True, PINGPONG=True),) * 2 + (None,)
+    else:
+        cfgs = (tri.GemmConfig(USE_TMA=True),) * 2 + (tri.WgradConfig(USE_TMA=True),)
+    return lambda: tri.config_override(*cfgs)
 
 
 class Runner:
