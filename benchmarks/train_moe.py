@@ -86,7 +86,8 @@ def build_models(cfg: dict, names: list[str]) -> dict[str, tuple]:
                          {"attention": impl, "capacity_factor": cf})  # fmt: skip
         else:
             raise SystemExit(f"train_moe benchmark: unknown model {name!r} in --models; known: te_layers, "
-                             "te_layers_flax_norm, te_layers_ws, te_layers_pp, te_layers_tma, ragged_dot, strong_cf<factor>")  # fmt: skip
+                             "te_layers_flax_norm, te_layers_ws, te_layers_pp, te_layers_tma, ragged_dot, "
+                             "strong_cf<factor>")  # fmt: skip
     return out
 
 
