@@ -3,6 +3,7 @@
 
 from te_ops.fp8.api import dequantize, initial_state, quantize
 from te_ops.fp8.dense import fp8_dense
+from te_ops.fp8.grouped import fp8_grouped_dense
 from te_ops.fp8.recipes import E4M3, E5M2, BlockScaling, CurrentScaling, DelayedScaling, format_max
 from te_ops.fp8.reference import DelayedScalingState, QuantizedTensor
 
@@ -16,6 +17,7 @@ __all__ = [
     "QuantizedTensor",
     "dequantize",
     "fp8_dense",
+    "fp8_grouped_dense",
     "format_max",
     "initial_state",
     "quantize",

@@ -498,6 +498,23 @@ def _kernel_main() -> int:
         ok = err < 1e-5
         print(f"fp8_dense triton {name}: max rel diff {err:.2e} {'ok' if ok else 'MISMATCH'}")
         failures += not ok
+    # fp8_grouped_dense through the Triton path vs the reference (forward, dx, dkernels)
+    # float16: Triton 3.6's interpreter misreads bfloat16 in tl.dot (the wgrad kernel; fp16 runs the
+    # same code)
+    x = jnp.asarray(rng.standard_normal((300, 256)), jnp.float16)
+    w = jnp.asarray(rng.standard_normal((4, 256, 136)) / 16, jnp.float16)
+    gs = jnp.array([100, 0, 150, 30], jnp.int32)
+    dy = jnp.asarray(rng.standard_normal((300, 136)), jnp.float16)
+    outs = {}
+    for impl in ("triton", "reference"):
+        y, vjp = jax.vjp(lambda x, w, impl=impl: fp8.fp8_grouped_dense(x, w, gs, implementation=impl), x, w)
+        outs[impl] = (y, *vjp(dy))
+    for name, a, b in zip(("y", "dx", "dkernels"), outs["triton"], outs["reference"], strict=True):
+        a32, b32 = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        err = float(np.max(np.abs(a32 - b32)) / np.max(np.abs(b32)))
+        ok = err < 2e-3 and not np.isnan(a32).any()  # fp16 outputs: a rounding apart at most
+        print(f"fp8_grouped_dense triton {name}: max rel diff {err:.2e} {'ok' if ok else 'MISMATCH'}")
+        failures += not ok
     print(f"interpret failures: {failures}")
     return failures
 
@@ -635,5 +652,70 @@ def test_fp8_dense_accuracy_and_shapes():
     ],
 )
 def test_fp8_dense_errors(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
+
+
+# ----------------------------------------------------------------------------------------------
+# fp8_grouped_dense
+# ----------------------------------------------------------------------------------------------
+
+
+def test_fp8_grouped_dense_matches_per_group_numpy():
+    """Per group with NumPy: y and dx from the FP8 operands (1 x 128 rows, 128 x 128 expert blocks),
+    dW from the high-precision operands; empty and clipped groups; rows past the groups zero."""
+    rng = np.random.default_rng(21)
+    m, k, n = 300, 256, 130
+    sizes = np.array([100, 0, 150, 80], np.int32)  # sums to 330 > M: the last group is clipped to 50
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = (rng.standard_normal((4, k, n)) / 16).astype(np.float32)
+    dy = rng.standard_normal((m, n)).astype(np.float32)
+    y, vjp = jax.vjp(lambda x, w: fp8.fp8_grouped_dense(x, w, jnp.asarray(sizes)), jnp.asarray(x), jnp.asarray(w))
+    dx, dw = vjp(jnp.asarray(dy))
+    rec = fp8.BlockScaling()
+    xq, dyq = _np_q(x, rec, "x", (1, 128)), _np_q(dy, rec, "g", (1, 128))
+    want_y, want_dx, want_dw, r0 = np.zeros((m, n)), np.zeros((m, k)), np.zeros((4, k, n)), 0
+    for g, size in enumerate(sizes):
+        size = min(size, m - r0)
+        wq = _np_q(w[g].T, rec, "w", (128, 128))  # [n, k]
+        want_y[r0 : r0 + size] = xq[r0 : r0 + size] @ wq.T
+        want_dx[r0 : r0 + size] = dyq[r0 : r0 + size] @ wq
+        want_dw[g] = x[r0 : r0 + size].T @ dy[r0 : r0 + size]
+        r0 += size
+    for got, want in ((y, want_y), (dx, want_dx), (dw, want_dw)):
+        np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-5 * np.max(np.abs(want)))
+
+
+@pytest.mark.parametrize(
+    "call,exc,match",
+    [
+        (
+            lambda: fp8.fp8_grouped_dense(jnp.ones((4, 8)), jnp.ones((2, 7, 3)), jnp.ones(2, jnp.int32)),
+            ValueError,
+            "K = 8",
+        ),
+        (
+            lambda: fp8.fp8_grouped_dense(jnp.ones((4, 8)), jnp.ones((2, 8, 3)), jnp.ones(3, jnp.int32)),
+            ValueError,
+            "group_sizes",
+        ),
+        (
+            lambda: fp8.fp8_grouped_dense(
+                jnp.ones((4, 8)), jnp.ones((2, 8, 3)), jnp.ones(2, jnp.int32), fp8.CurrentScaling()
+            ),
+            ValueError,
+            "BlockScaling",
+        ),
+        (lambda: fp8.fp8_grouped_dense(jnp.ones((4, 8)), jnp.ones((2, 8, 3)), jnp.ones(2)), TypeError, "integer"),
+        (
+            lambda: fp8.fp8_grouped_dense(
+                jnp.ones((4, 8)), jnp.ones((2, 8, 3)), jnp.ones(2, jnp.int32), implementation="triton"
+            ),
+            ValueError,
+            "cannot take this call",
+        ),
+    ],
+)
+def test_fp8_grouped_dense_errors(call, exc, match):
     with pytest.raises(exc, match=match):
         call()
