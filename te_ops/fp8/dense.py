@@ -13,8 +13,9 @@ dw = x^T @ dy     x^T [K, M], 1 x 128 tiles   dy^T [N, M], 128 x 128 blocks
 (block scaling; with current scaling every operand has one scale per tensor). Each GEMM multiplies
 the dequantized operands and sums in float32: ``gemm(a, b_t) = dequantize(a) @ dequantize(b_t)^T``.
 The transposed copies are quantized from the high-precision tensor, not from its FP8 copy. The
-Triton path (block scaling) reads x once for both of its quantizations (``dual_quantize``) and runs
-the block-scaled FP8 GEMM kernel; it is opt-in (``implementation="triton"``) until it has run on a
+Triton path reads x once for both of its quantizations (``dual_quantize``, block scaling; with one
+scale per tensor the transposed copy is the exact transpose) and runs the block-scaled FP8 GEMM
+kernel (per-tensor scales repeated per block); it is opt-in (``implementation="triton"``) until it has run on a
 GPU. Delayed scaling needs its state threaded through the forward and backward passes and is not
 supported here yet.
 """
@@ -78,6 +79,24 @@ def _reference_ops(recipe):
 def _triton_ops(recipe):
     from te_ops.fp8 import triton as tri
 
+    if isinstance(recipe, CurrentScaling):  # one scale per tensor: the transposes are exact
+
+        def quant(a, role):
+            return tri.quantize_tensor(a, recipe.format(role), margin=recipe.margin, power_of_2=recipe.power_of_2)
+
+        def quant_x(x):
+            q = quant(x, "x")
+            return q, _transpose(q)
+
+        def quant_w_t(w):
+            return _transpose(quant(w, "w"))
+
+        def quant_dy(dy):
+            q = quant(dy, "g")
+            return q, _transpose(q)
+
+        return quant_x, quant_w_t, quant_dy, tri.scaled_gemm
+
     def quant_x(x):
         return tri.dual_quantize(x, 128, recipe.format("x"), power_of_2=recipe.power_of_2)
 
@@ -132,8 +151,9 @@ def fp8_dense(x: jax.Array, kernel: jax.Array, recipe: CurrentScaling | BlockSca
       recipe: :class:`~te_ops.fp8.CurrentScaling` or :class:`~te_ops.fp8.BlockScaling` (static).
         With block scaling the weight blocks must be square (the dgrad GEMM reuses them
         transposed).
-      implementation: None or "reference" (pure JAX, every platform), or "triton" (block scaling
-        with 1 x 128 / 128 x 128 blocks on a CUDA GPU; opt-in while it has not run on a GPU).
+      implementation: None or "reference" (pure JAX, every platform), or "triton" (CUDA GPU; current
+        scaling, or block scaling with 1 x 128 / 128 x 128 blocks; opt-in while it has not run on
+        a GPU).
 
     Returns:
       [..., N] in x's dtype.
@@ -159,12 +179,14 @@ def fp8_dense(x: jax.Array, kernel: jax.Array, recipe: CurrentScaling | BlockSca
     if isinstance(recipe, BlockScaling) and recipe.weight_block[0] != recipe.weight_block[1]:
         raise ValueError(err(OP, f"BlockScaling.weight_block must be square for fp8_dense, got {recipe.weight_block}."))
     implementation = static_choice(OP, "implementation", implementation, (None, "reference", "triton"))
-    if implementation == "triton" and not (
-        isinstance(recipe, BlockScaling) and recipe.act_block == (1, 128) and recipe.weight_block == (128, 128)
+    if (
+        implementation == "triton"
+        and isinstance(recipe, BlockScaling)
+        and not (recipe.act_block == (1, 128) and recipe.weight_block == (128, 128))
     ):
         raise ValueError(
-            err(OP, "implementation='triton' takes BlockScaling with act_block (1, 128) and weight_block (128, 128), "
-                    f"got {recipe!r}.")
+            err(OP, "implementation='triton' takes CurrentScaling, or BlockScaling with act_block (1, 128) and "
+                    f"weight_block (128, 128), got {recipe!r}.")
         )  # fmt: skip
     lead = x.shape[:-1]
     y = _fp8_dense(x.reshape(-1, x.shape[-1]), kernel, recipe, implementation or "reference")

@@ -254,3 +254,18 @@ def quantize_tensor(x: jax.Array, fmt, *, margin: int = 0, power_of_2: bool = Fa
     scale = ref.compute_scale(tensor_amax(x), format_max(fmt), margin, power_of_2)
     q, _ = tensor_cast(x, scale, fmt, with_amax=False)
     return QuantizedTensor(q, (1.0 / scale).astype(jnp.float32), None, jnp.dtype(x.dtype))
+
+
+def _as_blocks(q: QuantizedTensor, block: tuple[int, int]) -> QuantizedTensor:
+    """A per-tensor-scaled 2-D tensor viewed as block-scaled (its one scale repeated per block): the
+    block-scaled GEMM kernel then serves per-tensor scaling too, still promoting every 128 of K."""
+    if q.block is not None:
+        return q
+    r, c = q.data.shape
+    grid = (-(-r // block[0]), -(-c // block[1]))
+    return QuantizedTensor(q.data, jnp.broadcast_to(q.scale_inv, grid), block, q.dtype)
+
+
+def scaled_gemm(qa: QuantizedTensor, qb_t: QuantizedTensor, out_dtype=jnp.bfloat16) -> jax.Array:
+    """:func:`block_scaled_gemm` for block-scaled (1 x 128, 128 x 128) or per-tensor-scaled operands."""
+    return block_scaled_gemm(_as_blocks(qa, (1, 128)), _as_blocks(qb_t, (128, 128)), out_dtype)
