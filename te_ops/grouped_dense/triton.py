@@ -184,88 +184,32 @@ def grouped_gemm(a, b, group_sizes, bias, *, trans_b: bool, cfg: GemmConfig):
     max_tiles = (_cdiv(m, cfg.BM) + g + 1) * n_tiles
     grid = max(1, min(num_sms(), max_tiles))
     bias_arg = bias if bias is not None else group_sizes
-    if cfg.GLUON_WS and cfg.PINGPONG and kc % cfg.BK == 0 and cfg.BM == 128 and cfg.BN <= 128:
-        if not gluon_ws_unavailable_reason():
-            return tb.triton_call(
-                _gk().grouped_gemm_pingpong_kernel,
-                a,
-                b,
-                bias_arg,
-                group_sizes.astype(jnp.int32),
-                np.int32(m),
-                np.int32(kc // 8),
-                np.int32(nout // 8),
-                np.int32(g),
-                np.int32(grid),
-                out_shape=[SDS((m, nout), a.dtype)],
-                grid=(grid,),
-                constexprs=dict(
-                    BM=cfg.BM,
-                    BN=cfg.BN,
-                    BK=cfg.BK,
-                    STAGES=cfg.num_stages,
-                    GROUP_M=cfg.GROUP_M,
-                    BLOCK_G=max(16, _pow2(g)),
-                    TRANS_B=bool(trans_b),
-                    HAS_BIAS=bias is not None,
-                    CONSUMER_REGS=232,
-                ),
-                num_warps=4,
-                num_stages=1,
-                maxnreg=cfg.maxnreg,
-                scratch_bytes_per_program=TMA_SCRATCH_BYTES,
-                name="te_grouped_gemm_pingpong",
-            )[0]
-    if (
-        cfg.GLUON_WS
-        and not cfg.PINGPONG
-        and kc % cfg.BK == 0
-        and cfg.BM == 128
-        and cfg.num_warps == 8
-        and not gluon_ws_unavailable_reason()
-    ):
+    args = (a, b, bias_arg, group_sizes.astype(jnp.int32), np.int32(m), np.int32(kc // 8), np.int32(nout // 8),
+            np.int32(g), np.int32(grid))  # fmt: skip
+    gluon_ok = cfg.GLUON_WS and kc % cfg.BK == 0 and cfg.BM == 128 and not gluon_ws_unavailable_reason()
+    if gluon_ok and (cfg.BN <= 128 if cfg.PINGPONG else cfg.num_warps == 8):
+        common = dict(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, STAGES=cfg.num_stages, GROUP_M=cfg.GROUP_M,
+                      BLOCK_G=max(16, _pow2(g)), TRANS_B=bool(trans_b), HAS_BIAS=bias is not None)  # fmt: skip
+        if cfg.PINGPONG:  # two 4-warp consumer warpgroups + the producer warp
+            kernel, warps, extra, name = _gk().grouped_gemm_pingpong_kernel, 4, {"CONSUMER_REGS": 232}, "pingpong"
+        else:
+            kernel, warps, extra, name = _gk().grouped_gemm_ws_kernel, cfg.num_warps, {"NUM_WARPS": cfg.num_warps}, "ws"
         return tb.triton_call(
-            _gk().grouped_gemm_ws_kernel,
-            a,
-            b,
-            bias_arg,
-            group_sizes.astype(jnp.int32),
-            np.int32(m),
-            np.int32(kc // 8),
-            np.int32(nout // 8),
-            np.int32(g),
-            np.int32(grid),
+            kernel,
+            *args,
             out_shape=[SDS((m, nout), a.dtype)],
             grid=(grid,),
-            constexprs=dict(
-                BM=cfg.BM,
-                BN=cfg.BN,
-                BK=cfg.BK,
-                STAGES=cfg.num_stages,
-                GROUP_M=cfg.GROUP_M,
-                BLOCK_G=max(16, _pow2(g)),
-                TRANS_B=bool(trans_b),
-                HAS_BIAS=bias is not None,
-                NUM_WARPS=cfg.num_warps,
-            ),
-            num_warps=cfg.num_warps,
+            constexprs={**common, **extra},
+            num_warps=warps,
             num_stages=1,
             maxnreg=cfg.maxnreg,
             scratch_bytes_per_program=TMA_SCRATCH_BYTES,
-            name="te_grouped_gemm_ws",
+            name=f"te_grouped_gemm_{name}",
         )[0]
     use_tma = bool(cfg.USE_TMA) and kc % cfg.BK == 0
     return tb.triton_call(
         _k().grouped_gemm_kernel,
-        a,
-        b,
-        bias_arg,
-        group_sizes.astype(jnp.int32),
-        np.int32(m),
-        np.int32(kc // 8),
-        np.int32(nout // 8),
-        np.int32(g),
-        np.int32(grid),
+        *args,
         out_shape=[SDS((m, nout), a.dtype)],
         grid=(grid,),
         constexprs=dict(
