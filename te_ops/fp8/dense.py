@@ -12,12 +12,14 @@ dw = x^T @ dy     x^T [K, M], 1 x 128 tiles   dy^T [N, M], 128 x 128 blocks
 
 (block scaling; with current scaling every operand has one scale per tensor). Each GEMM multiplies
 the dequantized operands and sums in float32: ``gemm(a, b_t) = dequantize(a) @ dequantize(b_t)^T``.
-The transposed copies are quantized from the high-precision tensor, not from its FP8 copy. The
-Triton path reads x once for both of its quantizations (``dual_quantize``, block scaling; with one
-scale per tensor the transposed copy is the exact transpose) and runs the block-scaled FP8 GEMM
-kernel (per-tensor scales repeated per block); it is opt-in (``implementation="triton"``) until it has run on a
-GPU. Delayed scaling needs its state threaded through the forward and backward passes and is not
-supported here yet.
+The transposed copies are quantized from the high-precision tensor, not from its FP8 copy.
+
+``implementation="triton"`` (CUDA GPU, opt-in): with block scaling, x is read once for both of its
+quantizations (``dual_quantize``) and the GEMMs run in our block-scaled FP8 GEMM kernel (float32
+promotion every 128 of K); with current scaling, our amax and cast kernels quantize (the transposed
+copies are the exact FP8 transposes) and the GEMMs are FP8 dots that XLA hands to cuBLASLt
+(:func:`gemm_xla_fp8`, float32 accumulation). Delayed scaling needs its state threaded through the
+forward and backward passes and is not supported here yet.
 """
 
 from __future__ import annotations
@@ -50,6 +52,27 @@ def gemm_reference(a: QuantizedTensor, b_t: QuantizedTensor, out_dtype) -> jax.A
     """``dequantize(a) @ dequantize(b_t)^T``, products and sums in float32."""
     y = jnp.dot(ref.dequantize(a, F32), ref.dequantize(b_t, F32).T, precision=jax.lax.Precision.HIGHEST)
     return y.astype(out_dtype)
+
+
+# How the per-tensor FP8 GEMM is written for XLA, which rewrites an FP8 dot into a cuBLASLt FP8 GEMM
+# ("__cublas$lt$matmul$f8"); the forms are timed side by side in benchmarks/fp8.py:
+#   "f32": dot of the FP8 operands with float32 output, then * (sa * sb) and the cast;
+#   "dequant": dot of the dequantized operands (FP8 -> float32 times the scale), float32 output.
+XLA_FP8_FORM = "f32"
+
+
+def gemm_xla_fp8(a: QuantizedTensor, b_t: QuantizedTensor, out_dtype, form: str | None = None) -> jax.Array:
+    """``dequantize(a) @ dequantize(b_t)^T`` for per-tensor-scaled 2-D operands ([M, K] and [N, K]),
+    written so that XLA runs it as one cuBLASLt FP8 GEMM on Hopper (products exact, float32
+    accumulation, ``Precision.HIGHEST``: no fast-accumulation mode)."""
+    dims = (((1,), (1,)), ((), ()))
+    hi = jax.lax.Precision.HIGHEST
+    if (form or XLA_FP8_FORM) == "f32":
+        y = jax.lax.dot_general(a.data, b_t.data, dims, precision=hi, preferred_element_type=F32)
+        return (y * (a.scale_inv * b_t.scale_inv)).astype(out_dtype)
+    da = a.data.astype(F32) * a.scale_inv
+    db = b_t.data.astype(F32) * b_t.scale_inv
+    return jax.lax.dot_general(da, db, dims, precision=hi, preferred_element_type=F32).astype(out_dtype)
 
 
 def _q(x, recipe, role, block):
@@ -95,7 +118,7 @@ def _triton_ops(recipe):
             q = quant(dy, "g")
             return q, _transpose(q)
 
-        return quant_x, quant_w_t, quant_dy, tri.scaled_gemm
+        return quant_x, quant_w_t, quant_dy, gemm_xla_fp8
 
     def quant_x(x):
         return tri.dual_quantize(x, 128, recipe.format("x"), power_of_2=recipe.power_of_2)
@@ -113,13 +136,35 @@ def _triton_ops(recipe):
     return quant_x, quant_w_t, quant_dy, tri.block_scaled_gemm
 
 
+def _xla_ops(recipe):
+    """Current scaling written in jnp (amax, scale and cast by XLA) with the GEMMs as FP8 dots that XLA
+    hands to cuBLASLt: XLA's own FP8 path, and the baseline our fused quantization is measured
+    against."""
+
+    def quant_x1(x):
+        q = _q(x, recipe, "x", None)
+        return q, _transpose(q)
+
+    def quant_w_t1(w):
+        return _transpose(_q(w, recipe, "w", None))
+
+    def quant_dy1(dy):
+        q = _q(dy, recipe, "g", None)
+        return q, _transpose(q)
+
+    return quant_x1, quant_w_t1, quant_dy1, gemm_xla_fp8
+
+
+_OPS = {"reference": _reference_ops, "triton": _triton_ops, "xla": _xla_ops}
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _fp8_dense(x, w, recipe, implementation):
     return _fwd(x, w, recipe, implementation)[0]
 
 
 def _fwd(x, w, recipe, implementation):
-    quant_x, quant_w_t, _, gemm = (_triton_ops if implementation == "triton" else _reference_ops)(recipe)
+    quant_x, quant_w_t, _, gemm = _OPS[implementation](recipe)
     qx, qx_t = quant_x(x)
     qw_t = quant_w_t(w)
     return gemm(qx, qw_t, x.dtype), (qx_t, qw_t, jnp.zeros((), w.dtype))
@@ -127,7 +172,7 @@ def _fwd(x, w, recipe, implementation):
 
 def _bwd(recipe, implementation, res, dy):
     qx_t, qw_t, w_proto = res
-    _, _, quant_dy, gemm = (_triton_ops if implementation == "triton" else _reference_ops)(recipe)
+    _, _, quant_dy, gemm = _OPS[implementation](recipe)
     qdy, qdy_t = quant_dy(dy)
     dx = gemm(qdy, _transpose(qw_t), dy.dtype)  # dy @ w^T: b_t = w [K, N]
     dw = gemm(qx_t, qdy_t, w_proto.dtype)  # x^T @ dy: a = x^T [K, M], b_t = dy^T [N, M]
@@ -151,9 +196,10 @@ def fp8_dense(x: jax.Array, kernel: jax.Array, recipe: CurrentScaling | BlockSca
       recipe: :class:`~te_ops.fp8.CurrentScaling` or :class:`~te_ops.fp8.BlockScaling` (static).
         With block scaling the weight blocks must be square (the dgrad GEMM reuses them
         transposed).
-      implementation: None or "reference" (pure JAX, every platform), or "triton" (CUDA GPU; current
-        scaling, or block scaling with 1 x 128 / 128 x 128 blocks; opt-in while it has not run on
-        a GPU).
+      implementation: None or "reference" (pure JAX, every platform); "triton" (CUDA GPU; current
+        scaling, or block scaling with 1 x 128 / 128 x 128 blocks: our quantize kernels, our
+        block-scaled GEMM or cuBLASLt's per-tensor FP8 GEMM); "xla" (current scaling: quantization
+        in jnp, FP8 dots that XLA runs through cuBLASLt on Hopper).
 
     Returns:
       [..., N] in x's dtype.
@@ -178,7 +224,11 @@ def fp8_dense(x: jax.Array, kernel: jax.Array, recipe: CurrentScaling | BlockSca
         raise TypeError(err(OP, f"x and kernel must have the same dtype, got {x.dtype} and {kernel.dtype}."))
     if isinstance(recipe, BlockScaling) and recipe.weight_block[0] != recipe.weight_block[1]:
         raise ValueError(err(OP, f"BlockScaling.weight_block must be square for fp8_dense, got {recipe.weight_block}."))
-    implementation = static_choice(OP, "implementation", implementation, (None, "reference", "triton"))
+    implementation = static_choice(OP, "implementation", implementation, (None, "reference", "triton", "xla"))
+    if implementation == "xla" and not isinstance(recipe, CurrentScaling):
+        raise ValueError(
+            err(OP, f"implementation='xla' takes CurrentScaling (XLA has no block-scaled FP8 GEMM), got {recipe!r}.")
+        )
     if (
         implementation == "triton"
         and isinstance(recipe, BlockScaling)

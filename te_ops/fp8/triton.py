@@ -127,7 +127,13 @@ def dual_quantize(
     )
 
 
-def block_scaled_gemm(qa: QuantizedTensor, qb_t: QuantizedTensor, out_dtype=jnp.bfloat16) -> jax.Array:
+# (BM, BN, num_warps, num_stages) of block_scaled_gemm; timed in benchmarks/fp8.py
+GEMM_CONFIG = (128, 128, 8, 3)
+
+
+def block_scaled_gemm(
+    qa: QuantizedTensor, qb_t: QuantizedTensor, out_dtype=jnp.bfloat16, config: tuple | None = None
+) -> jax.Array:
     """``dequantize(qa) @ dequantize(qb_t).T`` with the FP8 operands on the tensor cores.
 
     qa: [M, K] in 1 x 128 row tiles (scale_inv [M, cdiv(K, 128)]); qb_t: the weight *transposed*,
@@ -138,7 +144,8 @@ def block_scaled_gemm(qa: QuantizedTensor, qb_t: QuantizedTensor, out_dtype=jnp.
     n = qb_t.data.shape[0]
     if qa.block != (1, 128) or qb_t.block != (128, 128):
         raise ValueError(f"block_scaled_gemm takes 1x128 x 128x128 blocks, got {qa.block} and {qb_t.block}")
-    bm, bn, bk = 128, 128, 128
+    bm, bn, warps, stages = config or GEMM_CONFIG
+    bk = 128
     grid = (-(-m // bm) * -(-n // bn),)
     return tb.triton_call(
         _k().block_scaled_gemm_kernel,
@@ -151,9 +158,9 @@ def block_scaled_gemm(qa: QuantizedTensor, qb_t: QuantizedTensor, out_dtype=jnp.
         np.int32(k),
         out_shape=[SDS((m, n), out_dtype)],
         grid=grid,
-        constexprs=dict(BM=bm, BN=bn, BK=bk, GROUP_M=8),
-        num_warps=8,
-        num_stages=3,
+        constexprs=dict(BM=bm, BN=bn, BK=bk, GROUP_M=8, WB=128),
+        num_warps=warps,
+        num_stages=stages,
         divisible_by_16=tuple(nm for nm, v in (("K", k), ("N", n)) if v % 16 == 0),
         name="te_fp8_block_gemm",
     )[0]

@@ -192,12 +192,14 @@ def block_scaled_gemm_kernel(
     BN: tl.constexpr,
     BK: tl.constexpr,
     GROUP_M: tl.constexpr,
+    WB: tl.constexpr,
 ):
     """out [M, N] = block-scaled a [M, K] (FP8, 1 x BK row tiles, sa [M, cdiv(K, BK)]) @ b^T, where
-    b [N, K] (FP8, K-major, as Hopper's FP8 wgmma wants it) is scaled in BN x BK blocks
-    (sb [cdiv(N, BN), cdiv(K, BK)]): for each K block the FP8 products are summed by the tensor cores
+    b [N, K] (FP8, K-major, as Hopper's FP8 wgmma wants it) is scaled in WB x BK blocks
+    (sb [cdiv(N, WB), cdiv(K, BK)]): for each K block the FP8 products are summed by the tensor cores
     into a fresh float32 partial, which is then scaled and added to the float32 accumulator
-    (DeepSeek-V3's promotion every BK = 128 elements of K). BN must equal the weight block rows."""
+    (DeepSeek-V3's promotion every BK = 128 elements of K). BN is a multiple of WB (a tile's columns
+    take their own block's scale)."""
     pid = tl.program_id(0)
     n_m = tl.cdiv(M, BM)
     n_n = tl.cdiv(N, BN)
@@ -224,8 +226,12 @@ def block_scaled_gemm_kernel(
         )
         partial = tl.dot(a, b)  # [BM, BN] float32, this K block only
         sa = tl.load(sa_ptr + rows.to(tl.int64) * n_kb + kb, mask=rmask, other=0.0)
-        sb = tl.load(sb_ptr + pn * n_kb + kb)
-        acc += partial * (sa[:, None] * sb)
+        if BN == WB:
+            sb = tl.load(sb_ptr + pn * n_kb + kb)
+            acc += partial * (sa[:, None] * sb)
+        else:
+            sb = tl.load(sb_ptr + (cols // WB) * n_kb + kb, mask=cmask, other=0.0)
+            acc += partial * (sa[:, None] * sb[None, :])
     out = acc.to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], out, mask=rmask[:, None] & cmask[None, :])
 

@@ -425,12 +425,13 @@ def _kernel_main() -> int:
         failures += not ok
     # the block-scaled GEMM: 1 x 128 activations @ (128 x 128 weights)^T, K and N with partial blocks
     rng = np.random.default_rng(77)
-    for m, k, n in [(200, 300, 130), (64, 128, 100)]:
+    # (the 128 x 256 tile: two weight blocks, each column scaled by its own)
+    for m, k, n, cfg in [(200, 300, 130, None), (64, 128, 100, None), (130, 256, 300, (128, 256, 8, 3))]:
         x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
         w_t = jnp.asarray(rng.standard_normal((n, k)) / np.sqrt(k), jnp.float32)
         qa = ref.quantize_blocks(x, (1, 128), fp8.E4M3, power_of_2=True)
         qb = ref.quantize_blocks(w_t, (128, 128), fp8.E4M3, power_of_2=True)
-        got = np.asarray(tri.block_scaled_gemm(qa, qb, jnp.float32))
+        got = np.asarray(tri.block_scaled_gemm(qa, qb, jnp.float32, config=cfg))
         want = np.asarray(ref.dequantize(qa, jnp.float32)) @ np.asarray(ref.dequantize(qb, jnp.float32)).T
         err = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
         ok = err < 1e-5  # the same products, summed in another order in float32
@@ -592,16 +593,27 @@ def _np_q(a, recipe, role, block):
 
 
 @pytest.mark.parametrize(
-    "recipe", [fp8.CurrentScaling(), fp8.BlockScaling(), fp8.BlockScaling(formats="hybrid")], ids=repr
+    "recipe,impl",
+    [
+        (fp8.CurrentScaling(), None),
+        (fp8.CurrentScaling(), "xla"),
+        (fp8.CurrentScaling(formats="e4m3", power_of_2=True), "xla"),
+        (fp8.BlockScaling(), None),
+        (fp8.BlockScaling(formats="hybrid"), None),
+    ],
+    ids=repr,
 )
-def test_fp8_dense_matches_numpy_formulation(recipe):
+def test_fp8_dense_matches_numpy_formulation(recipe, impl):
     """y, dx and dw from the quantized operands of the table in te_ops/fp8/dense.py, computed with
-    NumPy: equal up to float32 summation order."""
+    NumPy: equal up to float32 summation order (the reference path, and "xla": jnp quantization with
+    FP8 dots)."""
     rng = np.random.default_rng(11)
     x = rng.standard_normal((96, 300)).astype(np.float32)
     w = (rng.standard_normal((300, 260)) / 17).astype(np.float32)
     dy = rng.standard_normal((96, 260)).astype(np.float32)
-    y, vjp = jax.vjp(lambda x, w: fp8.fp8_dense(x, w, recipe), jnp.asarray(x), jnp.asarray(w))
+    y, vjp = jax.jit(lambda x, w: jax.vjp(lambda x, w: fp8.fp8_dense(x, w, recipe, implementation=impl), x, w))(
+        jnp.asarray(x), jnp.asarray(w)
+    )
     dx, dw = vjp(jnp.asarray(dy))
     act, wb = (1, 128), (128, 128)
     want_y = _np_q(x, recipe, "x", act) @ _np_q(w.T, recipe, "w", wb).T
@@ -648,6 +660,11 @@ def test_fp8_dense_accuracy_and_shapes():
             ),
             ValueError,
             "implementation='triton' takes CurrentScaling, or BlockScaling",
+        ),
+        (
+            lambda: fp8.fp8_dense(jnp.ones((4, 8)), jnp.ones((8, 2)), fp8.BlockScaling(), implementation="xla"),
+            ValueError,
+            "implementation='xla' takes CurrentScaling",
         ),
         (
             lambda: fp8.fp8_dense(jnp.ones((4, 8)), jnp.ones((8, 2)), fp8.BlockScaling(weight_block=(64, 128))),
