@@ -10,6 +10,7 @@ benchmark have run).
 from __future__ import annotations
 
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +31,12 @@ def _k():
     from te_ops.fp8 import triton_kernels
 
     return triton_kernels
+
+
+def _hw_cvt() -> bool:
+    """Use the GPU's float32 -> FP8 conversion (not under Triton's CPU interpreter, whose conversion
+    rounds wrongly at binade edges: the kernels then use an integer formulation)."""
+    return os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
 
 
 def _is_pow2(v: int) -> bool:
@@ -76,6 +83,7 @@ def block_quantize(x: jax.Array, block: tuple[int, int], fmt, *, power_of_2: boo
             EMIN=emin,
             MARGIN_MUL=2.0**-margin,
             POW2=bool(power_of_2),
+            HW=_hw_cvt(),
         ),
         num_warps=4,
         divisible_by_16=("C",) if c % 16 == 0 else (),  # lets Triton vectorise the row accesses
@@ -114,7 +122,13 @@ def dual_quantize(
         ],
         grid=(nrb, ncb),
         constexprs=dict(
-            B=block, FMAX=format_max(fmt), MBITS=mbits, EMIN=emin, MARGIN_MUL=2.0**-margin, POW2=bool(power_of_2)
+            B=block,
+            FMAX=format_max(fmt),
+            MBITS=mbits,
+            EMIN=emin,
+            MARGIN_MUL=2.0**-margin,
+            POW2=bool(power_of_2),
+            HW=_hw_cvt(),
         ),
         num_warps=8,
         divisible_by_16=tuple(n for n, v in (("R", r), ("C", c)) if v % 16 == 0),
@@ -245,7 +259,12 @@ def tensor_cast(x: jax.Array, scale: jax.Array, fmt, *, with_amax: bool) -> tupl
         grid=(-(-n // ELEMS_PER_PROGRAM),),
         zeroed_outputs=(1,),
         constexprs=dict(
-            BLOCK=ELEMS_PER_PROGRAM, FMAX=format_max(fmt), MBITS=mbits, EMIN=emin, WITH_AMAX=bool(with_amax)
+            BLOCK=ELEMS_PER_PROGRAM,
+            FMAX=format_max(fmt),
+            MBITS=mbits,
+            EMIN=emin,
+            WITH_AMAX=bool(with_amax),
+            HW=_hw_cvt(),
         ),
         num_warps=4,
         name="te_fp8_tensor_cast",

@@ -61,6 +61,22 @@ def encode_fp8(v, MBITS: tl.constexpr, EMIN: tl.constexpr):
 
 
 @triton.jit
+def fp8_bytes(v, MBITS: tl.constexpr, EMIN: tl.constexpr, HW: tl.constexpr):
+    """The FP8 bytes (uint8) of ``v`` (float32 within the format's range, or NaN). HW: the GPU's
+    conversion (``cvt.rn.satfinite`` on Hopper, two values per instruction, round to nearest even);
+    otherwise the integer formulation above, which Triton's CPU interpreter needs (its own conversion
+    rounds wrongly at binade edges). The GPU tests check HW's bytes against the reference."""
+    if HW:
+        if MBITS == 3:
+            q = v.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+        else:
+            q = v.to(tl.float8e5, fp_downcast_rounding="rtne")
+        return q.to(tl.uint8, bitcast=True)
+    else:
+        return encode_fp8(round_to_fp8_grid(v, MBITS, EMIN), MBITS, EMIN)
+
+
+@triton.jit
 def block_quantize_kernel(
     x_ptr,
     R,
@@ -75,6 +91,7 @@ def block_quantize_kernel(
     EMIN: tl.constexpr,
     MARGIN_MUL: tl.constexpr,
     POW2: tl.constexpr,
+    HW: tl.constexpr,
 ):
     """x: [B, R, C]; q: [B, R, C] FP8 bytes (uint8); sinv: [B, cdiv(R, BR), cdiv(C, BC)] float32.
 
@@ -102,7 +119,7 @@ def block_quantize_kernel(
     s2 = tl.reshape(tl.broadcast_to(scale[:, None, None], (NB, BR, BC)), (TR, BC))
     v = tl.minimum(tl.maximum(x * s2, -FMAX), FMAX)
     v = tl.where(nan, x, v)
-    q = encode_fp8(round_to_fp8_grid(v, MBITS, EMIN), MBITS, EMIN)
+    q = fp8_bytes(v, MBITS, EMIN, HW)
     tl.store(q_ptr + offs, q, mask=mask)
     nrb = tl.cdiv(R, BR)
     ncb = tl.cdiv(C, BC)
@@ -123,10 +140,10 @@ def _scales(amax, has_nan, FMAX: tl.constexpr, MARGIN_MUL: tl.constexpr, POW2: t
 
 
 @triton.jit
-def _quantize_tile(x, nan, scale, FMAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr):
+def _quantize_tile(x, nan, scale, FMAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, HW: tl.constexpr):
     v = tl.minimum(tl.maximum(x * scale, -FMAX), FMAX)
     v = tl.where(nan, x, v)
-    return encode_fp8(round_to_fp8_grid(v, MBITS, EMIN), MBITS, EMIN)
+    return fp8_bytes(v, MBITS, EMIN, HW)
 
 
 @triton.jit
@@ -144,6 +161,7 @@ def dual_quantize_kernel(
     EMIN: tl.constexpr,
     MARGIN_MUL: tl.constexpr,
     POW2: tl.constexpr,
+    HW: tl.constexpr,
 ):
     """One read of a [B, B] tile of x [R, C], two quantizations written:
 
@@ -165,15 +183,16 @@ def dual_quantize_kernel(
     ax = tl.where(nan, 0.0, tl.abs(x))
     # row tiles: one scale per row of the tile
     srow = _scales(tl.max(ax, axis=1), tl.sum(nan.to(tl.int32), axis=1) > 0, FMAX, MARGIN_MUL, POW2)
-    q = _quantize_tile(x, nan, srow[:, None], FMAX, MBITS, EMIN)
+    q = _quantize_tile(x, nan, srow[:, None], FMAX, MBITS, EMIN, HW)
     tl.store(q_ptr + offs, q, mask=mask)
     ncb = tl.cdiv(C, B)
     tl.store(sinv_ptr + rows.to(tl.int64) * ncb + cb, tl.math.div_rn(tl.full((B,), 1.0, tl.float32), srow), mask=rmask)
     # column tiles: one scale per column of the tile, stored transposed
     scol = _scales(tl.max(ax, axis=0), tl.sum(nan.to(tl.int32), axis=0) > 0, FMAX, MARGIN_MUL, POW2)
-    qc = _quantize_tile(x, nan, scol[None, :], FMAX, MBITS, EMIN)
-    offs_t = cols.to(tl.int64)[None, :] * R + rows[:, None]
-    tl.store(qt_ptr + offs_t, qc, mask=mask)
+    qc = _quantize_tile(x, nan, scol[None, :], FMAX, MBITS, EMIN, HW)
+    # transposed in registers (through shared memory) so the store runs along x^T's rows
+    offs_t = cols.to(tl.int64)[:, None] * R + rows[None, :]
+    tl.store(qt_ptr + offs_t, tl.trans(qc), mask=cmask[:, None] & rmask[None, :])
     nrb = tl.cdiv(R, B)
     tl.store(sinvt_ptr + cols.to(tl.int64) * nrb + rb, tl.math.div_rn(tl.full((B,), 1.0, tl.float32), scol), mask=cmask)
 
@@ -331,6 +350,7 @@ def tensor_cast_kernel(
     MBITS: tl.constexpr,
     EMIN: tl.constexpr,
     WITH_AMAX: tl.constexpr,
+    HW: tl.constexpr,
 ):
     """q = FP8 bytes of clip(x * scale, -fmax, fmax) with one device-side scale (current scaling:
     from amax_kernel; delayed scaling: the state's), and, WITH_AMAX, the tensor's amax recorded in
@@ -342,7 +362,7 @@ def tensor_cast_kernel(
     nan = x != x
     v = tl.minimum(tl.maximum(x * scale, -FMAX), FMAX)
     v = tl.where(nan, x, v)
-    tl.store(q_ptr + offs, encode_fp8(round_to_fp8_grid(v, MBITS, EMIN), MBITS, EMIN), mask=mask)
+    tl.store(q_ptr + offs, fp8_bytes(v, MBITS, EMIN, HW), mask=mask)
     if WITH_AMAX:
         ax = tl.where(nan, float("inf"), tl.abs(x))
         tl.atomic_max(amax_ptr, tl.max(ax, axis=0).to(tl.int32, bitcast=True))

@@ -574,6 +574,7 @@ def test_block_quantize_kernel_lowers_for_sm90_without_gpu(monkeypatch):
     ptx = compiled.asm["ptx"]
     assert grid == (4, 3, 4)  # batch, 96 rows / 32 per program, 512 / 128 column blocks
     assert "div.rn.f32" in ptx and "st.local" not in ptx and "ld.global.v" in ptx
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx  # the hardware conversion, two values per instruction
 
 
 # ----------------------------------------------------------------------------------------------
