@@ -115,9 +115,8 @@ def quantize(
         if isinstance(recipe, BlockScaling):
             return tri.block_quantize(x, block, fmt, power_of_2=recipe.power_of_2)
         if isinstance(recipe, DelayedScaling):  # one read: cast with the state's scale, amax recorded
-            q, x_amax = tri.tensor_cast(x, state.scale, fmt, with_amax=True)
-            scale = state.scale.astype(jnp.float32)
-            qt = QuantizedTensor(q, (1.0 / scale).astype(jnp.float32), None, jnp.dtype(x.dtype))
+            q, x_amax, sinv = tri.tensor_cast(x, state.scale, fmt, with_amax=True)
+            qt = QuantizedTensor(q, sinv, None, jnp.dtype(x.dtype))
             return qt, ref.update_delayed_state(state, recipe, fmt, x_amax)
         return tri.quantize_tensor(x, fmt, margin=recipe.margin, power_of_2=recipe.power_of_2)
     return ref.quantize(x, recipe, role, state)

@@ -242,20 +242,33 @@ def tensor_amax(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits[0], jnp.float32)
 
 
-def tensor_cast(x: jax.Array, scale: jax.Array, fmt, *, with_amax: bool) -> tuple[jax.Array, jax.Array | None]:
-    """FP8 of ``clip(x * scale, -fmax, fmax)`` with a device scale, and the amax of x from the same
-    read when ``with_amax``."""
+def tensor_cast(
+    x: jax.Array,
+    scale: jax.Array,
+    fmt,
+    *,
+    with_amax: bool,
+    from_amax: bool = False,
+    margin: int = 0,
+    power_of_2: bool = False,
+) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+    """FP8 of ``clip(x * scale, -fmax, fmax)`` with a device-side scale: returns (q, amax of x from the
+    same read when ``with_amax`` else None, scale_inv as a float32 scalar). ``from_amax``: ``scale``
+    is the tensor's amax and the kernel derives the scale from it (current scaling)."""
     fmt = jnp.dtype(fmt)
     n = x.size
     mbits, emin = FORMAT_BITS[fmt]
     if n == 0:
-        return jnp.zeros(x.shape, fmt), (jnp.zeros((), jnp.float32) if with_amax else None)
-    q, bits = tb.triton_call(
+        from te_ops.fp8 import reference as ref
+
+        s = ref.compute_scale(scale, format_max(fmt), margin, power_of_2) if from_amax else scale
+        return jnp.zeros(x.shape, fmt), (jnp.zeros((), jnp.float32) if with_amax else None), 1.0 / s
+    q, bits, sinv = tb.triton_call(
         _k().tensor_cast_kernel,
         x.reshape(-1),
         jnp.asarray(scale, jnp.float32).reshape(1),
         np.int64(n),
-        out_shape=[SDS((n,), jnp.uint8), SDS((1,), jnp.int32)],
+        out_shape=[SDS((n,), jnp.uint8), SDS((1,), jnp.int32), SDS((1,), jnp.float32)],
         grid=(-(-n // ELEMS_PER_PROGRAM),),
         zeroed_outputs=(1,),
         constexprs=dict(
@@ -264,22 +277,24 @@ def tensor_cast(x: jax.Array, scale: jax.Array, fmt, *, with_amax: bool) -> tupl
             MBITS=mbits,
             EMIN=emin,
             WITH_AMAX=bool(with_amax),
+            FROM_AMAX=bool(from_amax),
+            MARGIN_MUL=2.0**-margin,
+            POW2=bool(power_of_2),
             HW=_hw_cvt(),
         ),
         num_warps=4,
         name="te_fp8_tensor_cast",
     )
     q = jax.lax.bitcast_convert_type(q, fmt).reshape(x.shape)
-    return q, (jax.lax.bitcast_convert_type(bits[0], jnp.float32) if with_amax else None)
+    return q, (jax.lax.bitcast_convert_type(bits[0], jnp.float32) if with_amax else None), sinv[0]
 
 
 def quantize_tensor(x: jax.Array, fmt, *, margin: int = 0, power_of_2: bool = False) -> QuantizedTensor:
-    """Per-tensor current scaling: an amax pass, the scale (reference rule), a cast pass."""
-    from te_ops.fp8 import reference as ref
-
-    scale = ref.compute_scale(tensor_amax(x), format_max(fmt), margin, power_of_2)
-    q, _ = tensor_cast(x, scale, fmt, with_amax=False)
-    return QuantizedTensor(q, (1.0 / scale).astype(jnp.float32), None, jnp.dtype(x.dtype))
+    """Per-tensor current scaling: an amax pass, then a cast pass that derives the scale (reference
+    rule, correctly rounded divisions) and writes scale_inv."""
+    q, _, sinv = tensor_cast(x, tensor_amax(x), fmt, with_amax=False, from_amax=True, margin=margin,
+                             power_of_2=power_of_2)  # fmt: skip
+    return QuantizedTensor(q, sinv, None, jnp.dtype(x.dtype))
 
 
 def _as_blocks(q: QuantizedTensor, block: tuple[int, int]) -> QuantizedTensor:

@@ -345,24 +345,39 @@ def tensor_cast_kernel(
     n,
     q_ptr,
     amax_ptr,
+    sinv_ptr,
     BLOCK: tl.constexpr,
     FMAX: tl.constexpr,
     MBITS: tl.constexpr,
     EMIN: tl.constexpr,
     WITH_AMAX: tl.constexpr,
+    FROM_AMAX: tl.constexpr,
+    MARGIN_MUL: tl.constexpr,
+    POW2: tl.constexpr,
     HW: tl.constexpr,
 ):
-    """q = FP8 bytes of clip(x * scale, -fmax, fmax) with one device-side scale (current scaling:
-    from amax_kernel; delayed scaling: the state's), and, WITH_AMAX, the tensor's amax recorded in
-    the same pass (delayed scaling: one read of x for both)."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    """q = FP8 bytes of clip(x * scale, -fmax, fmax) with one device-side scale, and sinv[0] = 1 / scale
+    (correctly rounded; program 0 writes it).
+
+    FROM_AMAX (current scaling): scale_ptr holds the tensor's amax (amax_kernel's) and every program
+    derives the scale from it with the reference rule and correctly rounded divisions (XLA's float32
+    division on the GPU is not always correctly rounded). Otherwise (delayed scaling) scale_ptr holds
+    the scale, and WITH_AMAX records the tensor's amax in the same read."""
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.load(scale_ptr)
+    one = tl.arange(0, 1)
+    s_in = tl.load(scale_ptr + one)  # [1]
+    if FROM_AMAX:
+        scale = _scales(s_in, s_in != s_in, FMAX, MARGIN_MUL, POW2)
+    else:
+        scale = s_in
     nan = x != x
     v = tl.minimum(tl.maximum(x * scale, -FMAX), FMAX)
     v = tl.where(nan, x, v)
     tl.store(q_ptr + offs, fp8_bytes(v, MBITS, EMIN, HW), mask=mask)
+    tl.store(sinv_ptr + one, tl.math.div_rn(tl.full((1,), 1.0, tl.float32), scale), mask=(one + pid) == 0)
     if WITH_AMAX:
         ax = tl.where(nan, float("inf"), tl.abs(x))
         tl.atomic_max(amax_ptr, tl.max(ax, axis=0).to(tl.int32, bitcast=True))
