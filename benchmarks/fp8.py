@@ -143,11 +143,13 @@ def main():
         qa = jax.jit(lambda x: ref.quantize_blocks(x, (1, 128), fp8.E4M3, power_of_2=True))(x)
         qb = jax.jit(lambda w: ref.quantize_blocks(w, (128, 128), fp8.E4M3, power_of_2=True))(w_t)
         del w_t
-        fn = jax.jit(lambda a, b, s: tri.grouped_block_scaled_gemm(a, b, s, jnp.bfloat16))
-        t = _timing.time_fn(fn, [(qa, qb, sizes)], repeats=5, calls=10)
         target = 1100.0 if g == 32 else None
-        gemm_rows.append({"gemm": f"grouped K{k} N{n} G{g} M{m}", "impl": "fp8 block-scaled (triton)", "ms": t,
-                          "TFLOPs": 2.0 * m * k * n / t / 1e9, "target_TFLOPs": target})  # fmt: skip
+        for cfg in [None, (128, 256, 8, 3), (128, 256, 8, 4)]:
+            fn = jax.jit(lambda a, b, s, cfg=cfg: tri.grouped_block_scaled_gemm(a, b, s, jnp.bfloat16, config=cfg))
+            t = _timing.time_fn(fn, [(qa, qb, sizes)], repeats=5, calls=10)
+            gemm_rows.append({"gemm": f"grouped K{k} N{n} G{g} M{m}",
+                              "impl": f"fp8 block-scaled (triton {cfg or tri.GROUPED_GEMM_CONFIG})", "ms": t,
+                              "TFLOPs": 2.0 * m * k * n / t / 1e9, "target_TFLOPs": target})  # fmt: skip
         del qa, qb, x
     torch_rows = torch_scaled_grouped(gemm_rows)
     dense_rows = dense_fwd_bwd(summary)

@@ -180,8 +180,16 @@ def block_scaled_gemm(
     )[0]
 
 
+GROUPED_GEMM_CONFIG = (128, 128, 8, 3)  # (BM, BN, num_warps, num_stages); timed in benchmarks/fp8.py
+
+
 def grouped_block_scaled_gemm(
-    qa: QuantizedTensor, qb_t: QuantizedTensor, group_sizes: jax.Array, out_dtype=jnp.bfloat16, num_programs=None
+    qa: QuantizedTensor,
+    qb_t: QuantizedTensor,
+    group_sizes: jax.Array,
+    out_dtype=jnp.bfloat16,
+    num_programs=None,
+    config: tuple | None = None,
 ) -> jax.Array:
     """MoE experts in FP8: ``out[rows of g] = dequantize(qa)[rows of g] @ dequantize(qb_t[g]).T``.
 
@@ -195,7 +203,8 @@ def grouped_block_scaled_gemm(
     g, n, _ = qb_t.data.shape
     if qa.block != (1, 128) or qb_t.block != (128, 128):
         raise ValueError(f"grouped_block_scaled_gemm takes 1x128 x 128x128 blocks, got {qa.block} and {qb_t.block}")
-    bm, bn, bk = 128, 128, 128
+    bm, bn, warps, stages = config or GROUPED_GEMM_CONFIG
+    bk = 128
     n_tiles = -(-n // bn)
     grid = num_programs or max(1, min(gd.num_sms(), (-(-m // bm) + g + 1) * n_tiles))
     return tb.triton_call(
@@ -212,9 +221,9 @@ def grouped_block_scaled_gemm(
         np.int32(grid),
         out_shape=[SDS((m, n), out_dtype)],
         grid=(grid,),
-        constexprs=dict(BM=bm, BN=bn, BK=bk, BLOCK_G=max(16, 1 << max(0, (g - 1).bit_length()))),
-        num_warps=8,
-        num_stages=3,
+        constexprs=dict(BM=bm, BN=bn, BK=bk, BLOCK_G=max(16, 1 << max(0, (g - 1).bit_length())), WB=128),
+        num_warps=warps,
+        num_stages=stages,
         divisible_by_16=tuple(nm for nm, v in (("K", k), ("N", n)) if v % 16 == 0),
         name="te_fp8_grouped_block_gemm",
     )[0]

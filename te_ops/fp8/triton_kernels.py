@@ -272,6 +272,7 @@ def grouped_block_scaled_gemm_kernel(
     BN: tl.constexpr,
     BK: tl.constexpr,
     BLOCK_G: tl.constexpr,
+    WB: tl.constexpr,
 ):
     """Grouped block-scaled FP8 GEMM (MoE experts): out[rows of g] = a[rows of g] @ b[g]^T.
 
@@ -319,8 +320,12 @@ def grouped_block_scaled_gemm_kernel(
                         mask=kmask[:, None] & cmask[None, :], other=0.0)  # fmt: skip
             partial = tl.dot(a, b)
             sa = tl.load(sa_ptr + rows_ld * n_kb + kb)
-            sb = tl.load(sb_ptr + (g64 * n_tiles + nt) * n_kb + kb)
-            acc += partial * (sa[:, None] * sb)
+            if BN == WB:
+                sb = tl.load(sb_ptr + (g64 * n_tiles + nt) * n_kb + kb)
+                acc += partial * (sa[:, None] * sb)
+            else:  # BN = a multiple of the weight block: each column takes its own block's scale
+                sb = tl.load(sb_ptr + (g64 * tl.cdiv(N, WB) + cols // WB) * n_kb + kb, mask=cmask, other=0.0)
+                acc += partial * (sa[:, None] * sb[None, :])
         out = acc.to(out_ptr.dtype.element_ty)
         o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
         tl.store(o_ptrs, out, mask=(rows < row_end)[:, None] & cmask[None, :])

@@ -438,14 +438,20 @@ def _kernel_main() -> int:
         print(f"gemm {m}x{k}x{n}: max rel diff {err:.2e} {'ok' if ok else 'MISMATCH'}")
         failures += not ok
     # the grouped block-scaled GEMM (MoE experts): uneven, empty and clipped groups, rows past the groups zero
-    for m, k, n, sizes in [(300, 256, 130, [100, 0, 150, 30]), (200, 130, 128, [0, 0, 0]), (90, 128, 64, [10, 90, 5])]:
+    gcases = [
+        (300, 256, 130, [100, 0, 150, 30], None),
+        (200, 130, 128, [0, 0, 0], None),
+        (90, 128, 64, [10, 90, 5], None),
+        (300, 256, 300, [100, 0, 150, 30], (128, 256, 8, 3)),  # 128 x 256 tiles, per-column block scales
+    ]
+    for m, k, n, sizes, cfg in gcases:
         g = len(sizes)
         x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
         w_t = jnp.asarray(rng.standard_normal((g, n, k)) / np.sqrt(k), jnp.float32)
         qa = ref.quantize_blocks(x, (1, 128), fp8.E4M3, power_of_2=True)
         qb = ref.quantize_blocks(w_t, (128, 128), fp8.E4M3, power_of_2=True)
         got = np.asarray(
-            tri.grouped_block_scaled_gemm(qa, qb, jnp.array(sizes, jnp.int32), jnp.float32, num_programs=3)
+            tri.grouped_block_scaled_gemm(qa, qb, jnp.array(sizes, jnp.int32), jnp.float32, num_programs=3, config=cfg)
         )
         xd, wd = np.asarray(ref.dequantize(qa, jnp.float32)), np.asarray(ref.dequantize(qb, jnp.float32))
         want, r0 = np.zeros((m, n), np.float32), 0
