@@ -2,7 +2,7 @@
 (:mod:`te_ops.fp8.recipes`, :mod:`te_ops.fp8.reference`, :mod:`te_ops.fp8.api`)."""
 
 from te_ops.fp8.api import dequantize, initial_state, quantize
-from te_ops.fp8.dense import fp8_dense
+from te_ops.fp8.dense import DenseScalingState, fp8_dense, initial_dense_state
 from te_ops.fp8.grouped import fp8_grouped_dense
 from te_ops.fp8.recipes import E4M3, E5M2, BlockScaling, CurrentScaling, DelayedScaling, format_max
 from te_ops.fp8.reference import DelayedScalingState, QuantizedTensor
@@ -14,11 +14,13 @@ __all__ = [
     "CurrentScaling",
     "DelayedScaling",
     "DelayedScalingState",
+    "DenseScalingState",
     "QuantizedTensor",
     "dequantize",
     "fp8_dense",
     "fp8_grouped_dense",
     "format_max",
+    "initial_dense_state",
     "initial_state",
     "quantize",
 ]

@@ -24,6 +24,7 @@ forward and backward passes and is not supported here yet.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -32,7 +33,7 @@ import jax.numpy as jnp
 from te_ops._core.validation import check_float, err, static_choice
 from te_ops.fp8 import reference as ref
 from te_ops.fp8.recipes import BlockScaling, CurrentScaling, DelayedScaling
-from te_ops.fp8.reference import QuantizedTensor
+from te_ops.fp8.reference import DelayedScalingState, QuantizedTensor
 
 OP = "fp8_dense"
 F32 = jnp.float32
@@ -182,7 +183,90 @@ def _bwd(recipe, implementation, res, dy):
 _fp8_dense.defvjp(_fwd, _bwd)
 
 
-def fp8_dense(x: jax.Array, kernel: jax.Array, recipe: CurrentScaling | BlockScaling, *, implementation=None):
+# ----------------------------------------------------------------------------------------------
+# Delayed scaling: the three tensors' states in, their updates out through the state's cotangent
+# ----------------------------------------------------------------------------------------------
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DenseScalingState:
+    """Delayed-scaling states of the three tensors ``fp8_dense`` quantizes: the activation ``x``, the
+    kernel ``w`` and the output gradient ``g`` (a pytree)."""
+
+    x: DelayedScalingState
+    w: DelayedScalingState
+    g: DelayedScalingState
+
+
+def initial_dense_state(recipe: DelayedScaling) -> DenseScalingState:
+    """Fresh states (all-zero histories, scale 1) for ``fp8_dense`` with ``recipe``."""
+    return DenseScalingState(ref.initial_state(recipe), ref.initial_state(recipe), ref.initial_state(recipe))
+
+
+def _quant_delayed(a, st, recipe, role, implementation):
+    fmt = recipe.format(role)
+    if implementation == "triton":
+        from te_ops.fp8 import triton as tri
+
+        q, a_amax, sinv = tri.tensor_cast(a, st.scale, fmt, with_amax=True)
+        return QuantizedTensor(q, sinv, None, jnp.dtype(a.dtype)), ref.update_delayed_state(st, recipe, fmt, a_amax)
+    return ref.quantize_delayed(a, st, recipe, fmt)
+
+
+def _delayed_gemm(implementation):
+    return gemm_reference if implementation == "reference" else gemm_xla_fp8
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _fp8_dense_delayed(x, w, state, recipe, implementation):
+    return _dfwd(x, w, state, recipe, implementation)[0]
+
+
+def _dfwd(x, w, state, recipe, implementation):
+    qx, st_x = _quant_delayed(x, state.x, recipe, "x", implementation)
+    qw, st_w = _quant_delayed(w, state.w, recipe, "w", implementation)
+    qw_t = _transpose(qw)
+    y = _delayed_gemm(implementation)(qx, qw_t, x.dtype)
+    return y, (_transpose(qx), qw_t, st_x, st_w, state.g, jnp.zeros((), w.dtype))
+
+
+def _dbwd(recipe, implementation, res, dy):
+    qx_t, qw_t, st_x, st_w, st_g, w_proto = res
+    qdy, st_g = _quant_delayed(dy, st_g, recipe, "g", implementation)
+    gemm = _delayed_gemm(implementation)
+    dx = gemm(qdy, _transpose(qw_t), dy.dtype)  # dy @ w^T
+    dw = gemm(qx_t, _transpose(qdy), w_proto.dtype)  # x^T @ dy
+    return dx, dw, DenseScalingState(st_x, st_w, st_g)
+
+
+_fp8_dense_delayed.defvjp(_dfwd, _dbwd)
+
+
+def _check_dense_state(recipe: DelayedScaling, state) -> None:
+    if not isinstance(state, DenseScalingState):
+        raise TypeError(
+            err(OP, "DelayedScaling needs state=DenseScalingState (te_ops.fp8.initial_dense_state(recipe)), got "
+                    f"{state!r:.80}.")
+        )  # fmt: skip
+    for name in ("x", "w", "g"):
+        st = getattr(state, name)
+        hist, sc = jnp.shape(st.amax_history), jnp.shape(st.scale)
+        if hist != (recipe.history_len,) or sc != ():
+            raise ValueError(
+                err(OP, f"state.{name} must hold amax_history [{recipe.history_len}] and a scalar scale "
+                        f"(recipe.history_len={recipe.history_len}), got amax_history {hist} and scale {sc}.")
+            )  # fmt: skip
+
+
+def fp8_dense(
+    x: jax.Array,
+    kernel: jax.Array,
+    recipe: CurrentScaling | DelayedScaling | BlockScaling,
+    *,
+    state: DenseScalingState | None = None,
+    implementation=None,
+):
     """``x @ kernel`` with FP8 operands in the forward GEMM and in both backward GEMMs.
 
     Each GEMM multiplies dequantized FP8 operands and sums in float32 (module docstring: which
@@ -190,16 +274,28 @@ def fp8_dense(x: jax.Array, kernel: jax.Array, recipe: CurrentScaling | BlockSca
     kernel's dtype. Quantization follows :func:`te_ops.fp8.quantize` (docs/semantics.md, "FP8
     quantization").
 
+    Delayed scaling: ``state`` (a :class:`DenseScalingState`, from :func:`initial_dense_state`) gives
+    the scales of x, the kernel and the output gradient. The updated state (each tensor's amax
+    recorded, the next scales) comes back as the **cotangent of** ``state``: differentiate with
+    respect to ``state`` too and use that "gradient" as the next step's state (it is not a
+    gradient; do not feed it to an optimizer)::
+
+        loss_and_grads = jax.value_and_grad(loss, argnums=(0, 1))   # loss(params, state, batch)
+        loss, (grads, state) = loss_and_grads(params, state, batch)
+
+    A forward-only call uses the state's scales and updates nothing.
+
     Args:
       x: [..., K] float32, bfloat16 or float16.
       kernel: [K, N], x's dtype.
-      recipe: :class:`~te_ops.fp8.CurrentScaling` or :class:`~te_ops.fp8.BlockScaling` (static).
-        With block scaling the weight blocks must be square (the dgrad GEMM reuses them
-        transposed).
+      recipe: :class:`~te_ops.fp8.CurrentScaling`, :class:`~te_ops.fp8.DelayedScaling` or
+        :class:`~te_ops.fp8.BlockScaling` (static). With block scaling the weight blocks must be
+        square (the dgrad GEMM reuses them transposed).
+      state: with DelayedScaling (required), the :class:`DenseScalingState`; else None.
       implementation: None or "reference" (pure JAX, every platform); "triton" (CUDA GPU; current
-        scaling, or block scaling with 1 x 128 / 128 x 128 blocks: our quantize kernels, our
-        block-scaled GEMM or cuBLASLt's per-tensor FP8 GEMM); "xla" (current scaling: quantization
-        in jnp, FP8 dots that XLA runs through cuBLASLt on Hopper).
+        or delayed scaling, or block scaling with 1 x 128 / 128 x 128 blocks: our quantize kernels,
+        our block-scaled GEMM or cuBLASLt's per-tensor FP8 GEMM); "xla" (current or delayed
+        scaling: quantization in jnp, FP8 dots that XLA runs through cuBLASLt on Hopper).
 
     Returns:
       [..., N] in x's dtype.
@@ -211,13 +307,14 @@ def fp8_dense(x: jax.Array, kernel: jax.Array, recipe: CurrentScaling | BlockSca
     """
     x = check_float(OP, "x", x, DTYPES)
     kernel = check_float(OP, "kernel", kernel, DTYPES, rank=2, layout="[K, N]")
+    if not isinstance(recipe, (CurrentScaling, DelayedScaling, BlockScaling)):
+        raise TypeError(
+            err(OP, f"recipe must be a te_ops.fp8 CurrentScaling, DelayedScaling or BlockScaling, got {recipe!r:.80}.")
+        )
     if isinstance(recipe, DelayedScaling):
-        raise NotImplementedError(
-            err(OP, "DelayedScaling needs its state threaded through the forward and backward passes; not supported "
-                    "by fp8_dense yet. Use CurrentScaling or BlockScaling.")
-        )  # fmt: skip
-    if not isinstance(recipe, (CurrentScaling, BlockScaling)):
-        raise TypeError(err(OP, f"recipe must be a te_ops.fp8 CurrentScaling or BlockScaling, got {recipe!r:.80}."))
+        _check_dense_state(recipe, state)
+    elif state is not None:
+        raise ValueError(err(OP, f"state is only for DelayedScaling; {type(recipe).__name__} takes state=None."))
     if x.ndim < 1 or x.shape[-1] != kernel.shape[0]:
         raise ValueError(err(OP, f"x's last axis must match kernel's K = {kernel.shape[0]}, got x shape {x.shape}."))
     if x.dtype != kernel.dtype:
@@ -225,19 +322,24 @@ def fp8_dense(x: jax.Array, kernel: jax.Array, recipe: CurrentScaling | BlockSca
     if isinstance(recipe, BlockScaling) and recipe.weight_block[0] != recipe.weight_block[1]:
         raise ValueError(err(OP, f"BlockScaling.weight_block must be square for fp8_dense, got {recipe.weight_block}."))
     implementation = static_choice(OP, "implementation", implementation, (None, "reference", "triton", "xla"))
-    if implementation == "xla" and not isinstance(recipe, CurrentScaling):
+    if implementation == "xla" and isinstance(recipe, BlockScaling):
         raise ValueError(
-            err(OP, f"implementation='xla' takes CurrentScaling (XLA has no block-scaled FP8 GEMM), got {recipe!r}.")
-        )
+            err(OP, "implementation='xla' takes CurrentScaling or DelayedScaling (XLA has no block-scaled FP8 GEMM), "
+                    f"got {recipe!r}.")
+        )  # fmt: skip
     if (
         implementation == "triton"
         and isinstance(recipe, BlockScaling)
         and not (recipe.act_block == (1, 128) and recipe.weight_block == (128, 128))
     ):
         raise ValueError(
-            err(OP, "implementation='triton' takes CurrentScaling, or BlockScaling with act_block (1, 128) and "
-                    f"weight_block (128, 128), got {recipe!r}.")
+            err(OP, "implementation='triton' takes CurrentScaling, DelayedScaling, or BlockScaling with act_block "
+                    f"(1, 128) and weight_block (128, 128), got {recipe!r}.")
         )  # fmt: skip
     lead = x.shape[:-1]
-    y = _fp8_dense(x.reshape(-1, x.shape[-1]), kernel, recipe, implementation or "reference")
+    x2 = x.reshape(-1, x.shape[-1])
+    if isinstance(recipe, DelayedScaling):
+        y = _fp8_dense_delayed(x2, kernel, state, recipe, implementation or "reference")
+    else:
+        y = _fp8_dense(x2, kernel, recipe, implementation or "reference")
     return y.reshape(*lead, kernel.shape[1])

@@ -512,6 +512,21 @@ def _kernel_main() -> int:
                 f"fp8_dense triton {type(recipe).__name__} {name}: max rel diff {err:.2e} {'ok' if ok else 'MISMATCH'}"
             )
             failures += not ok
+    # delayed scaling: the same scales from the state, the same updated state (the state's cotangent)
+    rec = fp8.DelayedScaling(history_len=4)
+    st0 = fp8.initial_dense_state(rec)
+    st0 = fp8.DenseScalingState(*(ref.DelayedScalingState(s.amax_history, jnp.float32(v)) for s, v in
+                                  zip((st0.x, st0.w, st0.g), (30.0, 500.0, 20.0), strict=True)))  # fmt: skip
+    for impl in ("triton", "reference"):
+        y, vjp = jax.vjp(lambda x, w, st, impl=impl: fp8.fp8_dense(x, w, rec, state=st, implementation=impl), x, w, st0)
+        outs[impl] = (y, *vjp(dy))
+    ok = True
+    for a, b in zip(outs["triton"][:3], outs["reference"][:3], strict=True):
+        ok = ok and float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / np.max(np.abs(np.asarray(b)))) < 1e-5
+    for a, b in zip(jax.tree.leaves(outs["triton"][3]), jax.tree.leaves(outs["reference"][3]), strict=True):
+        ok = ok and np.array_equal(np.asarray(a), np.asarray(b))
+    print(f"fp8_dense triton DelayedScaling y/dx/dw/state: {'ok' if ok else 'MISMATCH'}")
+    failures += not ok
     # fp8_grouped_dense through the Triton path vs the reference (forward, dx, dkernels)
     # float16: Triton 3.6's interpreter misreads bfloat16 in tl.dot (the wgrad kernel; fp16 runs the
     # same code)
@@ -634,6 +649,38 @@ def test_fp8_dense_matches_numpy_formulation(recipe, impl):
         np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-5 * np.max(np.abs(want)))
 
 
+@pytest.mark.parametrize("impl", [None, "xla"])
+def test_fp8_dense_delayed_scaling_numpy(impl):
+    """Delayed scaling over two steps: x, w and dy quantized with their states' scales (NumPy), and the
+    updated states (amax recorded at index 0, the next scale from the history) returned as the
+    cotangent of ``state``; the second step uses them."""
+    rec = fp8.DelayedScaling(history_len=3, formats="hybrid")
+    rng = np.random.default_rng(12)
+    st = fp8.initial_dense_state(rec)
+    st = fp8.DenseScalingState(*(fp8.DelayedScalingState(s.amax_history, jnp.float32(v)) for s, v in
+                                 zip((st.x, st.w, st.g), (40.0, 900.0, 3000.0), strict=True)))  # fmt: skip
+    f = jax.jit(lambda x, w, st, dy: (lambda y, vjp: (y, *vjp(dy)))(
+        *jax.vjp(lambda x, w, st: fp8.fp8_dense(x, w, rec, state=st, implementation=impl), x, w, st)))  # fmt: skip
+    for step in range(2):
+        x = (rng.standard_normal((64, 200)) * (1 + step)).astype(np.float32)
+        w = (rng.standard_normal((200, 72)) / 14).astype(np.float32)
+        dy = (rng.standard_normal((64, 72)) * 0.01).astype(np.float32)
+        y, dx, dw, new = f(jnp.asarray(x), jnp.asarray(w), st, jnp.asarray(dy))
+        sx, sw, sg = (np.float32(s.scale) for s in (st.x, st.w, st.g))
+        qx = _np_cast(x, sx, fp8.E4M3).astype(np.float32) / sx
+        qw = _np_cast(w, sw, fp8.E4M3).astype(np.float32) / sw
+        qdy = _np_cast(dy, sg, fp8.E5M2).astype(np.float32) / sg
+        for got, want in ((y, qx @ qw), (dx, qdy @ qw.T), (dw, qx.T @ qdy)):
+            np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-5 * np.max(np.abs(want)))
+        for name, a, fmt in (("x", x, fp8.E4M3), ("w", w, fp8.E4M3), ("g", dy, fp8.E5M2)):
+            old_st, got_st = getattr(st, name), getattr(new, name)
+            hist = np.roll(np.asarray(old_st.amax_history), 1)
+            hist[0] = np.max(np.abs(a))
+            np.testing.assert_array_equal(np.asarray(got_st.amax_history), hist)
+            assert float(got_st.scale) == float(_np_scale(np.max(hist), fp8.format_max(fmt))), name
+        st = new
+
+
 def test_fp8_dense_accuracy_and_shapes():
     """Against the float32 dense: forward <= 4.5% (E4M3), gradients <= 4.5% with E4M3 blocks and
     <= 7% with E5M2 gradients (hybrid); leading axes kept; dtypes follow x and the kernel; jit."""
@@ -657,7 +704,27 @@ def test_fp8_dense_accuracy_and_shapes():
 @pytest.mark.parametrize(
     "call,exc,match",
     [
-        (lambda: fp8.fp8_dense(jnp.ones((4, 8)), jnp.ones((8, 2)), fp8.DelayedScaling()), NotImplementedError, "state"),
+        (lambda: fp8.fp8_dense(jnp.ones((4, 8)), jnp.ones((8, 2)), fp8.DelayedScaling()), TypeError, "DenseScaling"),
+        (
+            lambda: fp8.fp8_dense(
+                jnp.ones((4, 8)),
+                jnp.ones((8, 2)),
+                fp8.DelayedScaling(history_len=4),
+                state=fp8.initial_dense_state(fp8.DelayedScaling(history_len=8)),
+            ),
+            ValueError,
+            r"state.x must hold amax_history \[4\]",
+        ),
+        (
+            lambda: fp8.fp8_dense(
+                jnp.ones((4, 8)),
+                jnp.ones((8, 2)),
+                fp8.CurrentScaling(),
+                state=fp8.initial_dense_state(fp8.DelayedScaling()),
+            ),
+            ValueError,
+            "state is only for DelayedScaling",
+        ),
         (lambda: fp8.fp8_dense(jnp.ones((4, 8)), jnp.ones((7, 2)), fp8.CurrentScaling()), ValueError, "K = 7"),
         (
             lambda: fp8.fp8_dense(jnp.ones((4, 8)), jnp.ones((8, 2), jnp.bfloat16), fp8.CurrentScaling()),
@@ -670,12 +737,12 @@ def test_fp8_dense_accuracy_and_shapes():
                 jnp.ones((4, 8)), jnp.ones((8, 2)), fp8.BlockScaling(act_block=(1, 64)), implementation="triton"
             ),
             ValueError,
-            "implementation='triton' takes CurrentScaling, or BlockScaling",
+            "implementation='triton' takes CurrentScaling, DelayedScaling, or BlockScaling",
         ),
         (
             lambda: fp8.fp8_dense(jnp.ones((4, 8)), jnp.ones((8, 2)), fp8.BlockScaling(), implementation="xla"),
             ValueError,
-            "implementation='xla' takes CurrentScaling",
+            "implementation='xla' takes CurrentScaling or DelayedScaling",
         ),
         (
             lambda: fp8.fp8_dense(jnp.ones((4, 8)), jnp.ones((8, 2)), fp8.BlockScaling(weight_block=(64, 128))),
