@@ -49,7 +49,17 @@ def main():
     from te_ops.fp8 import dense as fd
     from te_ops.fp8 import triton as tri
 
-    rows, summary = [], []
+    rows, summary, gemm_rows, torch_rows = [], [], [], []
+    dense_rows = dense_fwd_bwd(summary)  # the headline first; results saved after every section
+
+    def save():
+        payload = {"rows": rows, "gemm_rows": gemm_rows, "dense_rows": dense_rows, "torch_rows": torch_rows}
+        _timing.write_json("fp8", {**payload, "summary": summary, "target_TBps": TARGET_TBPS})
+        _timing.print_table("fp8_dense forward+backward (y, dx, dw), quantization included", dense_rows,
+                            ["impl", "ms", "TFLOPs", "vs_bf16_te", "vs_xla_fp8", "fp8_gemm_calls", "target",
+                             "meets_target"])  # fmt: skip
+
+    save()
     for name, shape, block in CASES:
         dtype = jnp.bfloat16
         sets = _arg_sets(shape, dtype)
@@ -106,7 +116,7 @@ def main():
         }
     )
     # the block-scaled FP8 GEMM (forward), operands pre-quantized, vs XLA's bf16 GEMM of the same shape
-    gemm_rows = []
+    save()
     for m, k, n in [(16384, 4096, 14336), (8192, 7168, 4096)]:
         kx, kw = jax.random.split(jax.random.key(1))
         x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
@@ -151,17 +161,13 @@ def main():
                               "impl": f"fp8 block-scaled (triton {cfg or tri.GROUPED_GEMM_CONFIG})", "ms": t,
                               "TFLOPs": 2.0 * m * k * n / t / 1e9, "target_TFLOPs": target})  # fmt: skip
         del qa, qb, x
-    torch_rows = torch_scaled_grouped(gemm_rows)
-    dense_rows = dense_fwd_bwd(summary)
+    save()
+    torch_rows.extend(torch_scaled_grouped(gemm_rows))
     _timing.print_table("FP8 block-scaled GEMM", gemm_rows, ["gemm", "impl", "ms", "TFLOPs", "target_TFLOPs"])
-    _timing.print_table("fp8_dense forward+backward (y, dx, dw), quantization included", dense_rows,
-                        ["impl", "ms", "TFLOPs", "vs_bf16_te", "vs_xla_fp8", "fp8_gemm_calls", "target",
-                         "meets_target"])  # fmt: skip
     _timing.print_table("FP8 block quantization (bf16 -> e4m3)", rows,
                         ["case", "shape", "block", "ours_ms", "xla_ms", "cast_ms", "ours_TBps", "xla_TBps", "speedup",
                          "bytes_equal_to_xla", "meets_target"])  # fmt: skip
-    _timing.write_json("fp8", {"rows": rows, "gemm_rows": gemm_rows, "dense_rows": dense_rows,
-                               "torch_rows": torch_rows, "summary": summary, "target_TBps": TARGET_TBPS})  # fmt: skip
+    save()
 
 
 def _compiled(fn, args, form=None):
