@@ -181,7 +181,11 @@ def _compiled(fn, args, form=None):
         c = jax.jit(fn).lower(*args).compile()
     finally:
         fd.XLA_FP8_FORM = old
-    return c, c.as_text().count("__cublas$lt$matmul$f8")
+    txt = c.as_text()
+    f8 = [ln for ln in txt.splitlines() if "__cublas$lt$matmul$f8" in ln]
+    if f8:  # what XLA asked cuBLASLt for (precision, epilogue, scales) in the first FP8 GEMM
+        print("first FP8 GEMM call:", f8[0].strip()[:200], "...", f8[0][f8[0].find("backend_config") :][:700])
+    return c, len(f8)
 
 
 def dense_fwd_bwd(summary):

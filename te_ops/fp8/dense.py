@@ -65,7 +65,7 @@ XLA_FP8_FORM = "f32"
 def gemm_xla_fp8(a: QuantizedTensor, b_t: QuantizedTensor, out_dtype, form: str | None = None) -> jax.Array:
     """``dequantize(a) @ dequantize(b_t)^T`` for per-tensor-scaled 2-D operands ([M, K] and [N, K]),
     written so that XLA runs it as one cuBLASLt FP8 GEMM on Hopper (products exact, float32
-    accumulation, ``Precision.HIGHEST``: no fast-accumulation mode)."""
+    accumulation, ``Precision.HIGHEST`` requested)."""
     dims = (((1,), (1,)), ((), ()))
     hi = jax.lax.Precision.HIGHEST
     if (form or XLA_FP8_FORM) == "f32":
