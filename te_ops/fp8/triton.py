@@ -164,7 +164,7 @@ def block_scaled_gemm(
     return tb.triton_call(
         _k().block_scaled_gemm_kernel,
         qa.data,
-        qa.scale_inv,
+        qa.scale_inv.T,  # [cdiv(K, 128), M]: the kernel loads a tile's row scales contiguously
         qb_t.data,
         qb_t.scale_inv,
         np.int32(m),
@@ -210,7 +210,7 @@ def grouped_block_scaled_gemm(
     return tb.triton_call(
         _k().grouped_block_scaled_gemm_kernel,
         qa.data,
-        qa.scale_inv,
+        qa.scale_inv.T,  # [cdiv(K, 128), M]: the kernel loads a tile's row scales contiguously
         qb_t.data,
         qb_t.scale_inv,
         group_sizes.astype(jnp.int32),

@@ -213,7 +213,8 @@ def block_scaled_gemm_kernel(
     GROUP_M: tl.constexpr,
     WB: tl.constexpr,
 ):
-    """out [M, N] = block-scaled a [M, K] (FP8, 1 x BK row tiles, sa [M, cdiv(K, BK)]) @ b^T, where
+    """out [M, N] = block-scaled a [M, K] (FP8, 1 x BK row tiles, inverse scales passed transposed:
+    sa [cdiv(K, BK), M], so a tile's row scales are one contiguous load) @ b^T, where
     b [N, K] (FP8, K-major, as Hopper's FP8 wgmma wants it) is scaled in WB x BK blocks
     (sb [cdiv(N, WB), cdiv(K, BK)]): for each K block the FP8 products are summed by the tensor cores
     into a fresh float32 partial, which is then scaled and added to the float32 accumulator
@@ -244,7 +245,7 @@ def block_scaled_gemm_kernel(
             b_ptr + cols.to(tl.int64)[None, :] * K + ks[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0
         )
         partial = tl.dot(a, b)  # [BM, BN] float32, this K block only
-        sa = tl.load(sa_ptr + rows.to(tl.int64) * n_kb + kb, mask=rmask, other=0.0)
+        sa = tl.load(sa_ptr + kb * M + rows, mask=rmask, other=0.0)  # sa^T [n_kb, M]: contiguous rows
         if BN == WB:
             sb = tl.load(sb_ptr + pn * n_kb + kb)
             acc += partial * (sa[:, None] * sb)
@@ -276,8 +277,8 @@ def grouped_block_scaled_gemm_kernel(
 ):
     """Grouped block-scaled FP8 GEMM (MoE experts): out[rows of g] = a[rows of g] @ b[g]^T.
 
-    a [M, K] FP8 in 1 x BK row tiles (sa [M, cdiv(K, BK)]); b [G, N, K] FP8, K-major, in BN x BK
-    blocks (sb [G, cdiv(N, BN), cdiv(K, BK)]); group sizes on the device (the rule of
+    a [M, K] FP8 in 1 x BK row tiles (inverse scales transposed: sa [cdiv(K, BK), M]); b [G, N, K]
+    FP8, K-major, in BN x BK blocks (sb [G, cdiv(N, BN), cdiv(K, BK)]); group sizes on the device (the rule of
     grouped_dense: clamped >= 0, clipped at M; rows past the groups are zero). Persistent: the
     programs walk one tile schedule derived from the group sizes; tiles start at each group's first
     row; A rows past the group's end are clamped to its last row and never stored. A fresh float32
@@ -319,7 +320,7 @@ def grouped_block_scaled_gemm_kernel(
             b = tl.load(b_ptr + g64 * N * K + cols.to(tl.int64)[None, :] * K + ks[:, None],
                         mask=kmask[:, None] & cmask[None, :], other=0.0)  # fmt: skip
             partial = tl.dot(a, b)
-            sa = tl.load(sa_ptr + rows_ld * n_kb + kb)
+            sa = tl.load(sa_ptr + kb * M + rows_ld)  # sa^T [n_kb, M]: contiguous rows
             if BN == WB:
                 sb = tl.load(sb_ptr + (g64 * n_tiles + nt) * n_kb + kb)
                 acc += partial * (sa[:, None] * sb)
