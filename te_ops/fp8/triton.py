@@ -232,23 +232,25 @@ def grouped_block_scaled_gemm(
 ELEMS_PER_PROGRAM = 4096
 
 
-def tensor_amax(x: jax.Array) -> jax.Array:
-    """max |x| in float32 (NaN counts as +Inf, 0 for an empty tensor), on the device."""
-    n = x.size
+def tensor_amax(x: jax.Array, batch: int = 1) -> jax.Array:
+    """max |x| in float32 (NaN counts as +Inf, 0 for an empty tensor), on the device; with ``batch``
+    B > 1, x is B equal slices along its leading axis and the result holds one amax per slice [B]."""
+    n = x.size // batch
     if n == 0:
-        return jnp.zeros((), jnp.float32)
+        return jnp.zeros(() if batch == 1 else (batch,), jnp.float32)
     (bits,) = tb.triton_call(
         _k().amax_kernel,
-        x.reshape(-1),
+        x.reshape(batch, n),
         np.int64(n),
-        out_shape=[SDS((1,), jnp.int32)],
-        grid=(-(-n // ELEMS_PER_PROGRAM),),
+        out_shape=[SDS((batch,), jnp.int32)],
+        grid=(-(-n // ELEMS_PER_PROGRAM), batch),
         zeroed_outputs=(0,),
         constexprs=dict(BLOCK=ELEMS_PER_PROGRAM),
         num_warps=4,
         name="te_fp8_amax",
     )
-    return jax.lax.bitcast_convert_type(bits[0], jnp.float32)
+    amax = jax.lax.bitcast_convert_type(bits, jnp.float32)
+    return amax[0] if batch == 1 else amax
 
 
 def tensor_cast(
@@ -260,25 +262,29 @@ def tensor_cast(
     from_amax: bool = False,
     margin: int = 0,
     power_of_2: bool = False,
+    batch: int = 1,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array]:
     """FP8 of ``clip(x * scale, -fmax, fmax)`` with a device-side scale: returns (q, amax of x from the
     same read when ``with_amax`` else None, scale_inv as a float32 scalar). ``from_amax``: ``scale``
-    is the tensor's amax and the kernel derives the scale from it (current scaling)."""
+    is the tensor's amax and the kernel derives the scale from it (current scaling). With ``batch``
+    B > 1, x is B equal slices along its leading axis, each with its own scale (``scale`` [B]; the
+    amax and scale_inv returned are [B])."""
     fmt = jnp.dtype(fmt)
-    n = x.size
+    n = x.size // batch
     mbits, emin = FORMAT_BITS[fmt]
+    vec = () if batch == 1 else (batch,)
     if n == 0:
         from te_ops.fp8 import reference as ref
 
         s = ref.compute_scale(scale, format_max(fmt), margin, power_of_2) if from_amax else scale
-        return jnp.zeros(x.shape, fmt), (jnp.zeros((), jnp.float32) if with_amax else None), 1.0 / s
+        return jnp.zeros(x.shape, fmt), (jnp.zeros(vec, jnp.float32) if with_amax else None), 1.0 / s
     q, bits, sinv = tb.triton_call(
         _k().tensor_cast_kernel,
-        x.reshape(-1),
-        jnp.asarray(scale, jnp.float32).reshape(1),
+        x.reshape(batch, n),
+        jnp.asarray(scale, jnp.float32).reshape(batch),
         np.int64(n),
-        out_shape=[SDS((n,), jnp.uint8), SDS((1,), jnp.int32), SDS((1,), jnp.float32)],
-        grid=(-(-n // ELEMS_PER_PROGRAM),),
+        out_shape=[SDS((batch, n), jnp.uint8), SDS((batch,), jnp.int32), SDS((batch,), jnp.float32)],
+        grid=(-(-n // ELEMS_PER_PROGRAM), batch),
         zeroed_outputs=(1,),
         constexprs=dict(
             BLOCK=ELEMS_PER_PROGRAM,
@@ -295,14 +301,16 @@ def tensor_cast(
         name="te_fp8_tensor_cast",
     )
     q = jax.lax.bitcast_convert_type(q, fmt).reshape(x.shape)
-    return q, (jax.lax.bitcast_convert_type(bits[0], jnp.float32) if with_amax else None), sinv[0]
+    amax = jax.lax.bitcast_convert_type(bits, jnp.float32).reshape(vec) if with_amax else None
+    return q, amax, sinv.reshape(vec)
 
 
-def quantize_tensor(x: jax.Array, fmt, *, margin: int = 0, power_of_2: bool = False) -> QuantizedTensor:
+def quantize_tensor(x: jax.Array, fmt, *, margin: int = 0, power_of_2: bool = False, batch: int = 1) -> QuantizedTensor:
     """Per-tensor current scaling: an amax pass, then a cast pass that derives the scale (reference
-    rule, correctly rounded divisions) and writes scale_inv."""
-    q, _, sinv = tensor_cast(x, tensor_amax(x), fmt, with_amax=False, from_amax=True, margin=margin,
-                             power_of_2=power_of_2)  # fmt: skip
+    rule, correctly rounded divisions) and writes scale_inv. ``batch`` B > 1: one scale per slice of
+    the leading axis (scale_inv [B]; e.g. per expert)."""
+    q, _, sinv = tensor_cast(x, tensor_amax(x, batch), fmt, with_amax=False, from_amax=True, margin=margin,
+                             power_of_2=power_of_2, batch=batch)  # fmt: skip
     return QuantizedTensor(q, sinv, None, jnp.dtype(x.dtype))
 
 

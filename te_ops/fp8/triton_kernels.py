@@ -334,14 +334,16 @@ def grouped_block_scaled_gemm_kernel(
 
 @triton.jit
 def amax_kernel(x_ptr, n, amax_ptr, BLOCK: tl.constexpr):
-    """amax_ptr[0] (float32 bits as int32, zeroed by the launcher) = max |x| over the n elements,
-    a NaN counting as +Inf (the reference's rule). Non-negative float32 values order like their
-    bit patterns, so an integer atomic max combines the programs."""
+    """amax_ptr[b] (float32 bits as int32, zeroed by the launcher) = max |x[b]| over its n elements
+    (x: [B, n], grid (cdiv(n, BLOCK), B)), a NaN counting as +Inf (the reference's rule).
+    Non-negative float32 values order like their bit patterns, so an integer atomic max combines
+    the programs."""
+    b = tl.program_id(1)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + b.to(tl.int64) * n + offs, mask=offs < n, other=0.0).to(tl.float32)
     ax = tl.where(x != x, float("inf"), tl.abs(x))
     m = tl.max(ax, axis=0)
-    tl.atomic_max(amax_ptr, m.to(tl.int32, bitcast=True))
+    tl.atomic_max(amax_ptr + b, m.to(tl.int32, bitcast=True))
 
 
 @triton.jit
@@ -370,11 +372,12 @@ def tensor_cast_kernel(
     division on the GPU is not always correctly rounded). Otherwise (delayed scaling) scale_ptr holds
     the scale, and WITH_AMAX records the tensor's amax in the same read."""
     pid = tl.program_id(0)
+    b = tl.program_id(1)  # x: [B, n], one scale per b (B = 1: per tensor)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + b.to(tl.int64) * n + offs, mask=mask, other=0.0).to(tl.float32)
     one = tl.arange(0, 1)
-    s_in = tl.load(scale_ptr + one)  # [1]
+    s_in = tl.load(scale_ptr + b + one)  # [1]
     if FROM_AMAX:
         scale = _scales(s_in, s_in != s_in, FMAX, MARGIN_MUL, POW2)
     else:
@@ -382,8 +385,8 @@ def tensor_cast_kernel(
     nan = x != x
     v = tl.minimum(tl.maximum(x * scale, -FMAX), FMAX)
     v = tl.where(nan, x, v)
-    tl.store(q_ptr + offs, fp8_bytes(v, MBITS, EMIN, HW), mask=mask)
-    tl.store(sinv_ptr + one, tl.math.div_rn(tl.full((1,), 1.0, tl.float32), scale), mask=(one + pid) == 0)
+    tl.store(q_ptr + b.to(tl.int64) * n + offs, fp8_bytes(v, MBITS, EMIN, HW), mask=mask)
+    tl.store(sinv_ptr + b + one, tl.math.div_rn(tl.full((1,), 1.0, tl.float32), scale), mask=(one + pid) == 0)
     if WITH_AMAX:
         ax = tl.where(nan, float("inf"), tl.abs(x))
-        tl.atomic_max(amax_ptr, tl.max(ax, axis=0).to(tl.int32, bitcast=True))
+        tl.atomic_max(amax_ptr + b, tl.max(ax, axis=0).to(tl.int32, bitcast=True))

@@ -199,7 +199,8 @@ def test_per_tensor_kernels_match_reference(shape):
 
 
 @needs_triton
-def test_fp8_grouped_dense_triton_path_matches_reference():
+@pytest.mark.parametrize("recipe", [fp8.BlockScaling(), fp8.CurrentScaling()], ids=lambda r: type(r).__name__)
+def test_fp8_grouped_dense_triton_path_matches_reference(recipe):
     """MoE experts: FP8 forward and dx through the grouped block-scaled kernel, dkernels through
     grouped_dense's wgrad kernel, vs the reference path."""
     rng = np.random.default_rng(9)
@@ -211,7 +212,7 @@ def test_fp8_grouped_dense_triton_path_matches_reference():
     dy = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
 
     def fn(x, w, s, dy, impl):
-        y, vjp = jax.vjp(lambda x, w: fp8.fp8_grouped_dense(x, w, s, implementation=impl), x, w)
+        y, vjp = jax.vjp(lambda x, w: fp8.fp8_grouped_dense(x, w, s, recipe, implementation=impl), x, w)
         return (y, *vjp(dy))
 
     s = jnp.asarray(sizes)

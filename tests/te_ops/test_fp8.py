@@ -534,16 +534,18 @@ def _kernel_main() -> int:
     w = jnp.asarray(rng.standard_normal((4, 256, 136)) / 16, jnp.float16)
     gs = jnp.array([100, 0, 150, 30], jnp.int32)
     dy = jnp.asarray(rng.standard_normal((300, 136)), jnp.float16)
-    outs = {}
-    for impl in ("triton", "reference"):
-        y, vjp = jax.vjp(lambda x, w, impl=impl: fp8.fp8_grouped_dense(x, w, gs, implementation=impl), x, w)
-        outs[impl] = (y, *vjp(dy))
-    for name, a, b in zip(("y", "dx", "dkernels"), outs["triton"], outs["reference"], strict=True):
-        a32, b32 = np.asarray(a, np.float32), np.asarray(b, np.float32)
-        err = float(np.max(np.abs(a32 - b32)) / np.max(np.abs(b32)))
-        ok = err < 2e-3 and not np.isnan(a32).any()  # fp16 outputs: a rounding apart at most
-        print(f"fp8_grouped_dense triton {name}: max rel diff {err:.2e} {'ok' if ok else 'MISMATCH'}")
-        failures += not ok
+    for rec in (fp8.BlockScaling(), fp8.CurrentScaling()):
+        outs = {}
+        for impl in ("triton", "reference"):
+            y, vjp = jax.vjp(lambda x, w, i=impl, r=rec: fp8.fp8_grouped_dense(x, w, gs, r, implementation=i), x, w)
+            outs[impl] = (y, *vjp(dy))
+        for name, a, b in zip(("y", "dx", "dkernels"), outs["triton"], outs["reference"], strict=True):
+            a32, b32 = np.asarray(a, np.float32), np.asarray(b, np.float32)
+            err = float(np.max(np.abs(a32 - b32)) / np.max(np.abs(b32)))
+            ok = err < 2e-3 and not np.isnan(a32).any()  # fp16 outputs: a rounding apart at most
+            verdict = "ok" if ok else "MISMATCH"
+            print(f"fp8_grouped_dense triton {type(rec).__name__} {name}: max rel diff {err:.2e} {verdict}")
+            failures += not ok
     print(f"interpret failures: {failures}")
     return failures
 
@@ -761,18 +763,22 @@ def test_fp8_dense_errors(call, exc, match):
 # ----------------------------------------------------------------------------------------------
 
 
-def test_fp8_grouped_dense_matches_per_group_numpy():
-    """Per group with NumPy: y and dx from the FP8 operands (1 x 128 rows, 128 x 128 expert blocks),
-    dW from the high-precision operands; empty and clipped groups; rows past the groups zero."""
+GROUPED_RECIPES = [fp8.BlockScaling(), fp8.CurrentScaling(), fp8.CurrentScaling(formats="e4m3", margin=1)]
+
+
+@pytest.mark.parametrize("rec", GROUPED_RECIPES, ids=repr)
+def test_fp8_grouped_dense_matches_per_group_numpy(rec):
+    """Per group with NumPy: y and dx from the FP8 operands (block: 1 x 128 rows, 128 x 128 expert
+    blocks; current: one scale for x, for dy and per expert), dW from the high-precision operands;
+    empty and clipped groups; rows past the groups zero."""
     rng = np.random.default_rng(21)
     m, k, n = 300, 256, 130
     sizes = np.array([100, 0, 150, 80], np.int32)  # sums to 330 > M: the last group is clipped to 50
     x = rng.standard_normal((m, k)).astype(np.float32)
     w = (rng.standard_normal((4, k, n)) / 16).astype(np.float32)
     dy = rng.standard_normal((m, n)).astype(np.float32)
-    y, vjp = jax.vjp(lambda x, w: fp8.fp8_grouped_dense(x, w, jnp.asarray(sizes)), jnp.asarray(x), jnp.asarray(w))
+    y, vjp = jax.vjp(lambda x, w: fp8.fp8_grouped_dense(x, w, jnp.asarray(sizes), rec), jnp.asarray(x), jnp.asarray(w))
     dx, dw = vjp(jnp.asarray(dy))
-    rec = fp8.BlockScaling()
     xq, dyq = _np_q(x, rec, "x", (1, 128)), _np_q(dy, rec, "g", (1, 128))
     want_y, want_dx, want_dw, r0 = np.zeros((m, n)), np.zeros((m, k)), np.zeros((4, k, n)), 0
     for g, size in enumerate(sizes):
@@ -801,10 +807,10 @@ def test_fp8_grouped_dense_matches_per_group_numpy():
         ),
         (
             lambda: fp8.fp8_grouped_dense(
-                jnp.ones((4, 8)), jnp.ones((2, 8, 3)), jnp.ones(2, jnp.int32), fp8.CurrentScaling()
+                jnp.ones((4, 8)), jnp.ones((2, 8, 3)), jnp.ones(2, jnp.int32), fp8.DelayedScaling()
             ),
             ValueError,
-            "BlockScaling",
+            "recipe must be CurrentScaling, or BlockScaling",
         ),
         (lambda: fp8.fp8_grouped_dense(jnp.ones((4, 8)), jnp.ones((2, 8, 3)), jnp.ones(2)), TypeError, "integer"),
         (
