@@ -91,6 +91,7 @@ def partitioned(
     rule: Callable[..., tuple[str, dict[str, Any]]],
     specs: Callable[[Sequence[list[Any]], Sequence[Shape]], tuple[Sequence[Any], Any]] | None = None,
     plan: Callable[[ShardContext], ShardPlan] | None = None,
+    rule_needs_mesh: bool = False,
 ) -> Callable[..., Any]:
     """``impl`` with a Shardy sharding rule and a partition function.
 
@@ -102,7 +103,9 @@ def partitioned(
       shardings (reductions over a sharded axis, shapes that change per shard).
 
     ``rule(*operand_shapes) -> (einsum_like_rule, kwargs)`` gives Shardy the propagation rule. This
-    is the only place in te_ops that calls ``custom_partitioning``.
+    is the only place in te_ops that calls ``custom_partitioning``. With ``rule_needs_mesh`` the rule
+    is called as ``rule(*operand_shapes, mesh=mesh)`` (e.g. to state a block structure only where
+    every mesh axis divides the number of blocks).
     """
     if (specs is None) == (plan is None):
         raise TypeError("partitioned: give exactly one of specs= or plan=")
@@ -131,8 +134,9 @@ def partitioned(
         return mesh, (p.per_shard or impl), out_shardings, in_shardings
 
     def sharding_rule(mesh, value_types, result_types):
-        del mesh, result_types
-        return rule(*[tuple(t.shape) for t in value_types])
+        del result_types
+        shapes = [tuple(t.shape) for t in value_types]
+        return rule(*shapes, mesh=mesh) if rule_needs_mesh else rule(*shapes)
 
     cp.def_partition(partition, sharding_rule=sharding_rule)
     return cp

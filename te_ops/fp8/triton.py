@@ -9,6 +9,7 @@ benchmark have run).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -17,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from te_ops._core import triton_bridge as tb
+from te_ops.fp8 import sharding
 from te_ops.fp8.recipes import E4M3, E5M2, format_max
 from te_ops.fp8.reference import QuantizedTensor
 
@@ -25,6 +27,9 @@ SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(j
 # (mantissa bits, smallest normal exponent) of each format
 FORMAT_BITS = {E4M3: (3, -6), E5M2: (2, -14)}
 ROWS_PER_PROGRAM = 32  # rows of (1 x BC) blocks a program quantizes together
+# Launch the kernels through their sharding rules (te_ops.fp8.sharding). The CPU interpreter harness
+# (tests/te_ops/_triton_interpret.py runs kernels eagerly on concrete arrays) turns this off.
+PARTITION = True
 
 
 def _k():
@@ -54,7 +59,25 @@ def unsupported_reason(*, dtype=None, block=None, fmt=None, **_) -> str | None:
 
 
 def block_quantize(x: jax.Array, block: tuple[int, int], fmt, *, power_of_2: bool, margin: int = 0) -> QuantizedTensor:
-    """Block scaling of the last two axes of ``x`` (rank >= 2) in one pass over ``x``."""
+    """Block scaling of the last two axes of ``x`` (rank >= 2) in one pass over ``x`` (sharded: each
+    shard quantizes its whole blocks, :mod:`te_ops.fp8.sharding`)."""
+    fmt = jnp.dtype(fmt)
+    if x.size == 0:
+        return _block_quantize_local(x, tuple(block), fmt, power_of_2, margin)
+    q, sinv = _sharded_block_quantize(tuple(block), fmt, bool(power_of_2), margin, PARTITION)(x)
+    return QuantizedTensor(q, sinv, tuple(block), jnp.dtype(x.dtype))
+
+
+@functools.cache
+def _sharded_block_quantize(block, fmt, power_of_2, margin, partition):
+    def local(x):
+        q = _block_quantize_local(x, block, fmt, power_of_2, margin)
+        return q.data, q.scale_inv
+
+    return sharding.block_quantize(local, block) if partition else local
+
+
+def _block_quantize_local(x, block, fmt, power_of_2, margin) -> QuantizedTensor:
     fmt = jnp.dtype(fmt)
     shape = x.shape
     r, c = shape[-2:]
@@ -101,6 +124,25 @@ def dual_quantize(
     of a block-scaled GEMM. Equal to ``reference.quantize_blocks(x, (1, block))`` and
     ``reference.quantize_blocks(x.T, (1, block))``."""
     fmt = jnp.dtype(fmt)
+    if x.size == 0:
+        return _dual_quantize_local(x, block, fmt, power_of_2, margin)
+    q, s, qt, st = _sharded_dual_quantize(block, fmt, bool(power_of_2), margin, PARTITION)(x)
+    return (
+        QuantizedTensor(q, s, (1, block), jnp.dtype(x.dtype)),
+        QuantizedTensor(qt, st, (1, block), jnp.dtype(x.dtype)),
+    )
+
+
+@functools.cache
+def _sharded_dual_quantize(block, fmt, power_of_2, margin, partition):
+    def local(x):
+        a, b = _dual_quantize_local(x, block, fmt, power_of_2, margin)
+        return a.data, a.scale_inv, b.data, b.scale_inv
+
+    return sharding.dual_quantize(local, block) if partition else local
+
+
+def _dual_quantize_local(x, block, fmt, power_of_2, margin):
     r, c = x.shape
     mbits, emin = FORMAT_BITS[fmt]
     nrb, ncb = -(-r // block), -(-c // block)
@@ -154,19 +196,36 @@ def block_scaled_gemm(
     [N, K], in 128 x 128 blocks (scale_inv [cdiv(N, 128), cdiv(K, 128)]), K-major as Hopper's FP8
     wgmma reads it. Partial sums are promoted to float32 every 128 elements of K.
     """
-    m, k = qa.data.shape
-    n = qb_t.data.shape[0]
     if qa.block != (1, 128) or qb_t.block != (128, 128):
         raise ValueError(f"block_scaled_gemm takes 1x128 x 128x128 blocks, got {qa.block} and {qb_t.block}")
-    bm, bn, warps, stages = config or GEMM_CONFIG
+    config = tuple(config or GEMM_CONFIG)
+    return _sharded_block_gemm(jnp.dtype(out_dtype), config, PARTITION)(
+        qa.data, qa.scale_inv, qb_t.data, qb_t.scale_inv
+    )
+
+
+@functools.cache
+def _sharded_block_gemm(out_dtype, config, partition):
+    def local(a, sa, b, sb, dtype):
+        return _block_gemm_local(a, sa, b, sb, dtype, config)
+
+    if not partition:
+        return lambda a, sa, b, sb: local(a, sa, b, sb, out_dtype)
+    return sharding.block_scaled_gemm(local, out_dtype)
+
+
+def _block_gemm_local(a, sa, b, sb, out_dtype, config):
+    m, k = a.shape
+    n = b.shape[0]
+    bm, bn, warps, stages = config
     bk = 128
     grid = (-(-m // bm) * -(-n // bn),)
     return tb.triton_call(
         _k().block_scaled_gemm_kernel,
-        qa.data,
-        qa.scale_inv.T,  # [cdiv(K, 128), M]: the kernel loads a tile's row scales contiguously
-        qb_t.data,
-        qb_t.scale_inv,
+        a,
+        sa.T,  # [cdiv(K, 128), M]: the kernel loads a tile's row scales contiguously
+        b,
+        sb,
         np.int32(m),
         np.int32(n),
         np.int32(k),
@@ -197,23 +256,38 @@ def grouped_block_scaled_gemm(
     128 x 128 blocks, scale_inv [G, cdiv(N, 128), cdiv(K, 128)]; group_sizes int32 [G] on the
     device (grouped_dense's rule: rows past the groups are zero).
     """
-    from te_ops.grouped_dense import triton as gd
-
-    m, k = qa.data.shape
-    g, n, _ = qb_t.data.shape
     if qa.block != (1, 128) or qb_t.block != (128, 128):
         raise ValueError(f"grouped_block_scaled_gemm takes 1x128 x 128x128 blocks, got {qa.block} and {qb_t.block}")
-    bm, bn, warps, stages = config or GROUPED_GEMM_CONFIG
+    config = tuple(config or GROUPED_GEMM_CONFIG)
+    return _sharded_grouped_gemm(jnp.dtype(out_dtype), num_programs, config, PARTITION)(
+        qa.data, qa.scale_inv, qb_t.data, qb_t.scale_inv, group_sizes.astype(jnp.int32)
+    )
+
+
+@functools.cache
+def _sharded_grouped_gemm(out_dtype, num_programs, config, partition):
+    def local(a, sa, b, sb, gs):
+        return _grouped_gemm_local(a, sa, b, sb, gs, out_dtype, num_programs, config)
+
+    return sharding.grouped_block_scaled_gemm(local) if partition else local
+
+
+def _grouped_gemm_local(a, sa, b, sb, gs, out_dtype, num_programs, config):
+    from te_ops.grouped_dense import triton as gd
+
+    m, k = a.shape
+    g, n, _ = b.shape
+    bm, bn, warps, stages = config
     bk = 128
     n_tiles = -(-n // bn)
     grid = num_programs or max(1, min(gd.num_sms(), (-(-m // bm) + g + 1) * n_tiles))
     return tb.triton_call(
         _k().grouped_block_scaled_gemm_kernel,
-        qa.data,
-        qa.scale_inv.T,  # [cdiv(K, 128), M]: the kernel loads a tile's row scales contiguously
-        qb_t.data,
-        qb_t.scale_inv,
-        group_sizes.astype(jnp.int32),
+        a,
+        sa.T,  # [cdiv(K, 128), M]: the kernel loads a tile's row scales contiguously
+        b,
+        sb,
+        gs,
         np.int32(m),
         np.int32(n),
         np.int32(k),
@@ -234,7 +308,24 @@ ELEMS_PER_PROGRAM = 4096
 
 def tensor_amax(x: jax.Array, batch: int = 1) -> jax.Array:
     """max |x| in float32 (NaN counts as +Inf, 0 for an empty tensor), on the device; with ``batch``
-    B > 1, x is B equal slices along its leading axis and the result holds one amax per slice [B]."""
+    B > 1, x is B equal slices along its leading axis and the result holds one amax per slice [B].
+    Sharded: each shard's amax, then one max over the mesh axes x is sharded on."""
+    if x.size == 0:
+        return _amax_local(x, batch)
+    if batch == 1:
+        return _sharded_amax(False, PARTITION)(x)
+    return _sharded_amax(True, PARTITION)(
+        x.reshape(batch, *x.shape[1:]) if x.shape[0] == batch else x.reshape(batch, -1)
+    )
+
+
+@functools.cache
+def _sharded_amax(batched, partition):
+    local = (lambda x: _amax_local(x, x.shape[0])) if batched else (lambda x: _amax_local(x, 1))
+    return sharding.amax(local, batched=batched) if partition else local
+
+
+def _amax_local(x, batch):
     n = x.size // batch
     if n == 0:
         return jnp.zeros(() if batch == 1 else (batch,), jnp.float32)
@@ -268,8 +359,30 @@ def tensor_cast(
     same read when ``with_amax`` else None, scale_inv as a float32 scalar). ``from_amax``: ``scale``
     is the tensor's amax and the kernel derives the scale from it (current scaling). With ``batch``
     B > 1, x is B equal slices along its leading axis, each with its own scale (``scale`` [B]; the
-    amax and scale_inv returned are [B])."""
+    amax and scale_inv returned are [B]). Sharded: elementwise; the amax is reduced over the mesh
+    axes x is sharded on, and the scale must be replicated."""
     fmt = jnp.dtype(fmt)
+    statics = (fmt, bool(with_amax), bool(from_amax), margin, bool(power_of_2))
+    if x.size == 0:
+        return _tensor_cast_local(x, scale, *statics, batch)
+    shape = x.shape
+    xb = x if batch == 1 or x.shape[0] == batch else x.reshape(batch, -1)
+    outs = _sharded_cast(*statics, batch > 1, PARTITION)(xb, jnp.asarray(scale, jnp.float32))
+    amax = outs[1] if with_amax else None
+    return outs[0].reshape(shape), amax, outs[-1]
+
+
+@functools.cache
+def _sharded_cast(fmt, with_amax, from_amax, margin, power_of_2, batched, partition):
+    def local(x, s):
+        q, amax, sinv = _tensor_cast_local(x, s, fmt, with_amax, from_amax, margin, power_of_2,
+                                           x.shape[0] if batched else 1)  # fmt: skip
+        return (q, amax, sinv) if with_amax else (q, sinv)
+
+    return sharding.tensor_cast(local, with_amax=with_amax, batched=batched) if partition else local
+
+
+def _tensor_cast_local(x, scale, fmt, with_amax, from_amax, margin, power_of_2, batch):
     n = x.size // batch
     mbits, emin = FORMAT_BITS[fmt]
     vec = () if batch == 1 else (batch,)

@@ -1,0 +1,286 @@
+"""Sharding rules of the FP8 kernels (used through ``te_ops._core.partitioning.partitioned``).
+
+The reference path is plain jnp, which XLA partitions itself (an amax over a sharded tensor becomes
+a local max and one all-reduce(max)). The Triton kernels are custom calls that XLA would otherwise
+run on gathered operands, so each gets a rule here. Every wrapper takes the *local* function (the
+kernel launch on one shard) as an argument, so the CPU tests drive the same partitioning code with
+reference functions in place of the kernels.
+
+* **amax** (``x -> max|x|``): each shard's max, then one ``pmax`` over exactly the mesh axes x is
+  sharded on. With ``batched`` (one amax per slice of the leading axis, e.g. per expert) the leading
+  axis stays sharded and only the other axes are reduced.
+* **per-tensor cast** (``x, scale -> fp8(x * scale)[, amax], scale_inv``): elementwise, any sharding
+  of x; the scale is replicated (it was computed from a global amax), the optional amax of x is
+  ``pmax``-ed like above, and scale_inv is computed from the replicated scale on every shard.
+* **block quantize** (``x[..., R, C] -> q, scale_inv[..., R/br, C/bc]``) and **dual quantize**: no
+  collective when every shard holds whole blocks. The rule states the block structure as compound
+  factors (``(rb ri)``: block index times row in the block); a mesh axis stays on R (or C) only if
+  it divides the number of blocks, and an axis that is not a multiple of its block is gathered.
+* **block-scaled GEMM** (``a[M, K] x b_t[N, K] -> y[M, N]``): M (data parallel) and N (column
+  parallel, whole 128-row weight blocks per shard) need no collective; K sharded (row parallel,
+  whole 128-blocks per shard) computes float32 partial sums on every shard, then ONE ``psum`` and
+  the cast to the output dtype (the answer equals the unsharded one up to summation order).
+* **grouped block-scaled GEMM** (``a[M, K] x b_t[G, N, K], group_sizes[G] -> y[M, N]``): N
+  sharded runs each shard's column slice (no collective); expert parallel (G and M on the same
+  mesh axis, grouped_dense's contract: each shard's rows are its local experts' rows) runs each
+  shard's local experts; everything else is gathered.
+
+A mesh axis used by two factors of one operand is kept on the first and dropped from the others.
+
+vmap: ``custom_partitioning`` has no batching rule; each wrapper runs its local function under
+``jax.vmap`` (the Triton bridge loops over the batch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from te_ops._core.partitioning import ShardContext, ShardPlan, batch_folding, factor_names, partitioned
+from te_ops._core.validation import mesh_axes, mesh_size, spec_entry
+
+F32 = jnp.float32
+
+
+def _vmap_fold(local: Callable[..., Any]) -> Callable[..., Any]:
+    def fold(axis_size, in_batched, *args):
+        in_axes = tuple(0 if b else None for b in in_batched)
+        out = jax.vmap(local, in_axes=in_axes, axis_size=axis_size)(*args)
+        return out, jax.tree.map(lambda _: True, out)
+
+    return fold
+
+
+def _wrap(local: Callable[..., Any], rule, plan, rule_needs_mesh: bool = False) -> Callable[..., Any]:
+    part = partitioned(local, rule=rule, plan=plan, rule_needs_mesh=rule_needs_mesh)
+    return batch_folding(part, _vmap_fold(local))
+
+
+def _spec_axes(spec: Sequence[Any]) -> tuple[str, ...]:
+    return tuple(a for e in spec for a in mesh_axes(e))
+
+
+def _keep(entry: Any, n_units: int, mesh: Any, used: set[str]) -> tuple[str, ...]:
+    """The mesh axes of ``entry`` that may shard an axis of ``n_units`` whole units (blocks): not
+    used by an earlier factor, and their device count divides ``n_units``."""
+    axes = tuple(a for a in mesh_axes(entry) if a not in used)
+    if not axes or n_units % mesh_size(mesh, axes) != 0:
+        return ()
+    used.update(axes)
+    return axes
+
+
+def _dedup(spec: Sequence[Any]) -> list[Any]:
+    """``spec`` with a mesh axis kept only on the first entry that uses it."""
+    used: set[str] = set()
+    out = []
+    for e in spec:
+        ax = tuple(a for a in mesh_axes(e) if a not in used)
+        used.update(ax)
+        out.append(spec_entry(ax))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# amax
+# ----------------------------------------------------------------------------------------------
+
+
+def amax(local: Callable[[jax.Array], jax.Array], *, batched: bool = False) -> Callable[[jax.Array], jax.Array]:
+    """``local(x) -> float32 []`` (or ``[B]`` per slice of axis 0 with ``batched``) made global."""
+
+    def rule(shape):
+        f = factor_names(len(shape))
+        if batched:
+            return f"{' '.join(f)} -> {f[0]}", {"reduction_factors": tuple(f[1:])}
+        return f"{' '.join(f)} -> ", {"reduction_factors": tuple(f)}
+
+    def plan(ctx: ShardContext) -> ShardPlan:
+        spec = _dedup(ctx.arg_specs[0])
+        red = _spec_axes(spec[1:] if batched else spec)
+
+        def per_shard(x):
+            a = local(x)
+            return jax.lax.pmax(a, red) if red else a
+
+        return ShardPlan([spec], [spec[0]] if batched else [], per_shard)
+
+    return _wrap(local, rule, plan)
+
+
+# ----------------------------------------------------------------------------------------------
+# per-tensor cast
+# ----------------------------------------------------------------------------------------------
+
+
+def tensor_cast(local: Callable[..., tuple], *, with_amax: bool, batched: bool = False) -> Callable[..., tuple]:
+    """``local(x, scale) -> (q, [amax,] scale_inv)``: elementwise over x; the amax of x (when
+    returned) is reduced over x's sharded axes. ``batched``: scale, amax and scale_inv are [B], one
+    per slice of x's leading axis."""
+
+    def rule(x_shape, s_shape):
+        f = factor_names(len(x_shape))
+        xs = " ".join(f)
+        sv = f[0] if batched else ""
+        outs = [xs] + ([sv] if with_amax else []) + [sv]
+        return f"{xs}, {sv} -> {', '.join(outs)}", {}
+
+    def plan(ctx: ShardContext) -> ShardPlan:
+        spec = _dedup(ctx.arg_specs[0])
+        lead = spec[0] if batched else None
+        vec = [lead] if batched else []
+        red = _spec_axes(spec[1:] if batched else spec)
+
+        def per_shard(x, s):
+            outs = list(local(x, s))
+            if with_amax and red:
+                outs[1] = jax.lax.pmax(outs[1], red)
+            return tuple(outs)
+
+        outs = [spec] + ([vec] if with_amax else []) + [vec]
+        return ShardPlan([spec, vec], outs, per_shard)
+
+    return _wrap(local, rule, plan)
+
+
+# ----------------------------------------------------------------------------------------------
+# block quantize
+# ----------------------------------------------------------------------------------------------
+
+
+def _block_dims(size: int, block: int, name: str, sizes: dict, need_rep: list, mesh: Any) -> tuple[str, str]:
+    """(token of the data axis, token of the scale axis) of one axis tiled by ``block``.
+
+    The rule states "R is R/b blocks of b rows" as a compound factor only where every mesh axis
+    divides the block count: otherwise Shardy may split a mesh axis into sub-axes across the two
+    parts, a sharding that custom_partitioning cannot express. Elsewhere the scale axis is its own
+    factor, and the partition plan (not the rule) keeps data and scales aligned.
+    """
+    if block == 1:
+        return name, name
+    if size % block == 0 and all((size // block) % int(n) == 0 for n in dict(mesh.shape).values()):
+        sizes[f"{name}i"] = block
+        return f"({name}b {name}i)", f"{name}b"
+    if size % block == 0:
+        return name, f"{name}b"
+    need_rep += [name, f"{name}b"]
+    return name, f"{name}b"
+
+
+def _block_axes(spec_entry_: Any, size: int, block: int, mesh: Any, used: set[str]) -> tuple[str, ...]:
+    if size % block != 0:
+        return ()
+    return _keep(spec_entry_, size // block, mesh, used)
+
+
+def block_quantize(local: Callable[[jax.Array], tuple], block: tuple[int, int]) -> Callable[[jax.Array], tuple]:
+    """``local(x[..., R, C]) -> (q, scale_inv[..., cdiv(R, br), cdiv(C, bc)])``."""
+    br, bc = block
+
+    def rule(shape, mesh):
+        lead = factor_names(len(shape) - 2, "b")
+        sizes: dict = {}
+        need: list = []
+        r, rs = _block_dims(shape[-2], br, "r", sizes, need, mesh)
+        c, cs = _block_dims(shape[-1], bc, "c", sizes, need, mesh)
+        x = " ".join(lead + [r, c])
+        s = " ".join(lead + [rs, cs])
+        return f"{x} -> {x}, {s}", {"need_replication_factors": tuple(need), **sizes}
+
+    def plan(ctx: ShardContext) -> ShardPlan:
+        shape, spec = ctx.arg_shapes[0], ctx.arg_specs[0]
+        used: set[str] = set()
+        lead = [spec_entry(_keep(e, d, ctx.mesh, used)) for e, d in zip(spec[:-2], shape[:-2], strict=True)]
+        r = spec_entry(_block_axes(spec[-2], shape[-2], br, ctx.mesh, used))
+        c = spec_entry(_block_axes(spec[-1], shape[-1], bc, ctx.mesh, used))
+        s = lead + [r, c]
+        return ShardPlan([s], [s, s], None)
+
+    return _wrap(local, rule, plan, True)
+
+
+def dual_quantize(local: Callable[[jax.Array], tuple], block: int) -> Callable[[jax.Array], tuple]:
+    """``local(x[R, C]) -> (q[R, C], s[R, C/b], qt[C, R], st[C, R/b])`` (1 x b tiles of x and x^T)."""
+
+    def rule(shape, mesh):
+        sizes: dict = {}
+        need: list = []
+        r, rs = _block_dims(shape[0], block, "r", sizes, need, mesh)
+        c, cs = _block_dims(shape[1], block, "c", sizes, need, mesh)
+        return f"{r} {c} -> {r} {c}, {r} {cs}, {c} {r}, {c} {rs}", {"need_replication_factors": tuple(need), **sizes}
+
+    def plan(ctx: ShardContext) -> ShardPlan:
+        (rr, cc), spec = ctx.arg_shapes[0], ctx.arg_specs[0]
+        used: set[str] = set()
+        r = spec_entry(_block_axes(spec[0], rr, block, ctx.mesh, used))
+        c = spec_entry(_block_axes(spec[1], cc, block, ctx.mesh, used))
+        return ShardPlan([[r, c]], [[r, c], [r, c], [c, r], [c, r]], None)
+
+    return _wrap(local, rule, plan, True)
+
+
+# ----------------------------------------------------------------------------------------------
+# block-scaled GEMMs
+# ----------------------------------------------------------------------------------------------
+
+BK = BN = 128  # the K and N extents of one weight block
+
+
+def block_scaled_gemm(local: Callable[..., jax.Array], out_dtype: Any) -> Callable[..., jax.Array]:
+    """``local(a[M, K], sa[M, Kb], b_t[N, K], sb[Nb, Kb], out_dtype) -> y[M, N]``."""
+
+    def rule(a_shape, sa_shape, b_shape, sb_shape, mesh):
+        sizes: dict = {}
+        need: list = []
+        k, kb = _block_dims(a_shape[1], BK, "k", sizes, need, mesh)
+        n, nb = _block_dims(b_shape[0], BN, "n", sizes, need, mesh)
+        red = tuple(f for f in (("k", "kb") if k == "k" else ("kb",)) if f not in need)
+        rule_ = f"m {k}, m {kb}, {n} {k}, {nb} {kb} -> m {n}"
+        return rule_, {"need_replication_factors": tuple(need), "reduction_factors": red, **sizes}
+
+    def plan(ctx: ShardContext) -> ShardPlan:
+        (m, k), (n, _) = ctx.arg_shapes[0], ctx.arg_shapes[2]
+        a_spec, b_spec = ctx.arg_specs[0], ctx.arg_specs[2]
+        used: set[str] = set()
+        k_axes = _block_axes(a_spec[1], k, BK, ctx.mesh, used)
+        m_axes = _keep(a_spec[0], m, ctx.mesh, used)
+        n_axes = _block_axes(b_spec[0], n, BN, ctx.mesh, used)
+        ek, em, en = spec_entry(k_axes), spec_entry(m_axes), spec_entry(n_axes)
+        in_specs = [[em, ek], [em, ek], [en, ek], [en, ek]]
+
+        def row_parallel(a, sa, b, sb):
+            return jax.lax.psum(local(a, sa, b, sb, F32), k_axes).astype(out_dtype)
+
+        per_shard = row_parallel if k_axes else (lambda a, sa, b, sb: local(a, sa, b, sb, out_dtype))
+        return ShardPlan(in_specs, [em, en], per_shard)
+
+    return _wrap(lambda a, sa, b, sb: local(a, sa, b, sb, out_dtype), rule, plan, True)
+
+
+def grouped_block_scaled_gemm(local: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+    """``local(a[M, K], sa[M, Kb], b_t[G, N, K], sb[G, Nb, Kb], group_sizes[G]) -> y[M, N]``."""
+
+    def rule(a_shape, sa_shape, b_shape, sb_shape, gs_shape, mesh):
+        sizes: dict = {}
+        need = ["k", "kb"]
+        n, nb = _block_dims(b_shape[1], BN, "n", sizes, need, mesh)
+        return f"m k, m kb, g {n} k, g {nb} kb, g -> m {n}", {"need_replication_factors": tuple(need), **sizes}
+
+    def plan(ctx: ShardContext) -> ShardPlan:
+        (m, _), (g, n, _) = ctx.arg_shapes[0], ctx.arg_shapes[2]
+        a_spec, b_spec = ctx.arg_specs[0], ctx.arg_specs[2]
+        used: set[str] = set()
+        ep = ()
+        if a_spec[0] is not None and a_spec[0] == b_spec[0]:  # expert parallel (grouped_dense's contract)
+            ep = _keep(b_spec[0], g, ctx.mesh, used)
+            if ep and m % mesh_size(ctx.mesh, ep) != 0:
+                used.difference_update(ep)
+                ep = ()
+        n_axes = _block_axes(b_spec[1], n, BN, ctx.mesh, used)
+        e, en = spec_entry(ep), spec_entry(n_axes)
+        return ShardPlan([[e, None], [e, None], [e, en, None], [e, en, None], [e]], [e, en], None)
+
+    return _wrap(local, rule, plan, True)

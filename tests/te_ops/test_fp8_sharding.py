@@ -1,0 +1,369 @@
+"""FP8 under sharding on 8 CPU devices: sharded vs unsharded results and collective counts.
+
+Two layers are checked:
+
+* the partitioning of every FP8 kernel (:mod:`te_ops.fp8.sharding`), driven with reference local
+  functions in place of the Triton launches (the same rules and plans the GPU runs);
+* the whole ``implementation="triton"`` orchestration of ``fp8_dense`` / ``fp8_grouped_dense``
+  with the kernel launches of :mod:`te_ops.fp8.triton` replaced by reference functions, and the
+  ``"reference"`` implementation (plain jnp, partitioned by XLA).
+
+Quantization must be bit-identical sharded and unsharded (an amax reduced over exactly the sharded
+mesh axes gives the same scale); GEMMs agree within float32 summation-order noise.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from te_ops import fp8
+from te_ops._core import testing as T
+from te_ops.fp8 import reference as ref
+from te_ops.fp8 import sharding as fsh
+from te_ops.fp8.recipes import E4M3, E5M2, format_max
+from te_ops.grouped_dense import reference as gd_ref
+
+F32 = jnp.float32
+
+
+def _x(seed, shape, dtype=jnp.float32):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape).astype(np.float32)
+    x.reshape(-1)[rng.choice(x.size, max(1, x.size // 200), replace=False)] *= 100.0  # outliers
+    return jnp.asarray(x, dtype)
+
+
+def _bits(a):
+    a = np.asarray(jax.device_get(a))
+    return a.view(np.uint8) if a.dtype.itemsize == 1 else a
+
+
+def _same_bits(out, expect):
+    for a, e in zip(jax.tree.leaves(out), jax.tree.leaves(expect), strict=True):
+        np.testing.assert_array_equal(_bits(a), _bits(e))
+
+
+def _data_scale(q):
+    return q.data, q.scale_inv
+
+
+def _nonzero(counts):
+    return {k: v for k, v in counts.items() if v}
+
+
+# ----------------------------------------------------------------------------------------------
+# Reference stand-ins for the kernel launches (same signatures as te_ops.fp8.triton's locals)
+# ----------------------------------------------------------------------------------------------
+
+
+def ref_amax_local(x, batch):
+    return ref.amax(x) if batch == 1 else jax.vmap(ref.amax)(x.reshape(batch, -1))
+
+
+def ref_cast_local(x, scale, fmt, with_amax, from_amax, margin, power_of_2, batch):
+    xb = x.reshape(batch, -1)
+    s = jnp.asarray(scale, F32).reshape(batch)
+    if from_amax:
+        s = ref.compute_scale(s, format_max(fmt), margin, power_of_2)
+    q = jax.vmap(lambda a, sc: ref.cast_scaled(a, sc, fmt))(xb, s).reshape(x.shape)
+    amax = jax.vmap(ref.amax)(xb) if with_amax else None
+    vec = () if batch == 1 else (batch,)
+    return q, (None if amax is None else amax.reshape(vec)), (1.0 / s).astype(F32).reshape(vec)
+
+
+def ref_block_local(x, block, fmt, power_of_2, margin):
+    return ref.quantize_blocks(x, block, fmt, power_of_2=power_of_2)
+
+
+def ref_dual_local(x, block, fmt, power_of_2, margin):
+    return (
+        ref.quantize_blocks(x, (1, block), fmt, power_of_2=power_of_2),
+        ref.quantize_blocks(x.T, (1, block), fmt, power_of_2=power_of_2),
+    )
+
+
+def _deq(data, sinv, block):
+    return ref.dequantize(ref.QuantizedTensor(data, sinv, block, jnp.dtype(F32)), F32)
+
+
+def ref_gemm_local(a, sa, b, sb, out_dtype, config=None):
+    y = jnp.dot(_deq(a, sa, (1, 128)), _deq(b, sb, (128, 128)).T, precision=jax.lax.Precision.HIGHEST)
+    return y.astype(out_dtype)
+
+
+def ref_grouped_local(a, sa, b, sb, gs, out_dtype, num_programs=None, config=None):
+    da = _deq(a, sa, (1, 128))
+    db = jax.vmap(lambda d, s: _deq(d, s, (128, 128)))(b, sb)
+    y, _ = gd_ref.forward(da, jnp.swapaxes(db, 1, 2), gs, has_bias=False)
+    return y.astype(out_dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# The kernel partitioning (te_ops.fp8.sharding) with reference local functions
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "spec, n_allreduce",
+    [(P("a", "b"), 1), (P(None, ("a", "b")), 1), (P("a"), 1), (P(), 0)],
+    ids=["2d", "cols", "rows", "replicated"],
+)
+def test_amax_reduces_over_exactly_the_sharded_axes(spec, n_allreduce):
+    mesh = T.cpu_mesh((4, 2), ("a", "b"))
+    x = _x(1, (64, 256))
+    f = fsh.amax(lambda a: ref_amax_local(a, 1))
+    out, expect, counts = T.run_sharded(f, [x], [spec], P(), mesh=mesh)
+    _same_bits(out, expect)
+    assert float(out) == float(jnp.max(jnp.abs(x)))
+    assert _nonzero(counts) == ({"all-reduce": n_allreduce} if n_allreduce else {})
+
+
+def test_batched_amax_keeps_the_leading_axis_sharded():
+    mesh = T.cpu_mesh((4, 2), ("a", "b"))
+    x = _x(2, (8, 32, 256))
+    f = fsh.amax(lambda a: ref_amax_local(a, a.shape[0]), batched=True)
+    out, expect, counts = T.run_sharded(f, [x], [P("a", None, "b")], P("a"), mesh=mesh)
+    _same_bits(out, expect)
+    np.testing.assert_array_equal(np.asarray(out), np.max(np.abs(np.asarray(x)), axis=(1, 2)))
+    assert _nonzero(counts) == {"all-reduce": 1}  # over "b" only
+
+
+@pytest.mark.parametrize("with_amax", [True, False])
+def test_tensor_cast_is_elementwise_and_its_amax_global(with_amax):
+    mesh = T.cpu_mesh((4, 2), ("a", "b"))
+    x = _x(3, (64, 256), jnp.bfloat16)
+    amax = jnp.max(jnp.abs(x.astype(F32)))
+
+    def local(a, s):
+        q, am, sinv = ref_cast_local(a, s, E4M3, with_amax, True, 0, False, 1)
+        return (q, am, sinv) if with_amax else (q, sinv)
+
+    f = fsh.tensor_cast(local, with_amax=with_amax)
+    out, expect, counts = T.run_sharded(f, [x, amax], [P("a", "b"), P()], None, mesh=mesh)
+    _same_bits(out, expect)
+    assert _nonzero(counts) == ({"all-reduce": 1} if with_amax else {})
+
+
+@pytest.mark.parametrize(
+    "block, shape, spec, gathers",
+    [
+        ((1, 128), (64, 1024), P("a", "b"), False),
+        ((128, 128), (512, 1024), P("a", "b"), False),
+        ((128, 128), (256, 1024), P("a", "b"), True),  # 2 row blocks cannot split over 4 devices
+        ((1, 128), (64, 1000), P(None, "a"), True),  # 1000 is not a multiple of 128
+    ],
+)
+def test_block_quantize_shards_whole_blocks(block, shape, spec, gathers):
+    mesh = T.cpu_mesh((4, 2), ("a", "b"))
+    x = _x(4, shape, jnp.bfloat16)
+    f = fsh.block_quantize(lambda a: _data_scale(ref_block_local(a, block, E4M3, False, 0)), block)
+    out, expect, counts = T.run_sharded(f, [x], [spec], None, mesh=mesh)
+    _same_bits(out, expect)
+    if gathers:
+        assert _nonzero(counts), "a shard boundary inside a block must gather"
+    else:
+        assert _nonzero(counts) == {}
+
+
+def test_dual_quantize_no_collective_on_block_boundaries():
+    mesh = T.cpu_mesh((4, 2), ("a", "b"))
+    x = _x(5, (512, 1024), jnp.bfloat16)
+
+    def local(a):
+        q, qt = ref_dual_local(a, 128, E4M3, False, 0)
+        return q.data, q.scale_inv, qt.data, qt.scale_inv
+
+    out, expect, counts = T.run_sharded(fsh.dual_quantize(local, 128), [x], [P("a", "b")], None, mesh=mesh)
+    _same_bits(out, expect)
+    assert _nonzero(counts) == {}
+
+
+def _gemm_operands(seed, m, k, n):
+    qa = ref.quantize_blocks(_x(seed, (m, k), jnp.bfloat16), (1, 128), E4M3, power_of_2=False)
+    qb = ref.quantize_blocks(_x(seed + 1, (n, k), jnp.bfloat16), (128, 128), E4M3, power_of_2=False)
+    return [qa.data, qa.scale_inv, qb.data, qb.scale_inv]
+
+
+@pytest.mark.parametrize(
+    "specs, expect",
+    [
+        ((P("a"), P("a"), P(), P()), {}),  # data parallel
+        ((P(), P(), P("a"), P("a")), {}),  # column parallel
+        ((P(None, "a"), P(None, "a"), P(None, "a"), P(None, "a")), {"all-reduce": 1}),  # row parallel
+        ((P("b", "a"), P("b", "a"), P(None, "a"), P(None, "a")), {"all-reduce": 1}),  # data + row
+    ],
+    ids=["data", "column", "row", "data+row"],
+)
+def test_block_scaled_gemm_partitions(specs, expect):
+    mesh = T.cpu_mesh((4, 2), ("a", "b"))
+    f = fsh.block_scaled_gemm(ref_gemm_local, jnp.bfloat16)
+    out, want, counts = T.run_sharded(f, _gemm_operands(6, 64, 1024, 512), list(specs), None, mesh=mesh)
+    T.assert_close(out, want, jnp.bfloat16)
+    assert _nonzero(counts) == expect
+
+
+def test_grouped_gemm_column_and_expert_parallel():
+    mesh = T.cpu_mesh((4, 2), ("e", "t"))
+    g, m, k, n = 4, 256, 256, 512
+    qa = ref.quantize_blocks(_x(7, (m, k), jnp.bfloat16), (1, 128), E4M3, power_of_2=False)
+    qb = ref.quantize_blocks(_x(8, (g, n, k), jnp.bfloat16), (128, 128), E4M3, power_of_2=False)
+    f = fsh.grouped_block_scaled_gemm(lambda *a: ref_grouped_local(*a, jnp.bfloat16))
+    # column parallel: each shard its N slice of every expert, no collective
+    gs = jnp.asarray([100, 0, 60, 90], jnp.int32)
+    args = [qa.data, qa.scale_inv, qb.data, qb.scale_inv, gs]
+    out, want, counts = T.run_sharded(f, args, [P(), P(), P(None, "t"), P(None, "t"), P()], None, mesh=mesh)
+    T.assert_close(out, want, jnp.bfloat16)
+    assert _nonzero(counts) == {}
+    # expert parallel: one expert's rows per shard of 64 rows, local sizes
+    gs_local = jnp.asarray([64, 10, 0, 33], jnp.int32)
+    args = [qa.data, qa.scale_inv, qb.data, qb.scale_inv, gs_local]
+    specs = [P("e"), P("e"), P("e"), P("e"), P("e")]
+    sharded, _, counts = T.run_sharded(f, args, specs, None, mesh=mesh)
+    assert _nonzero(counts) == {}
+    for s in range(g):  # shard s = expert s on its own rows
+        rows = slice(64 * s, 64 * (s + 1))
+        local = ref_grouped_local(
+            qa.data[rows], qa.scale_inv[rows], qb.data[s : s + 1], qb.scale_inv[s : s + 1], gs_local[s : s + 1],
+            jnp.bfloat16,
+        )  # fmt: skip
+        np.testing.assert_array_equal(np.asarray(sharded[rows], np.float32), np.asarray(local, np.float32))
+
+
+# ----------------------------------------------------------------------------------------------
+# fp8_dense / fp8_grouped_dense end to end
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def triton_on_cpu(monkeypatch):
+    """te_ops.fp8.triton with every kernel launch replaced by its reference stand-in."""
+    pytest.importorskip("triton", reason="te_ops.fp8.triton imports the Triton bridge")
+    from te_ops.fp8 import triton as tri
+
+    monkeypatch.setattr(tri, "_amax_local", ref_amax_local)
+    monkeypatch.setattr(tri, "_tensor_cast_local", ref_cast_local)
+    monkeypatch.setattr(tri, "_block_quantize_local", ref_block_local)
+    monkeypatch.setattr(tri, "_dual_quantize_local", ref_dual_local)
+    monkeypatch.setattr(tri, "_block_gemm_local", ref_gemm_local)
+    monkeypatch.setattr(tri, "_grouped_gemm_local", ref_grouped_local)
+    caches = [tri._sharded_amax, tri._sharded_cast, tri._sharded_block_quantize, tri._sharded_dual_quantize,
+              tri._sharded_block_gemm, tri._sharded_grouped_gemm]  # fmt: skip
+    for c in caches:
+        c.cache_clear()
+    yield
+    for c in caches:
+        c.cache_clear()
+
+
+def _dense_loss(recipe, impl):
+    def f(x, w):
+        y = fp8.fp8_dense(x, w, recipe, implementation=impl)
+        return jnp.sum(y.astype(F32) ** 2) / y.size, y
+
+    return lambda x, w: jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(x, w)
+
+
+DENSE_CASES = [
+    # (name, x spec, w spec, all-reduces of loss + gradients with current / block scaling; XLA
+    # combines the reductions that are ready at the same point into one)
+    ("data", P("d"), P(), (3, 1)),  # amax(x), amax(dy), loss and dw (summed over the data shards)
+    ("column", P(), P(None, "d"), (3, 1)),  # amax(w), amax(dy), loss and dx (summed over the N shards)
+]
+
+
+@pytest.mark.parametrize("recipe", [fp8.CurrentScaling(), fp8.BlockScaling()], ids=["current", "block"])
+@pytest.mark.parametrize("case", DENSE_CASES, ids=[c[0] for c in DENSE_CASES])
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_fp8_dense_sharded_equals_unsharded(request, impl, case, recipe):
+    """Both implementations: the same results as unsharded, no gathered operand, and the same
+    all-reduces (the Triton kernels' rules communicate no more than XLA's partitioning of jnp)."""
+    if impl == "triton":
+        request.getfixturevalue("triton_on_cpu")
+    _, xs, ws, n_reduce = case
+    mesh = T.cpu_mesh((8,), ("d",))
+    x, w = _x(10, (1024, 256), jnp.bfloat16), _x(11, (256, 1024), jnp.bfloat16) * 0.05
+    out, want, counts = T.run_sharded(_dense_loss(recipe, impl), [x, w], [xs, ws], None, mesh=mesh)
+    (loss, y), (dx, dw) = out
+    (loss_u, y_u), (dx_u, dw_u) = want
+    T.assert_close(y, y_u, jnp.bfloat16)
+    T.assert_close(dx, dx_u, jnp.bfloat16)
+    T.assert_close(dw, dw_u, jnp.bfloat16, scale=2.0)
+    expect = {"all-reduce": n_reduce[0] if isinstance(recipe, fp8.CurrentScaling) else n_reduce[1]}
+    assert _nonzero(counts) == expect, f"collectives of the sharded FP8 dense step: {counts}"
+
+
+@pytest.mark.parametrize("recipe", [fp8.CurrentScaling(), fp8.BlockScaling()], ids=["current", "block"])
+def test_fp8_dense_triton_data_parallel_collectives(triton_on_cpu, recipe):
+    """Data parallel: per-tensor scaling all-reduces one amax per quantized activation (x, dy) and the
+    weight gradient; block scaling needs only the weight-gradient reduction (and the loss)."""
+    mesh = T.cpu_mesh((8,), ("d",))
+    x, w = _x(12, (1024, 256), jnp.bfloat16), _x(13, (256, 512), jnp.bfloat16) * 0.05
+
+    def grads(x, w):
+        def loss(x, w):
+            return jnp.sum(fp8.fp8_dense(x, w, recipe, implementation="triton").astype(F32) ** 2)
+
+        return jax.grad(loss, (0, 1))(x, w)
+
+    out, want, counts = T.run_sharded(grads, [x, w], [P("d"), P()], None, mesh=mesh)
+    T.assert_close(out[0], want[0], jnp.bfloat16)
+    T.assert_close(out[1], want[1], jnp.bfloat16, scale=2.0)
+    got = _nonzero(counts)
+    n_amax = 2 if isinstance(recipe, fp8.CurrentScaling) else 0  # amax(x), amax(dy)
+    assert got == {"all-reduce": n_amax + 1}, got
+
+
+def test_fp8_dense_quantization_bit_identical_when_sharded(triton_on_cpu):
+    """The quantized x of a data-parallel current-scaling step is byte for byte the unsharded one."""
+    from te_ops.fp8 import triton as tri
+
+    mesh = T.cpu_mesh((4, 2), ("a", "b"))
+    x = _x(14, (128, 512), jnp.bfloat16)
+    for fmt in (E4M3, E5M2):
+        f = lambda a, fmt=fmt: _data_scale(tri.quantize_tensor(a, fmt))  # noqa: E731
+        out, want, counts = T.run_sharded(f, [x], [P("a", "b")], None, mesh=mesh)
+        _same_bits(out, want)
+        assert _nonzero(counts) == {"all-reduce": 1}
+
+
+def test_fp8_grouped_dense_triton_column_parallel(triton_on_cpu):
+    mesh = T.cpu_mesh((8,), ("t",))
+    g, m, k, n = 4, 256, 256, 1024
+    x = _x(15, (m, k), jnp.bfloat16)
+    kernels = _x(16, (g, k, n), jnp.bfloat16) * 0.05
+    gs = jnp.asarray([70, 0, 100, 50], jnp.int32)
+
+    def fwd(x, kernels, gs):
+        return fp8.fp8_grouped_dense(x, kernels, gs, fp8.BlockScaling(), implementation="triton")
+
+    out, want, counts = T.run_sharded(fwd, [x, kernels, gs], [P(), P(None, None, "t"), P()], None, mesh=mesh)
+    T.assert_close(out, want, jnp.bfloat16)
+    assert _nonzero(counts) == {}
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_fp8_dense_delayed_state_identical_when_sharded(request, impl):
+    """Data parallel delayed scaling: the recorded amaxes (reduced over the data shards) and the next
+    scales are bit-identical to the unsharded step's."""
+    if impl == "triton":
+        request.getfixturevalue("triton_on_cpu")
+    recipe = fp8.DelayedScaling(history_len=4)
+    mesh = T.cpu_mesh((8,), ("d",))
+    x, w = _x(17, (1024, 256), jnp.bfloat16), _x(18, (256, 512), jnp.bfloat16) * 0.05
+    state = fp8.initial_dense_state(recipe)
+    state = jax.tree.map(lambda a: a.at[...].set(0.5) if a.ndim == 0 else a, state)  # a non-trivial scale
+
+    def step(x, w, state):
+        def loss(x, w, state):
+            y = fp8.fp8_dense(x, w, recipe, state=state, implementation=impl)
+            return jnp.sum(y.astype(F32) ** 2)
+
+        return jax.grad(loss, argnums=(0, 1, 2))(x, w, state)
+
+    out, want, _ = T.run_sharded(step, [x, w, state], [P("d"), P(), P()], None, mesh=mesh)
+    _same_bits(out[2], want[2])
+    T.assert_close(out[0], want[0], jnp.bfloat16)
