@@ -4,17 +4,22 @@
 docs/semantics.md, "Grouped GEMM"; rows past the groups give zero outputs and zero gradients);
 group g is multiplied by ``kernels[g]`` (``[K, N]``). Block scaling (E4M3 by default):
 
-================  ==============================  ==========================================
-GEMM              left operand                    right operand
-================  ==============================  ==========================================
-y  = x @ W_g      x, 1 x 128 row tiles            W_g^T [N, K], 128 x 128 blocks per expert
-dx = dy @ W_g^T   dy, 1 x 128 row tiles (role g)  the same blocks, transposed (exact)
-dW_g = x_g^T dy_g x and dy in their own dtype     (high precision, float32 accumulation)
-================  ==============================  ==========================================
+=================  ==============================  ===========================================
+GEMM               left operand                    right operand
+=================  ==============================  ===========================================
+y  = x @ W_g       x, 1 x 128 row tiles            W_g^T [N, K], 128 x 128 blocks per expert
+dx = dy @ W_g^T    dy, 1 x 128 row tiles (role g)  the same blocks, transposed (exact)
+dW_g = x_g^T dy_g  x^T [K, M], 1 x 128 tiles       dy^T [N, M], 128 x 128 blocks (role g)
+                   along M (x's 128 x 1 columns)
+=================  ==============================  ===========================================
 
-The weight gradient stays in high precision for now: in FP8 its reduction runs over the rows of a
-group, so its scales would have to tile each group from its own first row (128-aligned groups); that
-is the next step. Both FP8 GEMMs multiply dequantized operands and sum in float32.
+The weight gradient's operands are tiled along the rows of the whole tensor (multiples of 128 rows
+from row 0), not from each group's first row: a tile that straddles two groups has one scale for
+both groups' rows, and each group's sum takes only its own rows of it. x^T is quantized from x in the
+forward pass (the FP8 copy is the residual, not x) and dy^T from dy, both from the high-precision
+tensor. With current scaling every operand has one scale (the kernels one per expert), and the
+transposed copies are the exact FP8 transposes. Every GEMM multiplies dequantized operands and sums
+in float32.
 """
 
 from __future__ import annotations
@@ -65,49 +70,94 @@ def _as_blocks(q: QuantizedTensor, block) -> QuantizedTensor:
     return QuantizedTensor(q.data, jnp.broadcast_to(sinv, q.scale_inv.shape + grid), tuple(block), q.dtype)
 
 
+def _t2(q: QuantizedTensor) -> QuantizedTensor:
+    """The exact FP8 transpose of a per-tensor-scaled 2-D tensor."""
+    return QuantizedTensor(q.data.T, q.scale_inv, q.block, q.dtype)
+
+
+def _wgrad_reference(qx_t: QuantizedTensor, qdy_t: QuantizedTensor, group_sizes, g: int, out_dtype):
+    """Per group ``dequantize(qx_t)[:, rows] @ dequantize(qdy_t)[:, rows]^T`` in float32."""
+    x = _deq(qx_t).T
+    dy = _deq(qdy_t).T
+    w_proto = jnp.zeros((g, x.shape[1], dy.shape[1]), F32)
+    dk = gd_ref.backward(gd_ref.Residuals(x, w_proto, group_sizes), dy, has_bias=False)[1]
+    return dk.astype(out_dtype)
+
+
 def _ops(recipe, implementation):
+    """(quant_x, quant_w_t, quant_dy, gemm, wgrad) of an implementation.
+
+    quant_x(x) -> (x in 1 x 128 row tiles, x^T [K, M] in 1 x 128 tiles along M) and quant_dy(dy) ->
+    (dy in 1 x 128 row tiles, dy^T [N, M] in 128 x 128 blocks) with block scaling; with current
+    scaling one scale per tensor and the transposes exact."""
     p2 = recipe.power_of_2
     current = isinstance(recipe, CurrentScaling)
+    fx, fw, fg = recipe.format("x"), recipe.format("w"), recipe.format("g")
     if implementation == "triton":
         from te_ops.fp8 import triton as tri
-        from te_ops.grouped_dense import triton as gd_tri
 
-        def quant(a, role, block):
-            fmt = recipe.format(role)
-            if not current:
-                return tri.block_quantize(a, block, fmt, power_of_2=p2)
-            batch = a.shape[0] if a.ndim == 3 else 1  # one scale per expert for the kernels
+        def per_tensor(a, fmt, batch=1):
             return tri.quantize_tensor(a, fmt, margin=recipe.margin, power_of_2=p2, batch=batch)
 
-        def gemm(qa, qb_t, gs, dtype):
-            qa, qb_t = _as_blocks(qa, (1, 128)), _as_blocks(qb_t, (128, 128))
-            return tri.grouped_block_scaled_gemm(qa, qb_t, gs, dtype)
+        if current:
 
-        def wgrad(x, dy, gs, g, dtype):
-            return gd_tri.grouped_wgrad(x, dy, gs, g, cfg=gd_tri.DEFAULT_WGRAD, out_dtype=dtype)
+            def quant_x(x):
+                q = per_tensor(x, fx)
+                return q, _t2(q)
+
+            def quant_w_t(w_t):
+                return per_tensor(w_t, fw, w_t.shape[0])  # one scale per expert
+
+            def quant_dy(dy):
+                q = per_tensor(dy, fg)
+                return q, _t2(q)
+
+        else:
+
+            def quant_x(x):
+                return tri.dual_quantize(x, 128, fx, power_of_2=p2)
+
+            def quant_w_t(w_t):
+                return tri.block_quantize(w_t, (128, 128), fw, power_of_2=p2)
+
+            def quant_dy(dy):
+                return (
+                    tri.block_quantize(dy, (1, 128), fg, power_of_2=p2),
+                    tri.block_quantize(dy.T, (128, 128), fg, power_of_2=p2),
+                )
+
+        def gemm(qa, qb_t, gs, dtype):
+            return tri.grouped_block_scaled_gemm(_as_blocks(qa, (1, 128)), _as_blocks(qb_t, (128, 128)), gs, dtype)
+
+        def wgrad(qx_t, qdy_t, gs, g, dtype):
+            qx_t, qdy_t = _as_blocks(qx_t, (1, 128)), _as_blocks(qdy_t, (128, 128))
+            return tri.grouped_block_scaled_wgrad(qx_t, qdy_t, gs, g, dtype)
 
     else:
 
-        def quant(a, role, block):
-            fmt = recipe.format(role)
-            if not current:
-                return ref.quantize_blocks(a, block, fmt, power_of_2=p2)
-            one = functools.partial(ref.quantize_tensor, fmt=fmt, margin=recipe.margin, power_of_2=p2)
-            return jax.vmap(one)(a) if a.ndim == 3 else one(a)  # one scale per expert for the kernels
+        def q_ref(a, fmt, block):
+            if current:
+                return ref.quantize_tensor(a, fmt, margin=recipe.margin, power_of_2=p2)
+            return ref.quantize_blocks(a, block, fmt, power_of_2=p2)
+
+        def quant_x(x):
+            q = q_ref(x, fx, (1, 128))
+            return q, (_t2(q) if current else q_ref(x.T, fx, (1, 128)))
+
+        def quant_w_t(w_t):
+            if current:  # one scale per expert
+                one = functools.partial(ref.quantize_tensor, fmt=fw, margin=recipe.margin, power_of_2=p2)
+                return jax.vmap(one)(w_t)
+            return q_ref(w_t, fw, (128, 128))
+
+        def quant_dy(dy):
+            q = q_ref(dy, fg, (1, 128))
+            return q, (_t2(q) if current else q_ref(dy.T, fg, (128, 128)))
 
         gemm = _grouped_reference
+        wgrad = _wgrad_reference
 
-        def wgrad(x, dy, gs, g, dtype):
-            w_proto = jnp.zeros((g, x.shape[1], dy.shape[1]), dtype)
-            return gd_ref.backward(gd_ref.Residuals(x, w_proto, gs), dy, has_bias=False)[1].astype(dtype)
-
-    return quant, gemm, wgrad
-
-
-def _blocks(recipe):
-    if isinstance(recipe, BlockScaling):
-        return recipe.act_block, recipe.weight_block
-    return None, None
+    return quant_x, quant_w_t, quant_dy, gemm, wgrad
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -116,19 +166,19 @@ def _fp8_grouped(x, kernels, group_sizes, recipe, implementation):
 
 
 def _fwd(x, kernels, group_sizes, recipe, implementation):
-    quant, gemm, _ = _ops(recipe, implementation)
-    act, wblk = _blocks(recipe)
-    qx = quant(x, "x", act)
-    qw_t = quant(jnp.swapaxes(kernels, 1, 2), "w", wblk)
+    quant_x, quant_w_t, _, gemm, _ = _ops(recipe, implementation)
+    qx, qx_t = quant_x(x)
+    qw_t = quant_w_t(jnp.swapaxes(kernels, 1, 2))
     y = gemm(qx, qw_t, group_sizes, x.dtype)
-    return y, (x, qw_t, group_sizes, jnp.zeros((), kernels.dtype))
+    return y, (qx_t, qw_t, group_sizes, jnp.zeros((), kernels.dtype))
 
 
 def _bwd(recipe, implementation, res, dy):
-    x, qw_t, group_sizes, w_proto = res
-    quant, gemm, wgrad = _ops(recipe, implementation)
-    dx = gemm(quant(dy, "g", _blocks(recipe)[0]), _t_blocks(qw_t), group_sizes, dy.dtype)
-    dk = wgrad(x, dy.astype(x.dtype), group_sizes, qw_t.data.shape[0], w_proto.dtype)
+    qx_t, qw_t, group_sizes, w_proto = res
+    _, _, quant_dy, gemm, wgrad = _ops(recipe, implementation)
+    qdy, qdy_t = quant_dy(dy)
+    dx = gemm(qdy, _t_blocks(qw_t), group_sizes, dy.dtype)
+    dk = wgrad(qx_t, qdy_t, group_sizes, qw_t.data.shape[0], w_proto.dtype)
     return dx, dk, None
 
 
@@ -140,9 +190,9 @@ def fp8_grouped_dense(
 ):
     """Grouped GEMM (MoE experts) with FP8 forward and input-gradient GEMMs.
 
-    ``y[rows of g] = x[rows of g] @ kernels[g]``; rows past the groups are zero. The forward and dx
-    GEMMs use FP8 operands (table in the module docstring); the kernel gradient is computed in x's
-    dtype with float32 accumulation.
+    ``y[rows of g] = x[rows of g] @ kernels[g]``; rows past the groups are zero. The forward, dx and
+    dkernels GEMMs all use FP8 operands (table in the module docstring) and sum in float32; an empty
+    group's kernel gradient is zero.
 
     Args:
       x: [M, K] float32, bfloat16 or float16.
@@ -153,7 +203,8 @@ def fp8_grouped_dense(
         amax over all M rows, rows past the groups included), one for dy, and one per expert for
         the kernels.
       implementation: None / "reference" (pure JAX) or "triton" (CUDA GPU, opt-in: our quantize
-        kernels and grouped FP8 GEMM kernel, per-tensor scales repeated per block).
+        kernels and grouped FP8 GEMM and weight-gradient kernels, per-tensor scales repeated per
+        block).
 
     Returns:
       [M, N] in x's dtype.
@@ -173,11 +224,19 @@ def fp8_grouped_dense(
     if x.dtype != kernels.dtype:
         raise TypeError(err(OP, f"x and kernels must have the same dtype, got {x.dtype} and {kernels.dtype}."))
     implementation = static_choice(OP, "implementation", implementation, (None, "reference", "triton"))
-    if implementation == "triton":  # the kernel gradient runs grouped_dense's Triton wgrad kernel
-        from te_ops.grouped_dense import triton as gd_tri
-
-        why = gd_tri.unsupported_reason(dtype=x.dtype, kernels_dtype=kernels.dtype, m=x.shape[0], k=x.shape[1],
-                                        n=kernels.shape[2], g=kernels.shape[0])  # fmt: skip
+    if implementation == "triton":
+        why = _triton_unsupported(x.shape[0], kernels.shape[0])
         if why:
             raise ValueError(err(OP, f"implementation='triton' cannot take this call: {why}."))
     return _fp8_grouped(x, kernels, group_sizes.astype(jnp.int32), recipe, implementation or "reference")
+
+
+def _triton_unsupported(m: int, g: int) -> str | None:
+    from te_ops._core.triton_bridge import triton_unavailable_reason
+    from te_ops.grouped_dense.triton import MAX_GROUPS
+
+    if g > MAX_GROUPS:
+        return f"the FP8 grouped kernels take up to {MAX_GROUPS} groups, got {g}"
+    if m >= 2**31:
+        return f"the FP8 grouped kernels take M < 2**31 rows (int32 sizes), got M={m}"
+    return triton_unavailable_reason()

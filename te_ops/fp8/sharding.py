@@ -21,9 +21,12 @@ reference functions in place of the kernels.
   whole 128-blocks per shard) computes float32 partial sums on every shard, then ONE ``psum`` and
   the cast to the output dtype (the answer equals the unsharded one up to summation order).
 * **grouped block-scaled GEMM** (``a[M, K] x b_t[G, N, K], group_sizes[G] -> y[M, N]``): N
-  sharded runs each shard's column slice (no collective); expert parallel (G and M on the same
-  mesh axis, grouped_dense's contract: each shard's rows are its local experts' rows) runs each
-  shard's local experts; everything else is gathered.
+  sharded runs each shard's column slice (no collective); K sharded sums float32 partials with one
+  ``psum``; expert parallel (G and M on the same mesh axis, grouped_dense's contract: each shard's
+  rows are its local experts' rows) runs each shard's local experts; M sharded without G is
+  gathered (group boundaries are global then).
+* **grouped weight gradient** (``x^T[K, M], dy^T[N, M], group_sizes -> dW[G, K, N]``): K and N
+  sharded need no collective, expert parallel neither; the reduction axis M is gathered otherwise.
 
 A mesh axis used by two factors of one operand is kept on the first and dropped from the others.
 
@@ -260,17 +263,24 @@ def block_scaled_gemm(local: Callable[..., jax.Array], out_dtype: Any) -> Callab
     return _wrap(lambda a, sa, b, sb: local(a, sa, b, sb, out_dtype), rule, plan, True)
 
 
-def grouped_block_scaled_gemm(local: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
-    """``local(a[M, K], sa[M, Kb], b_t[G, N, K], sb[G, Nb, Kb], group_sizes[G]) -> y[M, N]``."""
+def grouped_block_scaled_gemm(local: Callable[..., jax.Array], out_dtype: Any) -> Callable[..., jax.Array]:
+    """``local(a[M, K], sa[M, Kb], b_t[G, N, K], sb[G, Nb, Kb], group_sizes[G], out_dtype) -> y[M, N]``.
+
+    Expert parallel (M and G on one mesh axis) and N sharded need no collective; K sharded (whole
+    128-blocks, e.g. the dx GEMM of a column-parallel expert layer, whose reduction runs over N)
+    sums float32 partials with one ``psum``."""
 
     def rule(a_shape, sa_shape, b_shape, sb_shape, gs_shape, mesh):
         sizes: dict = {}
-        need = ["k", "kb"]
+        need: list = []
+        k, kb = _block_dims(a_shape[1], BK, "k", sizes, need, mesh)
         n, nb = _block_dims(b_shape[1], BN, "n", sizes, need, mesh)
-        return f"m k, m kb, g {n} k, g {nb} kb, g -> m {n}", {"need_replication_factors": tuple(need), **sizes}
+        red = tuple(f for f in (("k", "kb") if k == "k" else ("kb",)) if f not in need)
+        rule_ = f"m {k}, m {kb}, g {n} {k}, g {nb} {kb}, g -> m {n}"
+        return rule_, {"need_replication_factors": tuple(need), "reduction_factors": red, **sizes}
 
     def plan(ctx: ShardContext) -> ShardPlan:
-        (m, _), (g, n, _) = ctx.arg_shapes[0], ctx.arg_shapes[2]
+        (m, k), (g, n, _) = ctx.arg_shapes[0], ctx.arg_shapes[2]
         a_spec, b_spec = ctx.arg_specs[0], ctx.arg_specs[2]
         used: set[str] = set()
         ep = ()
@@ -279,8 +289,47 @@ def grouped_block_scaled_gemm(local: Callable[..., jax.Array]) -> Callable[..., 
             if ep and m % mesh_size(ctx.mesh, ep) != 0:
                 used.difference_update(ep)
                 ep = ()
+        k_axes = _block_axes(a_spec[1] if a_spec[1] is not None else b_spec[2], k, BK, ctx.mesh, used)
         n_axes = _block_axes(b_spec[1], n, BN, ctx.mesh, used)
-        e, en = spec_entry(ep), spec_entry(n_axes)
-        return ShardPlan([[e, None], [e, None], [e, en, None], [e, en, None], [e]], [e, en], None)
+        e, ek, en = spec_entry(ep), spec_entry(k_axes), spec_entry(n_axes)
+        in_specs = [[e, ek], [e, ek], [e, en, ek], [e, en, ek], [e]]
+
+        def row_parallel(a, sa, b, sb, gs):
+            return jax.lax.psum(local(a, sa, b, sb, gs, F32), k_axes).astype(out_dtype)
+
+        per_shard = row_parallel if k_axes else (lambda a, sa, b, sb, gs: local(a, sa, b, sb, gs, out_dtype))
+        return ShardPlan(in_specs, [e, en], per_shard)
+
+    return _wrap(lambda a, sa, b, sb, gs: local(a, sa, b, sb, gs, out_dtype), rule, plan, True)
+
+
+def grouped_block_scaled_wgrad(local: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+    """``local(at[K, M], sat[K, Mb], bt[N, M], sbt[Nb, Mb], group_sizes[G]) -> dW[G, K, N]``.
+
+    K sharded (at's rows) and N sharded (whole 128-row blocks of bt) give each shard its slice of
+    every expert's gradient, no collective; expert parallel (M and the group sizes on the same mesh
+    axis, grouped_dense's contract) gives each shard its local experts. The reduction axis M is
+    gathered otherwise (its groups span shards)."""
+
+    def rule(at_shape, sat_shape, bt_shape, sbt_shape, gs_shape, mesh):
+        sizes: dict = {}
+        need = ["m", "mb"]
+        n, nb = _block_dims(bt_shape[0], BN, "n", sizes, need, mesh)
+        return f"k m, k mb, {n} m, {nb} mb, g -> g k {n}", {"need_replication_factors": tuple(need), **sizes}
+
+    def plan(ctx: ShardContext) -> ShardPlan:
+        (k, m), (n, _), (g,) = ctx.arg_shapes[0], ctx.arg_shapes[2], ctx.arg_shapes[4]
+        at_spec, bt_spec, gs_spec = ctx.arg_specs[0], ctx.arg_specs[2], ctx.arg_specs[4]
+        used: set[str] = set()
+        ep = ()
+        if at_spec[1] is not None and at_spec[1] == gs_spec[0]:  # expert parallel
+            ep = _keep(gs_spec[0], g, ctx.mesh, used)
+            if ep and m % (mesh_size(ctx.mesh, ep) * BK) != 0:  # whole 128-row chunks per shard
+                used.difference_update(ep)
+                ep = ()
+        k_axes = _keep(at_spec[0], k, ctx.mesh, used)
+        n_axes = _block_axes(bt_spec[0], n, BN, ctx.mesh, used)
+        e, ek, en = spec_entry(ep), spec_entry(k_axes), spec_entry(n_axes)
+        return ShardPlan([[ek, e], [ek, e], [en, e], [en, e], [e]], [e, ek, en], None)
 
     return _wrap(local, rule, plan, True)

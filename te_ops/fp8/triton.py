@@ -266,10 +266,12 @@ def grouped_block_scaled_gemm(
 
 @functools.cache
 def _sharded_grouped_gemm(out_dtype, num_programs, config, partition):
-    def local(a, sa, b, sb, gs):
-        return _grouped_gemm_local(a, sa, b, sb, gs, out_dtype, num_programs, config)
+    def local(a, sa, b, sb, gs, dtype):
+        return _grouped_gemm_local(a, sa, b, sb, gs, dtype, num_programs, config)
 
-    return sharding.grouped_block_scaled_gemm(local) if partition else local
+    if not partition:
+        return lambda a, sa, b, sb, gs: local(a, sa, b, sb, gs, out_dtype)
+    return sharding.grouped_block_scaled_gemm(local, out_dtype)
 
 
 def _grouped_gemm_local(a, sa, b, sb, gs, out_dtype, num_programs, config):
@@ -300,6 +302,61 @@ def _grouped_gemm_local(a, sa, b, sb, gs, out_dtype, num_programs, config):
         num_stages=stages,
         divisible_by_16=tuple(nm for nm, v in (("K", k), ("N", n)) if v % 16 == 0),
         name="te_fp8_grouped_block_gemm",
+    )[0]
+
+
+WGRAD_CONFIG = (128, 128, 8, 3)  # (BKO, BN, num_warps, num_stages) of grouped_block_scaled_wgrad
+
+
+def grouped_block_scaled_wgrad(
+    qat: QuantizedTensor, qbt: QuantizedTensor, group_sizes: jax.Array, g: int, out_dtype, config=None
+) -> jax.Array:
+    """FP8 weight gradients of MoE experts: ``out[g] = dequantize(qat)[:, rows of g] @
+    dequantize(qbt)[:, rows of g]^T`` ([G, K, N], float32 sums, promoted every 128 rows).
+
+    qat: x^T [K, M] in 1 x 128 tiles along M; qbt: dy^T [N, M] in 128 x 128 blocks (tiles aligned to
+    the whole tensor's rows, not to group starts); group_sizes int32 [G] (grouped_dense's rule)."""
+    if qat.block != (1, 128) or qbt.block != (128, 128):
+        raise ValueError(f"grouped_block_scaled_wgrad takes 1x128 x 128x128 blocks, got {qat.block} and {qbt.block}")
+    k, m = qat.data.shape
+    n = qbt.data.shape[0]
+    if k * n * g == 0 or m == 0:
+        return jnp.zeros((g, k, n), out_dtype)
+    wgrad = _sharded_wgrad(jnp.dtype(out_dtype), int(g), tuple(config or WGRAD_CONFIG), PARTITION)
+    return wgrad(qat.data, qat.scale_inv, qbt.data, qbt.scale_inv, group_sizes.astype(jnp.int32))
+
+
+@functools.cache
+def _sharded_wgrad(out_dtype, g, config, partition):
+    def local(at, sat, bt, sbt, gs):
+        return _wgrad_local(at, sat, bt, sbt, gs, gs.shape[0], out_dtype, config)
+
+    return sharding.grouped_block_scaled_wgrad(local) if partition else local
+
+
+def _wgrad_local(at, sat, bt, sbt, gs, g, out_dtype, config):
+    k, m = at.shape
+    n = bt.shape[0]
+    bko, bn, warps, stages = config
+    grid = g * -(-k // bko) * -(-n // bn)
+    return tb.triton_call(
+        _k().grouped_block_scaled_wgrad_kernel,
+        at,
+        sat,
+        bt,
+        sbt,
+        gs,
+        np.int32(m),
+        np.int32(k),
+        np.int32(n),
+        np.int32(g),
+        out_shape=[SDS((g, k, n), out_dtype)],
+        grid=(grid,),
+        constexprs=dict(BKO=bko, BN=bn, BR=128, BLOCK_G=max(16, 1 << max(0, (g - 1).bit_length())), WB=128),
+        num_warps=warps,
+        num_stages=stages,
+        divisible_by_16=tuple(nm for nm, v in (("M", m), ("N", n)) if v % 16 == 0),
+        name="te_fp8_grouped_block_wgrad",
     )[0]
 
 

@@ -333,6 +333,72 @@ def grouped_block_scaled_gemm_kernel(
 
 
 @triton.jit
+def grouped_block_scaled_wgrad_kernel(
+    at_ptr,
+    sat_ptr,
+    bt_ptr,
+    sbt_ptr,
+    gs_ptr,
+    M,
+    K,
+    N,
+    G,
+    out_ptr,
+    BKO: tl.constexpr,
+    BN: tl.constexpr,
+    BR: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    WB: tl.constexpr,
+):
+    """Weight gradients of FP8 MoE experts: out[g] [K, N] = x[rows of g]^T @ dy[rows of g].
+
+    at = x^T [K, M] FP8 in 1 x BR tiles along M (inverse scales sat [K, cdiv(M, BR)]); bt = dy^T
+    [N, M] FP8 in WB x BR blocks (sbt [cdiv(N, WB), cdiv(M, BR)]): both reduction-major (M
+    contiguous), as Hopper's FP8 wgmma reads them. The tiles are aligned to multiples of BR rows of
+    the whole tensor, not to group starts: each program walks the BR-row chunks that overlap its
+    group, masks the rows of other groups to zero, and scales that chunk's float32 partial by the
+    chunk's scales (promotion every BR rows of the reduction). An empty group gets zeros. One
+    program per (group, K tile, N tile), group-major."""
+    pid = tl.program_id(0)
+    n_kt = tl.cdiv(K, BKO)
+    n_nt = tl.cdiv(N, BN)
+    g = pid // (n_kt * n_nt)
+    rest = pid % (n_kt * n_nt)
+    kt = rest // n_nt
+    nt = rest % n_nt
+    gi, start, end = _group_table(gs_ptr, G, M, BLOCK_G)
+    sel = gi == g
+    s = tl.sum(tl.where(sel, start, 0), axis=0)
+    e = tl.sum(tl.where(sel, end, 0), axis=0)
+    ks = kt * BKO + tl.arange(0, BKO)
+    kmask = ks < K
+    cols = nt * BN + tl.arange(0, BN)
+    cmask = cols < N
+    n_cb = tl.cdiv(M, BR)
+    c0 = s // BR
+    c1 = tl.where(e > s, (e + BR - 1) // BR, c0)
+    acc = tl.zeros((BKO, BN), dtype=tl.float32)
+    for c in range(c0, c1):
+        ms = c * BR + tl.arange(0, BR)
+        mmask = (ms >= s) & (ms < e)
+        a = tl.load(at_ptr + ks.to(tl.int64)[:, None] * M + ms[None, :], mask=kmask[:, None] & mmask[None, :],
+                    other=0.0)  # fmt: skip
+        b = tl.load(bt_ptr + cols.to(tl.int64)[None, :] * M + ms[:, None], mask=mmask[:, None] & cmask[None, :],
+                    other=0.0)  # fmt: skip
+        partial = tl.dot(a, b)  # [BKO, BN] float32, this chunk of rows only
+        sa = tl.load(sat_ptr + ks.to(tl.int64) * n_cb + c, mask=kmask, other=0.0)
+        if BN == WB:
+            sb = tl.load(sbt_ptr + nt * n_cb + c)
+            acc += partial * (sa[:, None] * sb)
+        else:
+            sb = tl.load(sbt_ptr + (cols // WB) * n_cb + c, mask=cmask, other=0.0)
+            acc += partial * (sa[:, None] * sb[None, :])
+    out = acc.to(out_ptr.dtype.element_ty)
+    o_ptrs = out_ptr + g.to(tl.int64) * K * N + ks.to(tl.int64)[:, None] * N + cols[None, :]
+    tl.store(o_ptrs, out, mask=kmask[:, None] & cmask[None, :])
+
+
+@triton.jit
 def amax_kernel(x_ptr, n, amax_ptr, BLOCK: tl.constexpr):
     """amax_ptr[b] (float32 bits as int32, zeroed by the launcher) = max |x[b]| over its n elements
     (x: [B, n], grid (cdiv(n, BLOCK), B)), a NaN counting as +Inf (the reference's rule).

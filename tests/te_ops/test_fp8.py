@@ -464,6 +464,33 @@ def _kernel_main() -> int:
         ok = err < 1e-5 and not np.isnan(got).any()
         print(f"grouped gemm {m}x{k}x{n} {sizes}: max rel diff {err:.2e} {'ok' if ok else 'MISMATCH'}")
         failures += not ok
+    # the grouped FP8 weight-gradient kernel: groups straddling 128-row chunks, empty, clipped, a
+    # tail past the groups, K and N not multiples of the tiles, 128 x 256 tiles
+    wcases = [
+        (300, 200, 130, [100, 0, 150, 30], None),
+        (256, 128, 128, [0, 256], None),
+        (90, 64, 300, [10, 90, 5], None),
+        (400, 256, 300, [129, 1, 127, 100], (128, 256, 8, 3)),
+    ]
+    for m, k, n, sizes, cfg in wcases:
+        g = len(sizes)
+        x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+        dyw = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
+        qxt = ref.quantize_blocks(x.T, (1, 128), fp8.E4M3, power_of_2=False)
+        qdyt = ref.quantize_blocks(dyw.T, (128, 128), fp8.E5M2, power_of_2=False)
+        got = np.asarray(
+            tri.grouped_block_scaled_wgrad(qxt, qdyt, jnp.array(sizes, jnp.int32), g, jnp.float32, config=cfg)
+        )
+        xd, dd = np.asarray(ref.dequantize(qxt, jnp.float32)), np.asarray(ref.dequantize(qdyt, jnp.float32))
+        want, r0 = np.zeros((g, k, n), np.float32), 0
+        for gi, size in enumerate(sizes):
+            size = max(0, min(size, m - r0))
+            want[gi] = xd[:, r0 : r0 + size] @ dd[:, r0 : r0 + size].T
+            r0 += size
+        err = float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-6))
+        ok = err < 1e-5 and not np.isnan(got).any()
+        print(f"grouped wgrad {m}x{k}x{n} {sizes}: max rel diff {err:.2e} {'ok' if ok else 'MISMATCH'}")
+        failures += not ok
     # per-tensor kernels: amax pass + cast pass (current scaling), cast with a recorded amax (delayed)
     # (the last case has no NaN or Inf, so its scale comes from a finite amax by a real division)
     cases = [((37, 129), jnp.bfloat16), ((3, 5000), jnp.float32), ((64, 64), jnp.float16), ((40, 77), jnp.float32)]
@@ -769,9 +796,10 @@ GROUPED_RECIPES = [fp8.BlockScaling(), fp8.CurrentScaling(), fp8.CurrentScaling(
 
 @pytest.mark.parametrize("rec", GROUPED_RECIPES, ids=repr)
 def test_fp8_grouped_dense_matches_per_group_numpy(rec):
-    """Per group with NumPy: y and dx from the FP8 operands (block: 1 x 128 rows, 128 x 128 expert
-    blocks; current: one scale for x, for dy and per expert), dW from the high-precision operands;
-    empty and clipped groups; rows past the groups zero."""
+    """Per group with NumPy: y, dx and dW from the FP8 operands (block: 1 x 128 rows, 128 x 128 expert
+    blocks, x^T in 1 x 128 tiles along M, dy^T in 128 x 128 blocks, tiled from row 0 of the whole
+    tensor; current: one scale for x, for dy and per expert); empty and clipped groups; rows past the
+    groups zero (their gradients too)."""
     rng = np.random.default_rng(21)
     m, k, n = 300, 256, 130
     sizes = np.array([100, 0, 150, 80], np.int32)  # sums to 330 > M: the last group is clipped to 50
@@ -781,13 +809,14 @@ def test_fp8_grouped_dense_matches_per_group_numpy(rec):
     y, vjp = jax.vjp(lambda x, w: fp8.fp8_grouped_dense(x, w, jnp.asarray(sizes), rec), jnp.asarray(x), jnp.asarray(w))
     dx, dw = vjp(jnp.asarray(dy))
     xq, dyq = _np_q(x, rec, "x", (1, 128)), _np_q(dy, rec, "g", (1, 128))
+    xtq, dytq = _np_q(x.T, rec, "x", (1, 128)), _np_q(dy.T, rec, "g", (128, 128))  # [k, m], [n, m]
     want_y, want_dx, want_dw, r0 = np.zeros((m, n)), np.zeros((m, k)), np.zeros((4, k, n)), 0
     for g, size in enumerate(sizes):
         size = min(size, m - r0)
         wq = _np_q(w[g].T, rec, "w", (128, 128))  # [n, k]
         want_y[r0 : r0 + size] = xq[r0 : r0 + size] @ wq.T
         want_dx[r0 : r0 + size] = dyq[r0 : r0 + size] @ wq
-        want_dw[g] = x[r0 : r0 + size].T @ dy[r0 : r0 + size]
+        want_dw[g] = xtq[:, r0 : r0 + size] @ dytq[:, r0 : r0 + size].T
         r0 += size
     for got, want in ((y, want_y), (dx, want_dx), (dw, want_dw)):
         np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-5 * np.max(np.abs(want)))
@@ -816,10 +845,10 @@ def test_fp8_grouped_dense_matches_per_group_numpy(rec):
         (lambda: fp8.fp8_grouped_dense(jnp.ones((4, 8)), jnp.ones((2, 8, 3)), jnp.ones(2)), TypeError, "integer"),
         (
             lambda: fp8.fp8_grouped_dense(
-                jnp.ones((4, 8)), jnp.ones((2, 8, 3)), jnp.ones(2, jnp.int32), implementation="triton"
+                jnp.ones((4, 8)), jnp.ones((2000, 8, 3)), jnp.ones(2000, jnp.int32), implementation="triton"
             ),
             ValueError,
-            "cannot take this call",
+            "cannot take this call: the FP8 grouped kernels take up to",
         ),
     ],
 )

@@ -211,7 +211,7 @@ def test_grouped_gemm_column_and_expert_parallel():
     g, m, k, n = 4, 256, 256, 512
     qa = ref.quantize_blocks(_x(7, (m, k), jnp.bfloat16), (1, 128), E4M3, power_of_2=False)
     qb = ref.quantize_blocks(_x(8, (g, n, k), jnp.bfloat16), (128, 128), E4M3, power_of_2=False)
-    f = fsh.grouped_block_scaled_gemm(lambda *a: ref_grouped_local(*a, jnp.bfloat16))
+    f = fsh.grouped_block_scaled_gemm(ref_grouped_local, jnp.bfloat16)
     # column parallel: each shard its N slice of every expert, no collective
     gs = jnp.asarray([100, 0, 60, 90], jnp.int32)
     args = [qa.data, qa.scale_inv, qb.data, qb.scale_inv, gs]
@@ -250,8 +250,9 @@ def triton_on_cpu(monkeypatch):
     monkeypatch.setattr(tri, "_dual_quantize_local", ref_dual_local)
     monkeypatch.setattr(tri, "_block_gemm_local", ref_gemm_local)
     monkeypatch.setattr(tri, "_grouped_gemm_local", ref_grouped_local)
+    monkeypatch.setattr(tri, "_wgrad_local", ref_wgrad_local)
     caches = [tri._sharded_amax, tri._sharded_cast, tri._sharded_block_quantize, tri._sharded_dual_quantize,
-              tri._sharded_block_gemm, tri._sharded_grouped_gemm]  # fmt: skip
+              tri._sharded_block_gemm, tri._sharded_grouped_gemm, tri._sharded_wgrad]  # fmt: skip
     for c in caches:
         c.cache_clear()
     yield
@@ -367,3 +368,58 @@ def test_fp8_dense_delayed_state_identical_when_sharded(request, impl):
     out, want, _ = T.run_sharded(step, [x, w, state], [P("d"), P(), P()], None, mesh=mesh)
     _same_bits(out[2], want[2])
     T.assert_close(out[0], want[0], jnp.bfloat16)
+
+
+def ref_wgrad_local(at, sat, bt, sbt, gs, g, out_dtype, config=None):
+    x = _deq(at, sat, (1, 128)).T
+    dy = _deq(bt, sbt, (128, 128)).T
+    w_proto = jnp.zeros((g, x.shape[1], dy.shape[1]), F32)
+    return gd_ref.backward(gd_ref.Residuals(x, w_proto, gs), dy, has_bias=False)[1].astype(out_dtype)
+
+
+def test_grouped_wgrad_partitions():
+    """K and N sharded: each shard its slice of every expert's gradient; expert parallel: each shard
+    its local experts from its own rows. No collective in any of them."""
+    mesh = T.cpu_mesh((4, 2), ("e", "t"))
+    g, m, k, n = 4, 512, 256, 512
+    qxt = ref.quantize_blocks(_x(20, (k, m), jnp.bfloat16), (1, 128), E4M3, power_of_2=False)
+    qdyt = ref.quantize_blocks(_x(21, (n, m), jnp.bfloat16), (128, 128), E5M2, power_of_2=False)
+    f = fsh.grouped_block_scaled_wgrad(lambda *a: ref_wgrad_local(*a, a[-1].shape[0], jnp.float32))
+    gs = jnp.asarray([130, 0, 250, 90], jnp.int32)
+    args = [qxt.data, qxt.scale_inv, qdyt.data, qdyt.scale_inv, gs]
+    out, want, counts = T.run_sharded(f, args, [P("e"), P("e"), P("t"), P("t"), P()], None, mesh=mesh)
+    # the same products summed in another order: float32 noise relative to the largest entry
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=0, atol=1e-5 * float(jnp.max(jnp.abs(want))))
+    assert _nonzero(counts) == {}
+    gs_local = jnp.asarray([128, 5, 0, 77], jnp.int32)  # one expert per 128-row shard
+    args[-1] = gs_local
+    out, _, counts = T.run_sharded(f, args, [P(None, "e"), P(None, "e"), P(None, "e"), P(None, "e"), P("e")], None,
+                                   mesh=mesh)  # fmt: skip
+    assert _nonzero(counts) == {}
+    for s in range(g):
+        rows = slice(128 * s, 128 * (s + 1))
+        local = ref_wgrad_local(qxt.data[:, rows], qxt.scale_inv[:, s : s + 1], qdyt.data[:, rows],
+                                qdyt.scale_inv[:, s : s + 1], gs_local[s : s + 1], 1, jnp.float32)  # fmt: skip
+        np.testing.assert_array_equal(np.asarray(out[s : s + 1]), np.asarray(local))
+
+
+def test_fp8_grouped_dense_triton_backward_column_parallel(triton_on_cpu):
+    """Gradients of the FP8 experts with the kernels sharded on N: dx is one all-reduce over the N
+    shards (plus the loss), dkernels stay sharded."""
+    mesh = T.cpu_mesh((8,), ("t",))
+    g, m, k, n = 4, 256, 256, 1024
+    x = _x(22, (m, k), jnp.bfloat16)
+    kernels = _x(23, (g, k, n), jnp.bfloat16) * 0.05
+    gs = jnp.asarray([70, 0, 100, 50], jnp.int32)
+
+    def grads(x, kernels):
+        def loss(x, kernels):
+            y = fp8.fp8_grouped_dense(x, kernels, gs, fp8.BlockScaling(), implementation="triton")
+            return jnp.sum(y.astype(F32) ** 2)
+
+        return jax.grad(loss, (0, 1))(x, kernels)
+
+    out, want, counts = T.run_sharded(grads, [x, kernels], [P(), P(None, None, "t")], None, mesh=mesh)
+    T.assert_close(out[0], want[0], jnp.bfloat16)
+    T.assert_close(out[1], want[1], jnp.bfloat16, scale=2.0)
+    assert _nonzero(counts) == {"all-reduce": 1}, counts  # dx summed over the N shards (with the loss)
