@@ -162,6 +162,8 @@ def main():
                               "TFLOPs": 2.0 * m * k * n / t / 1e9, "target_TFLOPs": target})  # fmt: skip
         del qa, qb, x
     save()
+    grouped_fwd_bwd(summary, gemm_rows)
+    save()
     torch_rows.extend(torch_scaled_grouped(gemm_rows))
     _timing.print_table("FP8 block-scaled GEMM", gemm_rows, ["gemm", "impl", "ms", "TFLOPs", "target_TFLOPs"])
     _timing.print_table("FP8 block quantization (bf16 -> e4m3)", rows,
@@ -274,6 +276,66 @@ def dense_fwd_bwd(summary):
                         "ours_ms": times["fp8 block 1x128/128x128, ours (Triton)"],
                         "alternative": "bf16 te_ops.dense", "alternative_ms": bf16, "headline": False})  # fmt: skip
     return rows
+
+
+def grouped_fwd_bwd(summary, gemm_rows):
+    """fp8_grouped_dense forward+backward (y, dx, dkernels; quantization included) at K7168 N4096 with
+    32 equal groups, against te_ops.grouped_dense in bf16; and the FP8 weight-gradient kernel alone."""
+    import numpy as np
+
+    from te_ops.fp8 import triton as tri
+    from te_ops.grouped_dense import grouped_dense
+
+    m, g, k, n = 65536, 32, 7168, 4096
+    rng = np.random.default_rng(7)
+    sizes = jnp.asarray(np.full(g, m // g, np.int32))
+    x = jnp.asarray(rng.standard_normal((m, k), np.float32), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((g, k, n), np.float32) / k**0.5, jnp.bfloat16)
+    dy = jnp.asarray(rng.standard_normal((m, n), np.float32), jnp.bfloat16)
+
+    def fb(f):
+        def run(x, w, dy):
+            y, vjp = jax.vjp(f, x, w)
+            return y, *vjp(dy)
+
+        return jax.jit(run)
+
+    fns = {
+        "bf16 grouped_dense (te_ops)": fb(lambda x, w: grouped_dense(x, w, sizes)),
+        "fp8 block (triton)": fb(lambda x, w: fp8.fp8_grouped_dense(x, w, sizes, fp8.BlockScaling(),
+                                                                    implementation="triton")),
+        "fp8 current (triton)": fb(lambda x, w: fp8.fp8_grouped_dense(x, w, sizes, fp8.CurrentScaling(),
+                                                                      implementation="triton")),
+    }  # fmt: skip
+    times = {}
+    for name, fn in fns.items():
+        try:
+            times[name] = _timing.time_fn(fn, [(x, w, dy)], repeats=5, calls=5)
+        except Exception as e:  # one failing implementation must not hide the others
+            print(f"grouped fwd+bwd {name} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    flops = 6.0 * m * k * n
+    base = times.get("bf16 grouped_dense (te_ops)")
+    for name, t in times.items():
+        gemm_rows.append({"gemm": f"grouped fwd+bwd K{k} N{n} G{g} M{m}", "impl": name, "ms": t,
+                          "TFLOPs": flops / t / 1e9, "target_TFLOPs": 950.0 if "fp8 block" in name else None,
+                          "vs_bf16": (base / t) if base else None})  # fmt: skip
+    if "fp8 block (triton)" in times and base:
+        summary.append({"workload": f"fp8_grouped_dense fwd+bwd block scaling K{k} N{n} G{g} M{m} bf16",
+                        "ours_ms": times["fp8 block (triton)"], "alternative": "te_ops.grouped_dense bf16",
+                        "alternative_ms": base, "headline": False})  # fmt: skip
+    # the weight-gradient kernel alone (operands quantized)
+    qxt = jax.jit(lambda x: ref.quantize_blocks(x.T, (1, 128), fp8.E4M3, power_of_2=True))(x)
+    qdyt = jax.jit(lambda d: ref.quantize_blocks(d.T, (128, 128), fp8.E5M2, power_of_2=True))(dy)
+    for cfg in [None, (128, 256, 8, 3), (256, 128, 8, 3)]:
+        fn = jax.jit(lambda a, b, s, cfg=cfg: tri.grouped_block_scaled_wgrad(a, b, s, g, jnp.bfloat16, config=cfg))
+        try:
+            t = _timing.time_fn(fn, [(qxt, qdyt, sizes)], repeats=5, calls=5)
+        except Exception as e:
+            print(f"wgrad {cfg} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            continue
+        gemm_rows.append({"gemm": f"grouped wgrad K{k} N{n} G{g} M{m}",
+                          "impl": f"fp8 block-scaled wgrad (triton {cfg or tri.WGRAD_CONFIG})", "ms": t,
+                          "TFLOPs": 2.0 * m * k * n / t / 1e9})  # fmt: skip
 
 
 def torch_scaled_grouped(gemm_rows):
