@@ -172,6 +172,37 @@ def test_grouped_block_scaled_gemm_matches_reference(m, k, n, g):
     assert np.all(got[r0:] == 0), "rows past the groups must be zero"
 
 
+@needs_triton
+@pytest.mark.parametrize("m,k,n,g", [(300, 200, 130, 4), (32768, 1024, 4096, 16), (16384, 2048, 1024, 32)])
+def test_grouped_block_scaled_wgrad_matches_reference(m, k, n, g):
+    """FP8 expert weight gradients vs per-group dequantized float32 GEMMs: uneven groups straddling
+    128-row chunks, an empty group (zero gradient), rows past the groups ignored; NaN-poisoned
+    outputs (every element written)."""
+    from te_ops.fp8 import triton as tri
+
+    rng = np.random.default_rng(m + 3 * g)
+    sizes = np.floor(rng.dirichlet(np.full(g, 0.7)) * m * 0.9).astype(np.int32)
+    sizes[1] = 0
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    dy = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
+    qxt = on_cpu(lambda x: ref.quantize_blocks(x.T, (1, 128), fp8.E4M3, power_of_2=False), x)
+    qdyt = on_cpu(lambda d: ref.quantize_blocks(d.T, (128, 128), fp8.E5M2, power_of_2=False), dy)
+    with native.poisoned_outputs():
+        got = np.asarray(
+            jax.jit(lambda a, b, s: tri.grouped_block_scaled_wgrad(a, b, s, g, jnp.float32))(qxt, qdyt, sizes)
+        )
+    xd, dd = np.asarray(ref.dequantize(qxt, jnp.float32)), np.asarray(ref.dequantize(qdyt, jnp.float32))
+    assert not np.isnan(got).any()
+    r0 = 0
+    for gi, size in enumerate(sizes):
+        want = xd[:, r0 : r0 + size] @ dd[:, r0 : r0 + size].T
+        if size:
+            np.testing.assert_allclose(got[gi], want, rtol=0, atol=2e-3 * float(np.max(np.abs(want))))
+        else:
+            assert np.all(got[gi] == 0), "an empty group's gradient must be zero"
+        r0 += size
+
+
 DELAYED = fp8.DelayedScaling(history_len=8)
 
 
@@ -201,8 +232,8 @@ def test_per_tensor_kernels_match_reference(shape):
 @needs_triton
 @pytest.mark.parametrize("recipe", [fp8.BlockScaling(), fp8.CurrentScaling()], ids=lambda r: type(r).__name__)
 def test_fp8_grouped_dense_triton_path_matches_reference(recipe):
-    """MoE experts: FP8 forward and dx through the grouped block-scaled kernel, dkernels through
-    grouped_dense's wgrad kernel, vs the reference path."""
+    """MoE experts: FP8 forward and dx through the grouped block-scaled kernel, dkernels through the
+    grouped FP8 wgrad kernel, vs the reference path."""
     rng = np.random.default_rng(9)
     m, k, n, g = 8192, 1024, 2048, 8
     sizes = np.floor(rng.dirichlet(np.full(g, 0.7)) * m * 0.95).astype(np.int32)
