@@ -34,6 +34,7 @@ from te_ops._core.validation import check_float, err, static_choice
 from te_ops.fp8 import reference as ref
 from te_ops.fp8.recipes import BlockScaling, CurrentScaling, DelayedScaling
 from te_ops.fp8.reference import DelayedScalingState, QuantizedTensor
+from te_ops.fp8.select import resolve, staged
 
 OP = "fp8_dense"
 F32 = jnp.float32
@@ -165,13 +166,21 @@ def _fp8_dense(x, w, recipe, implementation):
 
 
 def _fwd(x, w, recipe, implementation):
+    return staged(lambda name: functools.partial(_fwd_impl, recipe=recipe, implementation=name), implementation)(x, w)
+
+
+def _bwd(recipe, implementation, res, dy):
+    return staged(lambda name: functools.partial(_bwd_impl, recipe, name), implementation)(res, dy)
+
+
+def _fwd_impl(x, w, *, recipe, implementation):
     quant_x, quant_w_t, _, gemm = _OPS[implementation](recipe)
     qx, qx_t = quant_x(x)
     qw_t = quant_w_t(w)
     return gemm(qx, qw_t, x.dtype), (qx_t, qw_t, jnp.zeros((), w.dtype))
 
 
-def _bwd(recipe, implementation, res, dy):
+def _bwd_impl(recipe, implementation, res, dy):
     qx_t, qw_t, w_proto = res
     _, _, quant_dy, gemm = _OPS[implementation](recipe)
     qdy, qdy_t = quant_dy(dy)
@@ -224,6 +233,15 @@ def _fp8_dense_delayed(x, w, state, recipe, implementation):
 
 
 def _dfwd(x, w, state, recipe, implementation):
+    fwd = staged(lambda name: lambda x, w, st: _dfwd_impl(x, w, st, recipe, name), implementation)
+    return fwd(x, w, state)
+
+
+def _dbwd(recipe, implementation, res, dy):
+    return staged(lambda name: functools.partial(_dbwd_impl, recipe, name), implementation)(res, dy)
+
+
+def _dfwd_impl(x, w, state, recipe, implementation):
     qx, st_x = _quant_delayed(x, state.x, recipe, "x", implementation)
     qw, st_w = _quant_delayed(w, state.w, recipe, "w", implementation)
     qw_t = _transpose(qw)
@@ -231,7 +249,7 @@ def _dfwd(x, w, state, recipe, implementation):
     return y, (_transpose(qx), qw_t, st_x, st_w, state.g, jnp.zeros((), w.dtype))
 
 
-def _dbwd(recipe, implementation, res, dy):
+def _dbwd_impl(recipe, implementation, res, dy):
     qx_t, qw_t, st_x, st_w, st_g, w_proto = res
     qdy, st_g = _quant_delayed(dy, st_g, recipe, "g", implementation)
     gemm = _delayed_gemm(implementation)
@@ -292,7 +310,9 @@ def fp8_dense(
         :class:`~te_ops.fp8.BlockScaling` (static). With block scaling the weight blocks must be
         square (the dgrad GEMM reuses them transposed).
       state: with DelayedScaling (required), the :class:`DenseScalingState`; else None.
-      implementation: None or "reference" (pure JAX, every platform); "triton" (CUDA GPU; current
+      implementation: None (the Triton path on a CUDA GPU with FP8 tensor cores where it takes the
+        call, staged with ``jax.lax.platform_dependent``; the reference elsewhere), "reference"
+        (pure JAX, every platform); "triton" (CUDA GPU; current
         or delayed scaling, or block scaling with 1 x 128 / 128 x 128 blocks: our quantize kernels,
         our block-scaled GEMM or cuBLASLt's per-tensor FP8 GEMM); "xla" (current or delayed
         scaling: quantization in jnp, FP8 dots that XLA runs through cuBLASLt on Hopper).
@@ -336,10 +356,12 @@ def fp8_dense(
             err(OP, "implementation='triton' takes CurrentScaling, DelayedScaling, or BlockScaling with act_block "
                     f"(1, 128) and weight_block (128, 128), got {recipe!r}.")
         )  # fmt: skip
+    block_ok = not isinstance(recipe, BlockScaling) or (recipe.act_block, recipe.weight_block) == ((1, 128), (128, 128))
+    impl = resolve(implementation) if (implementation is not None or block_ok) else "reference"
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if isinstance(recipe, DelayedScaling):
-        y = _fp8_dense_delayed(x2, kernel, state, recipe, implementation or "reference")
+        y = _fp8_dense_delayed(x2, kernel, state, recipe, impl)
     else:
-        y = _fp8_dense(x2, kernel, recipe, implementation or "reference")
+        y = _fp8_dense(x2, kernel, recipe, impl)
     return y.reshape(*lead, kernel.shape[1])

@@ -33,6 +33,7 @@ from te_ops._core.validation import check_float, check_int_array, err, static_ch
 from te_ops.fp8 import reference as ref
 from te_ops.fp8.recipes import BlockScaling, CurrentScaling
 from te_ops.fp8.reference import QuantizedTensor
+from te_ops.fp8.select import resolve, staged
 from te_ops.grouped_dense import reference as gd_ref
 
 OP = "fp8_grouped_dense"
@@ -166,6 +167,15 @@ def _fp8_grouped(x, kernels, group_sizes, recipe, implementation):
 
 
 def _fwd(x, kernels, group_sizes, recipe, implementation):
+    fwd = staged(lambda name: lambda x, k, gs: _fwd_impl(x, k, gs, recipe, name), implementation)
+    return fwd(x, kernels, group_sizes)
+
+
+def _bwd(recipe, implementation, res, dy):
+    return staged(lambda name: functools.partial(_bwd_impl, recipe, name), implementation)(res, dy)
+
+
+def _fwd_impl(x, kernels, group_sizes, recipe, implementation):
     quant_x, quant_w_t, _, gemm, _ = _ops(recipe, implementation)
     qx, qx_t = quant_x(x)
     qw_t = quant_w_t(jnp.swapaxes(kernels, 1, 2))
@@ -173,7 +183,7 @@ def _fwd(x, kernels, group_sizes, recipe, implementation):
     return y, (qx_t, qw_t, group_sizes, jnp.zeros((), kernels.dtype))
 
 
-def _bwd(recipe, implementation, res, dy):
+def _bwd_impl(recipe, implementation, res, dy):
     qx_t, qw_t, group_sizes, w_proto = res
     _, _, quant_dy, gemm, wgrad = _ops(recipe, implementation)
     qdy, qdy_t = quant_dy(dy)
@@ -202,7 +212,9 @@ def fp8_grouped_dense(
         (default: ``BlockScaling()``), or :class:`~te_ops.fp8.CurrentScaling`: one scale for x (its
         amax over all M rows, rows past the groups included), one for dy, and one per expert for
         the kernels.
-      implementation: None / "reference" (pure JAX) or "triton" (CUDA GPU, opt-in: our quantize
+      implementation: None (the Triton path on a CUDA GPU with FP8 tensor cores, staged with
+        ``jax.lax.platform_dependent``; the reference elsewhere), "reference" (pure JAX) or
+        "triton" (CUDA GPU: our quantize
         kernels and grouped FP8 GEMM and weight-gradient kernels, per-tensor scales repeated per
         block).
 
@@ -228,7 +240,9 @@ def fp8_grouped_dense(
         why = _triton_unsupported(x.shape[0], kernels.shape[0])
         if why:
             raise ValueError(err(OP, f"implementation='triton' cannot take this call: {why}."))
-    return _fp8_grouped(x, kernels, group_sizes.astype(jnp.int32), recipe, implementation or "reference")
+    if implementation is None and _triton_unsupported(x.shape[0], kernels.shape[0]):
+        implementation = "reference"
+    return _fp8_grouped(x, kernels, group_sizes.astype(jnp.int32), recipe, resolve(implementation))
 
 
 def _triton_unsupported(m: int, g: int) -> str | None:

@@ -268,3 +268,25 @@ def test_reference_rounds_on_the_gpu():
     got = np.asarray(jax.jit(rt)(x))
     assert np.max(np.abs(got - np.asarray(x, np.float32))) > 0, "the FP8 rounding was optimized away"
     np.testing.assert_array_equal(got, np.asarray(on_cpu(rt, x)))
+
+
+@needs_triton
+def test_default_implementation_runs_the_triton_path():
+    """On the H200, ``implementation=None`` is the Triton path: the same numbers, bit for bit."""
+    from te_ops.fp8 import select
+
+    assert select.triton_fp8_unavailable_reason() is None
+    rng = np.random.default_rng(11)
+    x = jnp.asarray(rng.standard_normal((1024, 512)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((512, 768)) / 16, jnp.bfloat16)
+    for recipe in (fp8.BlockScaling(), fp8.CurrentScaling()):
+
+        def fb(impl, recipe=recipe):
+            def run(x, w):
+                y, vjp = jax.vjp(lambda x, w: fp8.fp8_dense(x, w, recipe, implementation=impl), x, w)
+                return (y, *vjp(y))
+
+            return jax.jit(run)
+
+        for a, b in zip(fb(None)(x, w), fb("triton")(x, w), strict=True):
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

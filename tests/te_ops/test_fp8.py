@@ -855,3 +855,53 @@ def test_fp8_grouped_dense_matches_per_group_numpy(rec):
 def test_fp8_grouped_dense_errors(call, exc, match):
     with pytest.raises(exc, match=match):
         call()
+
+
+# ----------------------------------------------------------------------------------------------
+# implementation=None: the Triton path staged for CUDA, the reference elsewhere
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("op", ["dense", "grouped"])
+@pytest.mark.parametrize("recipe", [fp8.BlockScaling(), fp8.CurrentScaling()], ids=["block", "current"])
+def test_default_implementation_is_staged_per_platform(monkeypatch, op, recipe):
+    """Where the Triton FP8 path can run, ``implementation=None`` lowers the Triton kernels for CUDA
+    and the reference for the CPU, in one jitted function (forward and backward); the CPU result is
+    the reference's."""
+    from te_ops._core import native
+    from te_ops._core import triton_bridge as tb
+    from te_ops.fp8 import select
+
+    if tb.triton_unavailable_reason() is not None:
+        pytest.skip(f"needs Triton: {tb.triton_unavailable_reason()}")
+    monkeypatch.setattr(select, "triton_fp8_unavailable_reason", lambda: None)
+    monkeypatch.setattr(native, "cuda_device_unavailable_reason", lambda: None)
+    monkeypatch.setattr(tb, "launcher_unavailable_reason", lambda: None)
+    monkeypatch.setattr(tb, "_launcher_call", lambda params, compiled, grid, platform, name: b"x")
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((256, 256)), jnp.bfloat16)
+    if op == "dense":
+        w = jnp.asarray(rng.standard_normal((256, 384)) / 16, jnp.bfloat16)
+
+        def f(x, w, impl):
+            return fp8.fp8_dense(x, w, recipe, implementation=impl)
+    else:
+        w = jnp.asarray(rng.standard_normal((3, 256, 384)) / 16, jnp.bfloat16)
+        gs = jnp.asarray([100, 0, 120], jnp.int32)
+
+        def f(x, w, impl):
+            return fp8.fp8_grouped_dense(x, w, gs, recipe, implementation=impl)
+
+    def loss(x, w, impl=None):
+        return jnp.sum(f(x, w, impl).astype(jnp.float32) ** 2)
+
+    grad = jax.jit(jax.value_and_grad(loss, (0, 1)))
+    with tb.target_override(("cuda", 90, 32)):
+        cuda_hlo = grad.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    n_calls = cuda_hlo.count(tb.FFI_TARGET)
+    assert n_calls >= 4, f"expected the Triton FP8 kernels in the CUDA lowering, found {n_calls} launches"
+    assert tb.FFI_TARGET not in grad.lower(x, w).as_text()  # CPU: the reference only
+    got = grad(x, w)
+    want = jax.jit(jax.value_and_grad(lambda x, w: loss(x, w, "reference"), (0, 1)))(x, w)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
