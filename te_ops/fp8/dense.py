@@ -50,10 +50,14 @@ def _transpose(q: QuantizedTensor) -> QuantizedTensor:
     return QuantizedTensor(q.data.T, sinv, q.block, q.dtype)
 
 
-def gemm_reference(a: QuantizedTensor, b_t: QuantizedTensor, out_dtype) -> jax.Array:
-    """``dequantize(a) @ dequantize(b_t)^T``, products and sums in float32."""
+def _plus(y, bias):
+    return y if bias is None else y + bias.astype(F32)
+
+
+def gemm_reference(a: QuantizedTensor, b_t: QuantizedTensor, out_dtype, bias=None) -> jax.Array:
+    """``dequantize(a) @ dequantize(b_t)^T (+ bias)``, products and sums in float32, one rounding."""
     y = jnp.dot(ref.dequantize(a, F32), ref.dequantize(b_t, F32).T, precision=jax.lax.Precision.HIGHEST)
-    return y.astype(out_dtype)
+    return _plus(y, bias).astype(out_dtype)
 
 
 # How the per-tensor FP8 GEMM is written for XLA, which rewrites an FP8 dot into a cuBLASLt FP8 GEMM
@@ -63,18 +67,19 @@ def gemm_reference(a: QuantizedTensor, b_t: QuantizedTensor, out_dtype) -> jax.A
 XLA_FP8_FORM = "f32"
 
 
-def gemm_xla_fp8(a: QuantizedTensor, b_t: QuantizedTensor, out_dtype, form: str | None = None) -> jax.Array:
+def gemm_xla_fp8(a: QuantizedTensor, b_t: QuantizedTensor, out_dtype, bias=None, form: str | None = None) -> jax.Array:
     """``dequantize(a) @ dequantize(b_t)^T`` for per-tensor-scaled 2-D operands ([M, K] and [N, K]),
     written so that XLA runs it as one cuBLASLt FP8 GEMM on Hopper (products exact, float32
-    accumulation, ``Precision.HIGHEST`` requested)."""
+    accumulation, ``Precision.HIGHEST`` requested); ``bias`` is added in float32 (XLA can fuse it into
+    the cuBLASLt epilogue)."""
     dims = (((1,), (1,)), ((), ()))
     hi = jax.lax.Precision.HIGHEST
     if (form or XLA_FP8_FORM) == "f32":
         y = jax.lax.dot_general(a.data, b_t.data, dims, precision=hi, preferred_element_type=F32)
-        return (y * (a.scale_inv * b_t.scale_inv)).astype(out_dtype)
+        return _plus(y * (a.scale_inv * b_t.scale_inv), bias).astype(out_dtype)
     da = a.data.astype(F32) * a.scale_inv
     db = b_t.data.astype(F32) * b_t.scale_inv
-    return jax.lax.dot_general(da, db, dims, precision=hi, preferred_element_type=F32).astype(out_dtype)
+    return _plus(jax.lax.dot_general(da, db, dims, precision=hi, preferred_element_type=F32), bias).astype(out_dtype)
 
 
 def _q(x, recipe, role, block):
@@ -135,7 +140,10 @@ def _triton_ops(recipe):
             tri.block_quantize(dy.T, (128, 128), g, power_of_2=recipe.power_of_2),
         )
 
-    return quant_x, quant_w_t, quant_dy, tri.block_scaled_gemm
+    def gemm(a, b_t, out_dtype, bias=None):
+        return tri.block_scaled_gemm(a, b_t, out_dtype, bias=bias)
+
+    return quant_x, quant_w_t, quant_dy, gemm
 
 
 def _xla_ops(recipe):
@@ -160,33 +168,42 @@ def _xla_ops(recipe):
 _OPS = {"reference": _reference_ops, "triton": _triton_ops, "xla": _xla_ops}
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _fp8_dense(x, w, recipe, implementation):
-    return _fwd(x, w, recipe, implementation)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _fp8_dense(x, w, bias, recipe, implementation):
+    return _fwd(x, w, bias, recipe, implementation)[0]
 
 
-def _fwd(x, w, recipe, implementation):
-    return staged(lambda name: functools.partial(_fwd_impl, recipe=recipe, implementation=name), implementation)(x, w)
+def _fwd(x, w, bias, recipe, implementation):
+    fwd = staged(lambda name: functools.partial(_fwd_impl, recipe=recipe, implementation=name), implementation)
+    return fwd(x, w, bias)
 
 
 def _bwd(recipe, implementation, res, dy):
     return staged(lambda name: functools.partial(_bwd_impl, recipe, name), implementation)(res, dy)
 
 
-def _fwd_impl(x, w, *, recipe, implementation):
+def _fwd_impl(x, w, bias, *, recipe, implementation):
     quant_x, quant_w_t, _, gemm = _OPS[implementation](recipe)
     qx, qx_t = quant_x(x)
     qw_t = quant_w_t(w)
-    return gemm(qx, qw_t, x.dtype), (qx_t, qw_t, jnp.zeros((), w.dtype))
+    return gemm(qx, qw_t, x.dtype, bias), (qx_t, qw_t, jnp.zeros((), w.dtype), _proto(bias))
+
+
+def _proto(bias):
+    return None if bias is None else jnp.zeros((), bias.dtype)
+
+
+def _dbias(dy, b_proto):
+    return None if b_proto is None else jnp.sum(dy.astype(F32), axis=0).astype(b_proto.dtype)
 
 
 def _bwd_impl(recipe, implementation, res, dy):
-    qx_t, qw_t, w_proto = res
+    qx_t, qw_t, w_proto, b_proto = res
     _, _, quant_dy, gemm = _OPS[implementation](recipe)
     qdy, qdy_t = quant_dy(dy)
     dx = gemm(qdy, _transpose(qw_t), dy.dtype)  # dy @ w^T: b_t = w [K, N]
     dw = gemm(qx_t, qdy_t, w_proto.dtype)  # x^T @ dy: a = x^T [K, M], b_t = dy^T [N, M]
-    return dx, dw
+    return dx, dw, _dbias(dy, b_proto)
 
 
 _fp8_dense.defvjp(_fwd, _bwd)
@@ -227,35 +244,35 @@ def _delayed_gemm(implementation):
     return gemm_reference if implementation == "reference" else gemm_xla_fp8
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _fp8_dense_delayed(x, w, state, recipe, implementation):
-    return _dfwd(x, w, state, recipe, implementation)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _fp8_dense_delayed(x, w, bias, state, recipe, implementation):
+    return _dfwd(x, w, bias, state, recipe, implementation)[0]
 
 
-def _dfwd(x, w, state, recipe, implementation):
-    fwd = staged(lambda name: lambda x, w, st: _dfwd_impl(x, w, st, recipe, name), implementation)
-    return fwd(x, w, state)
+def _dfwd(x, w, bias, state, recipe, implementation):
+    fwd = staged(lambda name: lambda x, w, b, st: _dfwd_impl(x, w, b, st, recipe, name), implementation)
+    return fwd(x, w, bias, state)
 
 
 def _dbwd(recipe, implementation, res, dy):
     return staged(lambda name: functools.partial(_dbwd_impl, recipe, name), implementation)(res, dy)
 
 
-def _dfwd_impl(x, w, state, recipe, implementation):
+def _dfwd_impl(x, w, bias, state, recipe, implementation):
     qx, st_x = _quant_delayed(x, state.x, recipe, "x", implementation)
     qw, st_w = _quant_delayed(w, state.w, recipe, "w", implementation)
     qw_t = _transpose(qw)
-    y = _delayed_gemm(implementation)(qx, qw_t, x.dtype)
-    return y, (_transpose(qx), qw_t, st_x, st_w, state.g, jnp.zeros((), w.dtype))
+    y = _delayed_gemm(implementation)(qx, qw_t, x.dtype, bias)
+    return y, (_transpose(qx), qw_t, st_x, st_w, state.g, jnp.zeros((), w.dtype), _proto(bias))
 
 
 def _dbwd_impl(recipe, implementation, res, dy):
-    qx_t, qw_t, st_x, st_w, st_g, w_proto = res
+    qx_t, qw_t, st_x, st_w, st_g, w_proto, b_proto = res
     qdy, st_g = _quant_delayed(dy, st_g, recipe, "g", implementation)
     gemm = _delayed_gemm(implementation)
     dx = gemm(qdy, _transpose(qw_t), dy.dtype)  # dy @ w^T
     dw = gemm(qx_t, _transpose(qdy), w_proto.dtype)  # x^T @ dy
-    return dx, dw, DenseScalingState(st_x, st_w, st_g)
+    return dx, dw, _dbias(dy, b_proto), DenseScalingState(st_x, st_w, st_g)
 
 
 _fp8_dense_delayed.defvjp(_dfwd, _dbwd)
@@ -282,10 +299,11 @@ def fp8_dense(
     kernel: jax.Array,
     recipe: CurrentScaling | DelayedScaling | BlockScaling,
     *,
+    bias: jax.Array | None = None,
     state: DenseScalingState | None = None,
     implementation=None,
 ):
-    """``x @ kernel`` with FP8 operands in the forward GEMM and in both backward GEMMs.
+    """``x @ kernel (+ bias)`` with FP8 operands in the forward GEMM and in both backward GEMMs.
 
     Each GEMM multiplies dequantized FP8 operands and sums in float32 (module docstring: which
     tensor is quantized with which blocks); the output has x's dtype, the kernel gradient the
@@ -309,6 +327,10 @@ def fp8_dense(
       recipe: :class:`~te_ops.fp8.CurrentScaling`, :class:`~te_ops.fp8.DelayedScaling` or
         :class:`~te_ops.fp8.BlockScaling` (static). With block scaling the weight blocks must be
         square (the dgrad GEMM reuses them transposed).
+      bias: optional [N] (any float dtype), added in float32 to the GEMM's float32 sum before the
+        one rounding to x's dtype (in the block-scaled kernel's epilogue; an epilogue XLA can fuse
+        into cuBLASLt with per-tensor scaling); its gradient is the float32 column sum of dy, in
+        bias's dtype.
       state: with DelayedScaling (required), the :class:`DenseScalingState`; else None.
       implementation: None (the Triton path on a CUDA GPU with FP8 tensor cores where it takes the
         call, staged with ``jax.lax.platform_dependent``; the reference elsewhere), "reference"
@@ -337,6 +359,10 @@ def fp8_dense(
         raise ValueError(err(OP, f"state is only for DelayedScaling; {type(recipe).__name__} takes state=None."))
     if x.ndim < 1 or x.shape[-1] != kernel.shape[0]:
         raise ValueError(err(OP, f"x's last axis must match kernel's K = {kernel.shape[0]}, got x shape {x.shape}."))
+    if bias is not None:
+        bias = check_float(OP, "bias", bias, DTYPES, rank=1, layout="[N]")
+        if bias.shape != (kernel.shape[1],):
+            raise ValueError(err(OP, f"bias must have shape [N] = ({kernel.shape[1]},), got {bias.shape}."))
     if x.dtype != kernel.dtype:
         raise TypeError(err(OP, f"x and kernel must have the same dtype, got {x.dtype} and {kernel.dtype}."))
     if isinstance(recipe, BlockScaling) and recipe.weight_block[0] != recipe.weight_block[1]:
@@ -361,7 +387,7 @@ def fp8_dense(
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if isinstance(recipe, DelayedScaling):
-        y = _fp8_dense_delayed(x2, kernel, state, recipe, impl)
+        y = _fp8_dense_delayed(x2, kernel, bias, state, recipe, impl)
     else:
-        y = _fp8_dense(x2, kernel, recipe, impl)
+        y = _fp8_dense(x2, kernel, bias, recipe, impl)
     return y.reshape(*lead, kernel.shape[1])

@@ -232,16 +232,18 @@ def dual_quantize(local: Callable[[jax.Array], tuple], block: int) -> Callable[[
 BK = BN = 128  # the K and N extents of one weight block
 
 
-def block_scaled_gemm(local: Callable[..., jax.Array], out_dtype: Any) -> Callable[..., jax.Array]:
-    """``local(a[M, K], sa[M, Kb], b_t[N, K], sb[Nb, Kb], out_dtype) -> y[M, N]``."""
+def block_scaled_gemm(local: Callable[..., jax.Array], out_dtype: Any, *, has_bias: bool = False) -> Callable:
+    """``local(a[M, K], sa[M, Kb], b_t[N, K], sb[Nb, Kb][, bias[N]], dtype=...) -> y[M, N]``. Row
+    parallel adds the bias once, after the reduction."""
 
-    def rule(a_shape, sa_shape, b_shape, sb_shape, mesh):
+    def rule(a_shape, sa_shape, b_shape, sb_shape, *bias_shape, mesh):
         sizes: dict = {}
         need: list = []
         k, kb = _block_dims(a_shape[1], BK, "k", sizes, need, mesh)
         n, nb = _block_dims(b_shape[0], BN, "n", sizes, need, mesh)
         red = tuple(f for f in (("k", "kb") if k == "k" else ("kb",)) if f not in need)
-        rule_ = f"m {k}, m {kb}, {n} {k}, {nb} {kb} -> m {n}"
+        bias = f", {n}" if bias_shape else ""
+        rule_ = f"m {k}, m {kb}, {n} {k}, {nb} {kb}{bias} -> m {n}"
         return rule_, {"need_replication_factors": tuple(need), "reduction_factors": red, **sizes}
 
     def plan(ctx: ShardContext) -> ShardPlan:
@@ -252,15 +254,16 @@ def block_scaled_gemm(local: Callable[..., jax.Array], out_dtype: Any) -> Callab
         m_axes = _keep(a_spec[0], m, ctx.mesh, used)
         n_axes = _block_axes(b_spec[0], n, BN, ctx.mesh, used)
         ek, em, en = spec_entry(k_axes), spec_entry(m_axes), spec_entry(n_axes)
-        in_specs = [[em, ek], [em, ek], [en, ek], [en, ek]]
+        in_specs = [[em, ek], [em, ek], [en, ek], [en, ek]] + ([[en]] if has_bias else [])
 
-        def row_parallel(a, sa, b, sb):
-            return jax.lax.psum(local(a, sa, b, sb, F32), k_axes).astype(out_dtype)
+        def row_parallel(a, sa, b, sb, *bias):
+            z = jax.lax.psum(local(a, sa, b, sb, dtype=F32), k_axes)
+            return (z + bias[0] if bias else z).astype(out_dtype)
 
-        per_shard = row_parallel if k_axes else (lambda a, sa, b, sb: local(a, sa, b, sb, out_dtype))
+        per_shard = row_parallel if k_axes else (lambda *args: local(*args, dtype=out_dtype))
         return ShardPlan(in_specs, [em, en], per_shard)
 
-    return _wrap(lambda a, sa, b, sb: local(a, sa, b, sb, out_dtype), rule, plan, True)
+    return _wrap(lambda *args: local(*args, dtype=out_dtype), rule, plan, True)
 
 
 def grouped_block_scaled_gemm(local: Callable[..., jax.Array], out_dtype: Any) -> Callable[..., jax.Array]:

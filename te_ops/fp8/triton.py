@@ -188,33 +188,34 @@ GEMM_CONFIG = (128, 128, 8, 3)
 
 
 def block_scaled_gemm(
-    qa: QuantizedTensor, qb_t: QuantizedTensor, out_dtype=jnp.bfloat16, config: tuple | None = None
+    qa: QuantizedTensor, qb_t: QuantizedTensor, out_dtype=jnp.bfloat16, config: tuple | None = None, bias=None
 ) -> jax.Array:
-    """``dequantize(qa) @ dequantize(qb_t).T`` with the FP8 operands on the tensor cores.
+    """``dequantize(qa) @ dequantize(qb_t).T (+ bias)`` with the FP8 operands on the tensor cores.
 
     qa: [M, K] in 1 x 128 row tiles (scale_inv [M, cdiv(K, 128)]); qb_t: the weight *transposed*,
     [N, K], in 128 x 128 blocks (scale_inv [cdiv(N, 128), cdiv(K, 128)]), K-major as Hopper's FP8
-    wgmma reads it. Partial sums are promoted to float32 every 128 elements of K.
+    wgmma reads it. Partial sums are promoted to float32 every 128 elements of K. ``bias`` [N] is
+    added in float32 before the one rounding to ``out_dtype``.
     """
     if qa.block != (1, 128) or qb_t.block != (128, 128):
         raise ValueError(f"block_scaled_gemm takes 1x128 x 128x128 blocks, got {qa.block} and {qb_t.block}")
     config = tuple(config or GEMM_CONFIG)
-    return _sharded_block_gemm(jnp.dtype(out_dtype), config, PARTITION)(
-        qa.data, qa.scale_inv, qb_t.data, qb_t.scale_inv
-    )
+    gemm = _sharded_block_gemm(jnp.dtype(out_dtype), config, bias is not None, PARTITION)
+    args = (qa.data, qa.scale_inv, qb_t.data, qb_t.scale_inv) + (() if bias is None else (bias.astype(jnp.float32),))
+    return gemm(*args)
 
 
 @functools.cache
-def _sharded_block_gemm(out_dtype, config, partition):
-    def local(a, sa, b, sb, dtype):
-        return _block_gemm_local(a, sa, b, sb, dtype, config)
+def _sharded_block_gemm(out_dtype, config, has_bias, partition):
+    def local(a, sa, b, sb, *bias, dtype):
+        return _block_gemm_local(a, sa, b, sb, dtype, config, bias[0] if bias else None)
 
     if not partition:
-        return lambda a, sa, b, sb: local(a, sa, b, sb, out_dtype)
-    return sharding.block_scaled_gemm(local, out_dtype)
+        return functools.partial(local, dtype=out_dtype)
+    return sharding.block_scaled_gemm(local, out_dtype, has_bias=has_bias)
 
 
-def _block_gemm_local(a, sa, b, sb, out_dtype, config):
+def _block_gemm_local(a, sa, b, sb, out_dtype, config, bias=None):
     m, k = a.shape
     n = b.shape[0]
     bm, bn, warps, stages = config
@@ -226,12 +227,13 @@ def _block_gemm_local(a, sa, b, sb, out_dtype, config):
         sa.T,  # [cdiv(K, 128), M]: the kernel loads a tile's row scales contiguously
         b,
         sb,
+        sb if bias is None else bias,  # not read without bias
         np.int32(m),
         np.int32(n),
         np.int32(k),
         out_shape=[SDS((m, n), out_dtype)],
         grid=grid,
-        constexprs=dict(BM=bm, BN=bn, BK=bk, GROUP_M=8, WB=128),
+        constexprs=dict(BM=bm, BN=bn, BK=bk, GROUP_M=8, WB=128, HAS_BIAS=bias is not None),
         num_warps=warps,
         num_stages=stages,
         divisible_by_16=tuple(nm for nm, v in (("K", k), ("N", n)) if v % 16 == 0),

@@ -203,6 +203,7 @@ def block_scaled_gemm_kernel(
     sa_ptr,
     b_ptr,
     sb_ptr,
+    bias_ptr,
     M,
     N,
     K,
@@ -212,6 +213,7 @@ def block_scaled_gemm_kernel(
     BK: tl.constexpr,
     GROUP_M: tl.constexpr,
     WB: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     """out [M, N] = block-scaled a [M, K] (FP8, 1 x BK row tiles, inverse scales passed transposed:
     sa [cdiv(K, BK), M], so a tile's row scales are one contiguous load) @ b^T, where
@@ -219,7 +221,8 @@ def block_scaled_gemm_kernel(
     (sb [cdiv(N, WB), cdiv(K, BK)]): for each K block the FP8 products are summed by the tensor cores
     into a fresh float32 partial, which is then scaled and added to the float32 accumulator
     (DeepSeek-V3's promotion every BK = 128 elements of K). BN is a multiple of WB (a tile's columns
-    take their own block's scale)."""
+    take their own block's scale). With HAS_BIAS, bias [N] (float32) is added to the float32 sum
+    before the one rounding to the output dtype."""
     pid = tl.program_id(0)
     n_m = tl.cdiv(M, BM)
     n_n = tl.cdiv(N, BN)
@@ -252,6 +255,8 @@ def block_scaled_gemm_kernel(
         else:
             sb = tl.load(sb_ptr + (cols // WB) * n_kb + kb, mask=cmask, other=0.0)
             acc += partial * (sa[:, None] * sb[None, :])
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=cmask, other=0.0)[None, :]
     out = acc.to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], out, mask=rmask[:, None] & cmask[None, :])
 

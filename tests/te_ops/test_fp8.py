@@ -438,6 +438,19 @@ def _kernel_main() -> int:
         ok = err < 1e-5  # the same products, summed in another order in float32
         print(f"gemm {m}x{k}x{n}: max rel diff {err:.2e} {'ok' if ok else 'MISMATCH'}")
         failures += not ok
+    # the bias epilogue: added in float32 before the one rounding
+    x = jnp.asarray(rng.standard_normal((200, 256)), jnp.float32)
+    w_t = jnp.asarray(rng.standard_normal((130, 256)) / 16, jnp.float32)
+    bias = jnp.asarray(rng.standard_normal(130) * 5, jnp.float32)
+    qa = ref.quantize_blocks(x, (1, 128), fp8.E4M3, power_of_2=False)
+    qb = ref.quantize_blocks(w_t, (128, 128), fp8.E4M3, power_of_2=False)
+    got = np.asarray(tri.block_scaled_gemm(qa, qb, jnp.float32, bias=bias))
+    want = np.asarray(ref.dequantize(qa, jnp.float32)) @ np.asarray(ref.dequantize(qb, jnp.float32)).T + np.asarray(
+        bias
+    )
+    err = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+    print(f"gemm with bias: max rel diff {err:.2e} {'ok' if err < 1e-5 else 'MISMATCH'}")
+    failures += not err < 1e-5
     # the grouped block-scaled GEMM (MoE experts): uneven, empty and clipped groups, rows past the groups zero
     gcases = [
         (300, 256, 130, [100, 0, 150, 30], None),
@@ -905,3 +918,32 @@ def test_default_implementation_is_staged_per_platform(monkeypatch, op, recipe):
     want = jax.jit(jax.value_and_grad(lambda x, w: loss(x, w, "reference"), (0, 1)))(x, w)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@pytest.mark.parametrize("recipe", [fp8.BlockScaling(), fp8.CurrentScaling(), fp8.DelayedScaling(history_len=2)],
+                         ids=lambda r: type(r).__name__)  # fmt: skip
+def test_fp8_dense_bias(recipe):
+    """``bias`` is added in float32 before the one rounding to x's dtype; its gradient is the float32
+    column sum of dy in bias's dtype; x and kernel gradients are those without bias."""
+    rng = np.random.default_rng(31)
+    x = jnp.asarray(rng.standard_normal((3, 70, 256)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((256, 200)) / 16, jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal(200) * 4, jnp.float32)
+    dy = jnp.asarray(rng.standard_normal((3, 70, 200)), jnp.bfloat16)
+    kw = {"state": fp8.initial_dense_state(recipe)} if isinstance(recipe, fp8.DelayedScaling) else {}
+    f = lambda x, w, b: fp8.fp8_dense(x, w, recipe, bias=b, **kw)  # noqa: E731
+    g = lambda x, w: fp8.fp8_dense(x, w, recipe, **kw)  # noqa: E731
+    y, vjp = jax.vjp(f, x, w, b)
+    dx, dw, db = vjp(dy)
+    # the same float32 sum plus bias, rounded once: compare against the float32 output without bias
+    y32 = jax.vjp(lambda x, w: fp8.fp8_dense(x.astype(jnp.float32), w.astype(jnp.float32), recipe, **kw), x, w)[0]
+    want = (np.asarray(y32) + np.asarray(b)).astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(np.asarray(y), want)
+    _, vjp0 = jax.vjp(g, x, w)
+    dx0, dw0 = vjp0(dy)
+    np.testing.assert_array_equal(np.asarray(dx), np.asarray(dx0))
+    np.testing.assert_array_equal(np.asarray(dw), np.asarray(dw0))
+    np.testing.assert_allclose(np.asarray(db), np.asarray(dy, np.float32).sum(axis=(0, 1)), rtol=1e-5, atol=1e-4)
+    assert db.dtype == b.dtype
+    with pytest.raises(ValueError, match=r"bias must have shape \[N\] = \(200,\)"):
+        fp8.fp8_dense(x, w, recipe, bias=jnp.ones(199), **kw)

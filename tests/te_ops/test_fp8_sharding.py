@@ -90,9 +90,9 @@ def _deq(data, sinv, block):
     return ref.dequantize(ref.QuantizedTensor(data, sinv, block, jnp.dtype(F32)), F32)
 
 
-def ref_gemm_local(a, sa, b, sb, out_dtype, config=None):
+def ref_gemm_local(a, sa, b, sb, out_dtype, config=None, bias=None):
     y = jnp.dot(_deq(a, sa, (1, 128)), _deq(b, sb, (128, 128)).T, precision=jax.lax.Precision.HIGHEST)
-    return y.astype(out_dtype)
+    return (y if bias is None else y + bias).astype(out_dtype)
 
 
 def ref_grouped_local(a, sa, b, sb, gs, out_dtype, num_programs=None, config=None):
@@ -200,8 +200,18 @@ def _gemm_operands(seed, m, k, n):
 )
 def test_block_scaled_gemm_partitions(specs, expect):
     mesh = T.cpu_mesh((4, 2), ("a", "b"))
-    f = fsh.block_scaled_gemm(ref_gemm_local, jnp.bfloat16)
+    f = fsh.block_scaled_gemm(lambda *a, dtype: ref_gemm_local(*a[:4], dtype, bias=a[4] if a[4:] else None),
+                              jnp.bfloat16)  # fmt: skip
     out, want, counts = T.run_sharded(f, _gemm_operands(6, 64, 1024, 512), list(specs), None, mesh=mesh)
+    T.assert_close(out, want, jnp.bfloat16)
+    assert _nonzero(counts) == expect
+    # with a bias [N]: sharded with N, added once after the row-parallel reduction
+    fb = fsh.block_scaled_gemm(lambda *a, dtype: ref_gemm_local(*a[:4], dtype, bias=a[4] if a[4:] else None),
+                               jnp.bfloat16, has_bias=True)  # fmt: skip
+    bias = _x(9, (512,)) * 10.0
+    b_spec = P(specs[2][0]) if len(specs[2]) else P()
+    out, want, counts = T.run_sharded(fb, _gemm_operands(6, 64, 1024, 512) + [bias], list(specs) + [b_spec], None,
+                                      mesh=mesh)  # fmt: skip
     T.assert_close(out, want, jnp.bfloat16)
     assert _nonzero(counts) == expect
 
@@ -261,11 +271,11 @@ def triton_on_cpu(monkeypatch):
 
 
 def _dense_loss(recipe, impl):
-    def f(x, w):
-        y = fp8.fp8_dense(x, w, recipe, implementation=impl)
+    def f(x, w, b):
+        y = fp8.fp8_dense(x, w, recipe, bias=b, implementation=impl)
         return jnp.sum(y.astype(F32) ** 2) / y.size, y
 
-    return lambda x, w: jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(x, w)
+    return lambda x, w, b: jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(x, w, b)
 
 
 DENSE_CASES = [
@@ -287,9 +297,12 @@ def test_fp8_dense_sharded_equals_unsharded(request, impl, case, recipe):
     _, xs, ws, n_reduce = case
     mesh = T.cpu_mesh((8,), ("d",))
     x, w = _x(10, (1024, 256), jnp.bfloat16), _x(11, (256, 1024), jnp.bfloat16) * 0.05
-    out, want, counts = T.run_sharded(_dense_loss(recipe, impl), [x, w], [xs, ws], None, mesh=mesh)
-    (loss, y), (dx, dw) = out
-    (loss_u, y_u), (dx_u, dw_u) = want
+    b = _x(19, (1024,), jnp.bfloat16)
+    bs = P(ws[1]) if len(ws) > 1 else P()
+    out, want, counts = T.run_sharded(_dense_loss(recipe, impl), [x, w, b], [xs, ws, bs], None, mesh=mesh)
+    (loss, y), (dx, dw, db) = out
+    (loss_u, y_u), (dx_u, dw_u, db_u) = want
+    T.assert_close(db, db_u, jnp.bfloat16)
     T.assert_close(y, y_u, jnp.bfloat16)
     T.assert_close(dx, dx_u, jnp.bfloat16)
     T.assert_close(dw, dw_u, jnp.bfloat16, scale=2.0)
