@@ -64,10 +64,12 @@ def quantize(
         :class:`~te_ops.fp8.BlockScaling` (static: part of the jit cache key).
       role: "x" (activation), "w" (weight) or "g" (gradient): picks the format (and the block shape).
       state: the tensor's :class:`DelayedScalingState` with delayed scaling (required), else None.
-      implementation: None or "reference" (pure JAX, every platform), or "triton" (CUDA GPU; opt-in
-        until it has run on a GPU): block scaling in one pass (power-of-two blocks of at most
-        128 x 128 elements), delayed scaling in one pass (cast with the state's scale, amax recorded),
-        current scaling in two (amax, then cast). Both give the same bytes.
+      implementation: None (the Triton kernels on a CUDA GPU with FP8 tensor cores where they take
+        the call, staged with ``jax.lax.platform_dependent``; the reference elsewhere), "reference"
+        (pure JAX, every platform), or "triton" (CUDA GPU): block scaling in one pass
+        (power-of-two blocks of at most 128 x 128 elements), delayed scaling in one pass (cast
+        with the state's scale, amax recorded), current scaling in two (amax, then cast). Both
+        give the same bytes.
 
     Returns:
       A :class:`QuantizedTensor`; with delayed scaling ``(QuantizedTensor, new state)``.
@@ -104,22 +106,35 @@ def quantize(
                     "Reshape a vector to [1, n].")
         )  # fmt: skip
     static_choice(OP, "implementation", implementation, (None, "reference", "triton"))
+    if implementation is None:
+        from te_ops.fp8.select import resolve, staged
+
+        impl = resolve(None)
+        if impl == "auto" and _triton_reason(x, recipe, role) is None:
+            return staged(lambda name: lambda x, st: quantize(x, recipe, role, st, implementation=name), impl)(x, state)
+        return ref.quantize(x, recipe, role, state)
     if implementation == "triton":
         from te_ops.fp8 import triton as tri
 
         fmt = recipe.format(role)
-        block = recipe.block(role) if isinstance(recipe, BlockScaling) else None
-        why = tri.unsupported_reason(dtype=x.dtype, block=block, fmt=fmt)
+        why = _triton_reason(x, recipe, role)
         if why:
             raise ValueError(err(OP, f"implementation='triton' cannot take this call: {why}."))
         if isinstance(recipe, BlockScaling):
-            return tri.block_quantize(x, block, fmt, power_of_2=recipe.power_of_2)
+            return tri.block_quantize(x, recipe.block(role), fmt, power_of_2=recipe.power_of_2)
         if isinstance(recipe, DelayedScaling):  # one read: cast with the state's scale, amax recorded
             q, x_amax, sinv = tri.tensor_cast(x, state.scale, fmt, with_amax=True)
             qt = QuantizedTensor(q, sinv, None, jnp.dtype(x.dtype))
             return qt, ref.update_delayed_state(state, recipe, fmt, x_amax)
         return tri.quantize_tensor(x, fmt, margin=recipe.margin, power_of_2=recipe.power_of_2)
     return ref.quantize(x, recipe, role, state)
+
+
+def _triton_reason(x, recipe, role) -> str | None:
+    from te_ops.fp8 import triton as tri
+
+    block = recipe.block(role) if isinstance(recipe, BlockScaling) else None
+    return tri.unsupported_reason(dtype=x.dtype, block=block, fmt=recipe.format(role))
 
 
 def dequantize(q: QuantizedTensor, dtype: Any = None) -> jax.Array:
