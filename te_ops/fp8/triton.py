@@ -116,8 +116,13 @@ def _block_quantize_local(x, block, fmt, power_of_2, margin) -> QuantizedTensor:
     return QuantizedTensor(q.reshape(shape), sinv.reshape(shape[:-2] + (nrb, ncb)), tuple(block), jnp.dtype(x.dtype))
 
 
+# where the transposed output is transposed: the input tile (16-bit lanes) or the FP8 bytes; timed in
+# benchmarks/fp8.py
+DUAL_TRANS_WIDE = False
+
+
 def dual_quantize(
-    x: jax.Array, block: int, fmt, *, power_of_2: bool, margin: int = 0
+    x: jax.Array, block: int, fmt, *, power_of_2: bool, margin: int = 0, trans_wide: bool | None = None
 ) -> tuple[QuantizedTensor, QuantizedTensor]:
     """``x [R, C]`` quantized in 1 x ``block`` row tiles and, from the same read, ``x^T [C, R]`` in
     1 x ``block`` row tiles (x's block x 1 column tiles): the forward and the weight-gradient operand
@@ -126,7 +131,8 @@ def dual_quantize(
     fmt = jnp.dtype(fmt)
     if x.size == 0:
         return _dual_quantize_local(x, block, fmt, power_of_2, margin)
-    q, s, qt, st = _sharded_dual_quantize(block, fmt, bool(power_of_2), margin, PARTITION)(x)
+    wide = DUAL_TRANS_WIDE if trans_wide is None else bool(trans_wide)
+    q, s, qt, st = _sharded_dual_quantize(block, fmt, bool(power_of_2), margin, PARTITION, wide)(x)
     return (
         QuantizedTensor(q, s, (1, block), jnp.dtype(x.dtype)),
         QuantizedTensor(qt, st, (1, block), jnp.dtype(x.dtype)),
@@ -134,15 +140,15 @@ def dual_quantize(
 
 
 @functools.cache
-def _sharded_dual_quantize(block, fmt, power_of_2, margin, partition):
+def _sharded_dual_quantize(block, fmt, power_of_2, margin, partition, wide=False):
     def local(x):
-        a, b = _dual_quantize_local(x, block, fmt, power_of_2, margin)
+        a, b = _dual_quantize_local(x, block, fmt, power_of_2, margin, wide)
         return a.data, a.scale_inv, b.data, b.scale_inv
 
     return sharding.dual_quantize(local, block) if partition else local
 
 
-def _dual_quantize_local(x, block, fmt, power_of_2, margin):
+def _dual_quantize_local(x, block, fmt, power_of_2, margin, wide=False):
     r, c = x.shape
     mbits, emin = FORMAT_BITS[fmt]
     nrb, ncb = -(-r // block), -(-c // block)
@@ -171,6 +177,7 @@ def _dual_quantize_local(x, block, fmt, power_of_2, margin):
             MARGIN_MUL=2.0**-margin,
             POW2=bool(power_of_2),
             HW=_hw_cvt(),
+            TRANS_WIDE=bool(wide),
         ),
         num_warps=8,
         divisible_by_16=tuple(n for n, v in (("R", r), ("C", c)) if v % 16 == 0),

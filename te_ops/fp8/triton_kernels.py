@@ -162,6 +162,7 @@ def dual_quantize_kernel(
     MARGIN_MUL: tl.constexpr,
     POW2: tl.constexpr,
     HW: tl.constexpr,
+    TRANS_WIDE: tl.constexpr = False,
 ):
     """One read of a [B, B] tile of x [R, C], two quantizations written:
 
@@ -178,7 +179,8 @@ def dual_quantize_kernel(
     cmask = cols < C
     mask = rmask[:, None] & cmask[None, :]
     offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    xin = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    x = xin.to(tl.float32)
     nan = x != x
     ax = tl.where(nan, 0.0, tl.abs(x))
     # row tiles: one scale per row of the tile
@@ -189,10 +191,14 @@ def dual_quantize_kernel(
     tl.store(sinv_ptr + rows.to(tl.int64) * ncb + cb, tl.math.div_rn(tl.full((B,), 1.0, tl.float32), srow), mask=rmask)
     # column tiles: one scale per column of the tile, stored transposed
     scol = _scales(tl.max(ax, axis=0), tl.sum(nan.to(tl.int32), axis=0) > 0, FMAX, MARGIN_MUL, POW2)
-    qc = _quantize_tile(x, nan, scol[None, :], FMAX, MBITS, EMIN, HW)
     # transposed in registers (through shared memory) so the store runs along x^T's rows
     offs_t = cols.to(tl.int64)[:, None] * R + rows[None, :]
-    tl.store(qt_ptr + offs_t, tl.trans(qc), mask=cmask[:, None] & rmask[None, :])
+    if TRANS_WIDE:  # transpose the input tile (16-bit lanes), then quantize it by rows
+        xt = tl.trans(xin).to(tl.float32)
+        qct = _quantize_tile(xt, xt != xt, scol[:, None], FMAX, MBITS, EMIN, HW)
+    else:  # quantize by columns, then transpose the bytes
+        qct = tl.trans(_quantize_tile(x, nan, scol[None, :], FMAX, MBITS, EMIN, HW))
+    tl.store(qt_ptr + offs_t, qct, mask=cmask[:, None] & rmask[None, :])
     nrb = tl.cdiv(R, B)
     tl.store(sinvt_ptr + cols.to(tl.int64) * nrb + rb, tl.math.div_rn(tl.full((B,), 1.0, tl.float32), scol), mask=cmask)
 
@@ -338,6 +344,18 @@ def grouped_block_scaled_gemm_kernel(
 
 
 @triton.jit
+def _wgrad_promote(acc, partial, sat_ptr, sbt_ptr, ks, kmask, cols, cmask, nt, n_cb, c, BN: tl.constexpr, WB: tl.constexpr):
+    """acc + one chunk's float32 partial [BKO, BN] times its row-tile and block scales."""
+    sa = tl.load(sat_ptr + ks.to(tl.int64) * n_cb + c, mask=kmask, other=0.0)
+    if BN == WB:
+        sb = tl.load(sbt_ptr + nt * n_cb + c)
+        return acc + partial * (sa[:, None] * sb)
+    else:
+        sb = tl.load(sbt_ptr + (cols // WB) * n_cb + c, mask=cmask, other=0.0)
+        return acc + partial * (sa[:, None] * sb[None, :])
+
+
+@triton.jit
 def grouped_block_scaled_wgrad_kernel(
     at_ptr,
     sat_ptr,
@@ -361,7 +379,8 @@ def grouped_block_scaled_wgrad_kernel(
     [N, M] FP8 in WB x BR blocks (sbt [cdiv(N, WB), cdiv(M, BR)]): both reduction-major (M
     contiguous), as Hopper's FP8 wgmma reads them. The tiles are aligned to multiples of BR rows of
     the whole tensor, not to group starts: each program walks the BR-row chunks that overlap its
-    group, masks the rows of other groups to zero, and scales that chunk's float32 partial by the
+    group (the interior ones unmasked along M, then at most two boundary chunks with the rows of
+    other groups masked to zero), and scales that chunk's float32 partial by the
     chunk's scales (promotion every BR rows of the reduction). An empty group gets zeros. One
     program per (group, K tile, N tile), group-major."""
     pid = tl.program_id(0)
@@ -380,24 +399,28 @@ def grouped_block_scaled_wgrad_kernel(
     cols = nt * BN + tl.arange(0, BN)
     cmask = cols < N
     n_cb = tl.cdiv(M, BR)
-    c0 = s // BR
-    c1 = tl.where(e > s, (e + BR - 1) // BR, c0)
     acc = tl.zeros((BKO, BN), dtype=tl.float32)
-    for c in range(c0, c1):
+    # interior chunks (every row in the group): loads masked only across K and N, so they vectorize
+    # along M and the loop pipelines
+    for c in range((s + BR - 1) // BR, e // BR):
         ms = c * BR + tl.arange(0, BR)
-        mmask = (ms >= s) & (ms < e)
-        a = tl.load(at_ptr + ks.to(tl.int64)[:, None] * M + ms[None, :], mask=kmask[:, None] & mmask[None, :],
-                    other=0.0)  # fmt: skip
-        b = tl.load(bt_ptr + cols.to(tl.int64)[None, :] * M + ms[:, None], mask=mmask[:, None] & cmask[None, :],
-                    other=0.0)  # fmt: skip
-        partial = tl.dot(a, b)  # [BKO, BN] float32, this chunk of rows only
-        sa = tl.load(sat_ptr + ks.to(tl.int64) * n_cb + c, mask=kmask, other=0.0)
-        if BN == WB:
-            sb = tl.load(sbt_ptr + nt * n_cb + c)
-            acc += partial * (sa[:, None] * sb)
-        else:
-            sb = tl.load(sbt_ptr + (cols // WB) * n_cb + c, mask=cmask, other=0.0)
-            acc += partial * (sa[:, None] * sb[None, :])
+        a = tl.load(at_ptr + ks.to(tl.int64)[:, None] * M + ms[None, :], mask=kmask[:, None], other=0.0)
+        b = tl.load(bt_ptr + cols.to(tl.int64)[None, :] * M + ms[:, None], mask=cmask[None, :], other=0.0)
+        acc = _wgrad_promote(acc, tl.dot(a, b), sat_ptr, sbt_ptr, ks, kmask, cols, cmask, nt, n_cb, c, BN, WB)
+    # at most two boundary chunks shared with other groups: the head (s not on a chunk edge) and the
+    # tail (e not on one, unless it is the head's chunk), with the group's rows masked
+    for t in range(2):
+        c = tl.where(t == 0, s // BR, e // BR)
+        head = (s % BR) != 0
+        active = (e > s) & tl.where(t == 0, head, ((e % BR) != 0) & ((e // BR != s // BR) | (~head)))
+        if active:
+            ms = c * BR + tl.arange(0, BR)
+            mmask = (ms >= s) & (ms < e)
+            a = tl.load(at_ptr + ks.to(tl.int64)[:, None] * M + ms[None, :], mask=kmask[:, None] & mmask[None, :],
+                        other=0.0)  # fmt: skip
+            b = tl.load(bt_ptr + cols.to(tl.int64)[None, :] * M + ms[:, None], mask=mmask[:, None] & cmask[None, :],
+                        other=0.0)  # fmt: skip
+            acc = _wgrad_promote(acc, tl.dot(a, b), sat_ptr, sbt_ptr, ks, kmask, cols, cmask, nt, n_cb, c, BN, WB)
     out = acc.to(out_ptr.dtype.element_ty)
     o_ptrs = out_ptr + g.to(tl.int64) * K * N + ks.to(tl.int64)[:, None] * N + cols[None, :]
     tl.store(o_ptrs, out, mask=kmask[:, None] & cmask[None, :])

@@ -76,14 +76,16 @@ def test_block_quantize_matches_reference_bytes(i):
 
 
 @needs_triton
+@pytest.mark.parametrize("wide", [False, True])
 @pytest.mark.parametrize("shape,block", [((130, 200), 64), ((4096, 7168), 128), ((7168, 4096), 128)])
-def test_dual_quantize_matches_reference_bytes(shape, block):
-    """Row tiles of x and of x^T from one read, each equal to the reference of its own."""
+def test_dual_quantize_matches_reference_bytes(shape, block, wide):
+    """Row tiles of x and of x^T from one read, each equal to the reference of its own (both ways
+    of transposing in the kernel)."""
     from te_ops.fp8 import triton as tri
 
     x = _x(7, shape, jnp.bfloat16)
     with native.poisoned_outputs():
-        q, qt = jax.jit(lambda x: tri.dual_quantize(x, block, fp8.E4M3, power_of_2=True))(x)
+        q, qt = jax.jit(lambda x: tri.dual_quantize(x, block, fp8.E4M3, power_of_2=True, trans_wide=wide))(x)
     _same(q, on_cpu(lambda x: ref.quantize_blocks(x, (1, block), fp8.E4M3, power_of_2=True), x))
     _same(qt, on_cpu(lambda x: ref.quantize_blocks(x.T, (1, block), fp8.E4M3, power_of_2=True), x))
 
@@ -187,10 +189,10 @@ def test_grouped_block_scaled_wgrad_matches_reference(m, k, n, g):
     dy = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
     qxt = on_cpu(lambda x: ref.quantize_blocks(x.T, (1, 128), fp8.E4M3, power_of_2=False), x)
     qdyt = on_cpu(lambda d: ref.quantize_blocks(d.T, (128, 128), fp8.E5M2, power_of_2=False), dy)
+    gpu = jax.devices("gpu")[0]
+    a, b, s = jax.device_put((qxt, qdyt, jnp.asarray(sizes)), gpu)
     with native.poisoned_outputs():
-        got = np.asarray(
-            jax.jit(lambda a, b, s: tri.grouped_block_scaled_wgrad(a, b, s, g, jnp.float32))(qxt, qdyt, sizes)
-        )
+        got = np.asarray(jax.jit(lambda a, b, s: tri.grouped_block_scaled_wgrad(a, b, s, g, jnp.float32))(a, b, s))
     xd, dd = np.asarray(ref.dequantize(qxt, jnp.float32)), np.asarray(ref.dequantize(qdyt, jnp.float32))
     assert not np.isnan(got).any()
     r0 = 0

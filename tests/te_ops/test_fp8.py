@@ -344,6 +344,7 @@ _DUAL_CASES = [  # (shape, dtype, block, format, power_of_2): partial tiles in b
     ((130, 200), jnp.bfloat16, 64, fp8.E4M3, True),
     ((64, 64), jnp.float32, 32, fp8.E5M2, False),
     ((40, 300), jnp.float16, 128, fp8.E4M3, True),
+    ((200, 130), jnp.bfloat16, 64, fp8.E5M2, True),
 ]
 
 
@@ -412,8 +413,9 @@ def _kernel_main() -> int:
     # the dual kernel: row tiles of x and row tiles of x^T from one read
     for i, (shape, dtype, block, fmt, pow2) in enumerate(_DUAL_CASES):
         x = jnp.asarray(_special(np.random.default_rng(50 + i).standard_normal(shape) * 3.0)).astype(dtype)
-        q, qt = tri.dual_quantize(x, block, fmt, power_of_2=pow2)
         ok = True
+        wide = bool(i % 2)  # both ways of transposing (the input tile or the FP8 bytes)
+        q, qt = tri.dual_quantize(x, block, fmt, power_of_2=pow2, trans_wide=wide)
         for got, want in ((q, ref.quantize_blocks(x, (1, block), fmt, power_of_2=pow2)),
                           (qt, ref.quantize_blocks(x.T, (1, block), fmt, power_of_2=pow2))):  # fmt: skip
             g, w = np.asarray(got.data), np.asarray(want.data)
@@ -422,7 +424,7 @@ def _kernel_main() -> int:
             ok = ok and np.array_equal(g.view(np.uint8)[~gn], w.view(np.uint8)[~wn])
             ok = ok and np.array_equal(np.asarray(got.scale_inv), np.asarray(want.scale_inv))
         verdict = "ok" if ok else "MISMATCH"
-        print(f"dual case {i} {shape} {jnp.dtype(dtype).name} 1x{block} {jnp.dtype(fmt).name}: {verdict}")
+        print(f"dual case {i} {shape} {jnp.dtype(dtype).name} 1x{block} {jnp.dtype(fmt).name} wide={wide}: {verdict}")
         failures += not ok
     # the block-scaled GEMM: 1 x 128 activations @ (128 x 128 weights)^T, K and N with partial blocks
     rng = np.random.default_rng(77)
@@ -484,6 +486,7 @@ def _kernel_main() -> int:
         (256, 128, 128, [0, 256], None),
         (90, 64, 300, [10, 90, 5], None),
         (400, 256, 300, [129, 1, 127, 100], (128, 256, 8, 3)),
+        (700, 128, 130, [128, 300, 256, 16], None),  # aligned; head only; head+interior+tail; in one chunk
     ]
     for m, k, n, sizes, cfg in wcases:
         g = len(sizes)
