@@ -67,13 +67,17 @@ def gemm_reference(a: QuantizedTensor, b_t: QuantizedTensor, out_dtype, bias=Non
 XLA_FP8_FORM = "f32"
 
 
-def gemm_xla_fp8(a: QuantizedTensor, b_t: QuantizedTensor, out_dtype, bias=None, form: str | None = None) -> jax.Array:
+def gemm_xla_fp8(
+    a: QuantizedTensor, b_t: QuantizedTensor, out_dtype, bias=None, form: str | None = None, fast_accum: bool = False
+) -> jax.Array:
     """``dequantize(a) @ dequantize(b_t)^T`` for per-tensor-scaled 2-D operands ([M, K] and [N, K]),
     written so that XLA runs it as one cuBLASLt FP8 GEMM on Hopper (products exact, float32
     accumulation, ``Precision.HIGHEST`` requested); ``bias`` is added in float32 (XLA can fuse it into
-    the cuBLASLt epilogue)."""
+    the cuBLASLt epilogue). ``fast_accum=True`` requests ``Precision.DEFAULT`` instead, which lets
+    cuBLASLt keep partial sums in the tensor cores' reduced-precision accumulator (timed in
+    benchmarks/fp8.py; not used by fp8_dense)."""
     dims = (((1,), (1,)), ((), ()))
-    hi = jax.lax.Precision.HIGHEST
+    hi = jax.lax.Precision.DEFAULT if fast_accum else jax.lax.Precision.HIGHEST
     if (form or XLA_FP8_FORM) == "f32":
         y = jax.lax.dot_general(a.data, b_t.data, dims, precision=hi, preferred_element_type=F32)
         return _plus(y * (a.scale_inv * b_t.scale_inv), bias).astype(out_dtype)

@@ -344,7 +344,9 @@ def grouped_block_scaled_gemm_kernel(
 
 
 @triton.jit
-def _wgrad_promote(acc, partial, sat_ptr, sbt_ptr, ks, kmask, cols, cmask, nt, n_cb, c, BN: tl.constexpr, WB: tl.constexpr):
+def _wgrad_promote(
+    acc, partial, sat_ptr, sbt_ptr, ks, kmask, cols, cmask, nt, n_cb, c, BN: tl.constexpr, WB: tl.constexpr
+):
     """acc + one chunk's float32 partial [BKO, BN] times its row-tile and block scales."""
     sa = tl.load(sat_ptr + ks.to(tl.int64) * n_cb + c, mask=kmask, other=0.0)
     if BN == WB:
