@@ -14,8 +14,9 @@ dw = x^T @ dy     x^T [K, M], 1 x 128 tiles   dy^T [N, M], 128 x 128 blocks
 the dequantized operands and sums in float32: ``gemm(a, b_t) = dequantize(a) @ dequantize(b_t)^T``.
 The transposed copies are quantized from the high-precision tensor, not from its FP8 copy.
 
-``implementation="triton"`` (CUDA GPU, opt-in): with block scaling, x is read once for both of its
-quantizations (``dual_quantize``) and the GEMMs run in our block-scaled FP8 GEMM kernel (float32
+``implementation="triton"`` (CUDA GPU): with block scaling, x and dy are each read once for both of
+their quantizations (``dual_quantize``), the kernel is quantized untransposed and its FP8 bytes
+transposed (exact for square blocks), and the GEMMs run in our block-scaled FP8 GEMM kernel (float32
 promotion every 128 of K); with current scaling, our amax and cast kernels quantize (the transposed
 copies are the exact FP8 transposes) and the GEMMs are FP8 dots that XLA hands to cuBLASLt
 (:func:`gemm_xla_fp8`, float32 accumulation). Delayed scaling needs its state threaded through the
@@ -134,15 +135,11 @@ def _triton_ops(recipe):
     def quant_x(x):
         return tri.dual_quantize(x, 128, recipe.format("x"), power_of_2=recipe.power_of_2)
 
-    def quant_w_t(w):
-        return tri.block_quantize(w.T, (128, 128), recipe.format("w"), power_of_2=recipe.power_of_2)
+    def quant_w_t(w):  # square blocks: the FP8 transpose is exact (half the bytes of a bf16 one)
+        return _transpose(tri.block_quantize(w, (128, 128), recipe.format("w"), power_of_2=recipe.power_of_2))
 
-    def quant_dy(dy):
-        g = recipe.format("g")
-        return (
-            tri.block_quantize(dy, (1, 128), g, power_of_2=recipe.power_of_2),
-            tri.block_quantize(dy.T, (128, 128), g, power_of_2=recipe.power_of_2),
-        )
+    def quant_dy(dy):  # one read: 1 x 128 tiles of dy and 128 x 128 blocks of dy^T
+        return tri.dual_quantize(dy, 128, recipe.format("g"), power_of_2=recipe.power_of_2, t_square=True)
 
     def gemm(a, b_t, out_dtype, bias=None):
         return tri.block_scaled_gemm(a, b_t, out_dtype, bias=bias)

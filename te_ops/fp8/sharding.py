@@ -205,15 +205,19 @@ def block_quantize(local: Callable[[jax.Array], tuple], block: tuple[int, int]) 
     return _wrap(local, rule, plan, True)
 
 
-def dual_quantize(local: Callable[[jax.Array], tuple], block: int) -> Callable[[jax.Array], tuple]:
-    """``local(x[R, C]) -> (q[R, C], s[R, C/b], qt[C, R], st[C, R/b])`` (1 x b tiles of x and x^T)."""
+def dual_quantize(
+    local: Callable[[jax.Array], tuple], block: int, t_square: bool = False
+) -> Callable[[jax.Array], tuple]:
+    """``local(x[R, C]) -> (q[R, C], s[R, C/b], qt[C, R], st[C, R/b])`` (1 x b tiles of x and x^T);
+    with ``t_square``, ``st[C/b, R/b]`` (b x b blocks of x^T)."""
 
     def rule(shape, mesh):
         sizes: dict = {}
         need: list = []
         r, rs = _block_dims(shape[0], block, "r", sizes, need, mesh)
         c, cs = _block_dims(shape[1], block, "c", sizes, need, mesh)
-        return f"{r} {c} -> {r} {c}, {r} {cs}, {c} {r}, {c} {rs}", {"need_replication_factors": tuple(need), **sizes}
+        st = f"{cs} {rs}" if t_square else f"{c} {rs}"
+        return f"{r} {c} -> {r} {c}, {r} {cs}, {c} {r}, {st}", {"need_replication_factors": tuple(need), **sizes}
 
     def plan(ctx: ShardContext) -> ShardPlan:
         (rr, cc), spec = ctx.arg_shapes[0], ctx.arg_specs[0]

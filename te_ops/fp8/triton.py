@@ -122,40 +122,50 @@ DUAL_TRANS_WIDE = False
 
 
 def dual_quantize(
-    x: jax.Array, block: int, fmt, *, power_of_2: bool, margin: int = 0, trans_wide: bool | None = None
+    x: jax.Array,
+    block: int,
+    fmt,
+    *,
+    power_of_2: bool,
+    margin: int = 0,
+    trans_wide: bool | None = None,
+    t_square: bool = False,
 ) -> tuple[QuantizedTensor, QuantizedTensor]:
     """``x [R, C]`` quantized in 1 x ``block`` row tiles and, from the same read, ``x^T [C, R]`` in
     1 x ``block`` row tiles (x's block x 1 column tiles): the forward and the weight-gradient operand
     of a block-scaled GEMM. Equal to ``reference.quantize_blocks(x, (1, block))`` and
-    ``reference.quantize_blocks(x.T, (1, block))``."""
+    ``reference.quantize_blocks(x.T, (1, block))``; with ``t_square``, the second is x^T in
+    ``block x block`` blocks, ``reference.quantize_blocks(x.T, (block, block))`` (the output
+    gradient's operand of a weight-gradient GEMM)."""
     fmt = jnp.dtype(fmt)
-    if x.size == 0:
-        return _dual_quantize_local(x, block, fmt, power_of_2, margin)
     wide = DUAL_TRANS_WIDE if trans_wide is None else bool(trans_wide)
-    q, s, qt, st = _sharded_dual_quantize(block, fmt, bool(power_of_2), margin, PARTITION, wide)(x)
+    if x.size == 0:
+        return _dual_quantize_local(x, block, fmt, power_of_2, margin, wide, bool(t_square))
+    q, s, qt, st = _sharded_dual_quantize(block, fmt, bool(power_of_2), margin, PARTITION, wide, bool(t_square))(x)
     return (
         QuantizedTensor(q, s, (1, block), jnp.dtype(x.dtype)),
-        QuantizedTensor(qt, st, (1, block), jnp.dtype(x.dtype)),
+        QuantizedTensor(qt, st, (block, block) if t_square else (1, block), jnp.dtype(x.dtype)),
     )
 
 
 @functools.cache
-def _sharded_dual_quantize(block, fmt, power_of_2, margin, partition, wide=False):
+def _sharded_dual_quantize(block, fmt, power_of_2, margin, partition, wide=False, t_square=False):
     def local(x):
-        a, b = _dual_quantize_local(x, block, fmt, power_of_2, margin, wide)
+        a, b = _dual_quantize_local(x, block, fmt, power_of_2, margin, wide, t_square)
         return a.data, a.scale_inv, b.data, b.scale_inv
 
-    return sharding.dual_quantize(local, block) if partition else local
+    return sharding.dual_quantize(local, block, t_square) if partition else local
 
 
-def _dual_quantize_local(x, block, fmt, power_of_2, margin, wide=False):
+def _dual_quantize_local(x, block, fmt, power_of_2, margin, wide=False, t_square=False):
     r, c = x.shape
     mbits, emin = FORMAT_BITS[fmt]
     nrb, ncb = -(-r // block), -(-c // block)
+    t_block, st_shape = ((block, block), (ncb, nrb)) if t_square else ((1, block), (c, nrb))
     if r * c == 0:
         return (
             QuantizedTensor(jnp.zeros((r, c), fmt), jnp.ones((r, ncb), jnp.float32), (1, block), jnp.dtype(x.dtype)),
-            QuantizedTensor(jnp.zeros((c, r), fmt), jnp.ones((c, nrb), jnp.float32), (1, block), jnp.dtype(x.dtype)),
+            QuantizedTensor(jnp.zeros((c, r), fmt), jnp.ones(st_shape, jnp.float32), t_block, jnp.dtype(x.dtype)),
         )
     q, sinv, qt, sinvt = tb.triton_call(
         _k().dual_quantize_kernel,
@@ -166,7 +176,7 @@ def _dual_quantize_local(x, block, fmt, power_of_2, margin, wide=False):
             SDS((r, c), jnp.uint8),
             SDS((r, ncb), jnp.float32),
             SDS((c, r), jnp.uint8),
-            SDS((c, nrb), jnp.float32),
+            SDS(st_shape, jnp.float32),
         ],
         grid=(nrb, ncb),
         constexprs=dict(
@@ -178,6 +188,7 @@ def _dual_quantize_local(x, block, fmt, power_of_2, margin, wide=False):
             POW2=bool(power_of_2),
             HW=_hw_cvt(),
             TRANS_WIDE=bool(wide),
+            T_SQUARE=bool(t_square),
         ),
         num_warps=8,
         divisible_by_16=tuple(n for n, v in (("R", r), ("C", c)) if v % 16 == 0),
@@ -186,7 +197,7 @@ def _dual_quantize_local(x, block, fmt, power_of_2, margin, wide=False):
     cast = lambda a: jax.lax.bitcast_convert_type(a, fmt)  # noqa: E731
     return (
         QuantizedTensor(cast(q), sinv, (1, block), jnp.dtype(x.dtype)),
-        QuantizedTensor(cast(qt), sinvt, (1, block), jnp.dtype(x.dtype)),
+        QuantizedTensor(cast(qt), sinvt, t_block, jnp.dtype(x.dtype)),
     )
 
 

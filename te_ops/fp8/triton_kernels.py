@@ -163,13 +163,15 @@ def dual_quantize_kernel(
     POW2: tl.constexpr,
     HW: tl.constexpr,
     TRANS_WIDE: tl.constexpr = False,
+    T_SQUARE: tl.constexpr = False,
 ):
     """One read of a [B, B] tile of x [R, C], two quantizations written:
 
     * q [R, C] in 1 x B row tiles, sinv [R, cdiv(C, B)] (the forward operand);
     * qt [C, R] = x^T in 1 x B row tiles, i.e. x in B x 1 column tiles, written transposed, with
       sinvt [C, cdiv(R, B)] (the operand a weight gradient x^T @ dy needs), quantized from x itself,
-      not from q.
+      not from q; with T_SQUARE, x^T in B x B blocks instead (sinvt [cdiv(C, B), cdiv(R, B)]: the
+      output gradient's weight-gradient operand).
     Grid (cdiv(R, B), cdiv(C, B))."""
     rb = tl.program_id(0)
     cb = tl.program_id(1)
@@ -189,8 +191,15 @@ def dual_quantize_kernel(
     tl.store(q_ptr + offs, q, mask=mask)
     ncb = tl.cdiv(C, B)
     tl.store(sinv_ptr + rows.to(tl.int64) * ncb + cb, tl.math.div_rn(tl.full((B,), 1.0, tl.float32), srow), mask=rmask)
-    # column tiles: one scale per column of the tile, stored transposed
-    scol = _scales(tl.max(ax, axis=0), tl.sum(nan.to(tl.int32), axis=0) > 0, FMAX, MARGIN_MUL, POW2)
+    # column tiles: one scale per column of the tile (T_SQUARE: one for the whole B x B tile), stored
+    # transposed
+    cmax = tl.max(ax, axis=0)
+    cnan = tl.sum(nan.to(tl.int32), axis=0)
+    if T_SQUARE:
+        zero = tl.zeros((B,), tl.float32)
+        cmax = zero + tl.max(cmax, axis=0)
+        cnan = zero.to(tl.int32) + tl.sum(cnan, axis=0)
+    scol = _scales(cmax, cnan > 0, FMAX, MARGIN_MUL, POW2)
     # transposed in registers (through shared memory) so the store runs along x^T's rows
     offs_t = cols.to(tl.int64)[:, None] * R + rows[None, :]
     if TRANS_WIDE:  # transpose the input tile (16-bit lanes), then quantize it by rows
@@ -200,7 +209,11 @@ def dual_quantize_kernel(
         qct = tl.trans(_quantize_tile(x, nan, scol[None, :], FMAX, MBITS, EMIN, HW))
     tl.store(qt_ptr + offs_t, qct, mask=cmask[:, None] & rmask[None, :])
     nrb = tl.cdiv(R, B)
-    tl.store(sinvt_ptr + cols.to(tl.int64) * nrb + rb, tl.math.div_rn(tl.full((B,), 1.0, tl.float32), scol), mask=cmask)
+    sinvt = tl.math.div_rn(tl.full((B,), 1.0, tl.float32), scol)
+    if T_SQUARE:  # sinvt [cdiv(C, B), cdiv(R, B)]
+        tl.store(sinvt_ptr + cb.to(tl.int64) * nrb + rb, tl.max(sinvt, axis=0))
+    else:  # sinvt [C, cdiv(R, B)]
+        tl.store(sinvt_ptr + cols.to(tl.int64) * nrb + rb, sinvt, mask=cmask)
 
 
 @triton.jit

@@ -76,18 +76,20 @@ def test_block_quantize_matches_reference_bytes(i):
 
 
 @needs_triton
-@pytest.mark.parametrize("wide", [False, True])
+@pytest.mark.parametrize("wide,square", [(False, False), (True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("shape,block", [((130, 200), 64), ((4096, 7168), 128), ((7168, 4096), 128)])
-def test_dual_quantize_matches_reference_bytes(shape, block, wide):
-    """Row tiles of x and of x^T from one read, each equal to the reference of its own (both ways
-    of transposing in the kernel)."""
+def test_dual_quantize_matches_reference_bytes(shape, block, wide, square):
+    """Row tiles of x and row tiles (or square blocks) of x^T from one read, each equal to the
+    reference of its own (both ways of transposing in the kernel)."""
     from te_ops.fp8 import triton as tri
 
     x = _x(7, shape, jnp.bfloat16)
+    tb = (block, block) if square else (1, block)
     with native.poisoned_outputs():
-        q, qt = jax.jit(lambda x: tri.dual_quantize(x, block, fp8.E4M3, power_of_2=True, trans_wide=wide))(x)
+        q, qt = jax.jit(lambda x: tri.dual_quantize(x, block, fp8.E4M3, power_of_2=True, trans_wide=wide,
+                                                    t_square=square))(x)  # fmt: skip
     _same(q, on_cpu(lambda x: ref.quantize_blocks(x, (1, block), fp8.E4M3, power_of_2=True), x))
-    _same(qt, on_cpu(lambda x: ref.quantize_blocks(x.T, (1, block), fp8.E4M3, power_of_2=True), x))
+    _same(qt, on_cpu(lambda x: ref.quantize_blocks(x.T, tb, fp8.E4M3, power_of_2=True), x))
 
 
 @needs_triton

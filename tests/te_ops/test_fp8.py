@@ -345,6 +345,7 @@ _DUAL_CASES = [  # (shape, dtype, block, format, power_of_2): partial tiles in b
     ((64, 64), jnp.float32, 32, fp8.E5M2, False),
     ((40, 300), jnp.float16, 128, fp8.E4M3, True),
     ((200, 130), jnp.bfloat16, 64, fp8.E5M2, True),
+    ((130, 260), jnp.float32, 128, fp8.E4M3, False),
 ]
 
 
@@ -415,16 +416,19 @@ def _kernel_main() -> int:
         x = jnp.asarray(_special(np.random.default_rng(50 + i).standard_normal(shape) * 3.0)).astype(dtype)
         ok = True
         wide = bool(i % 2)  # both ways of transposing (the input tile or the FP8 bytes)
-        q, qt = tri.dual_quantize(x, block, fmt, power_of_2=pow2, trans_wide=wide)
+        sq = i >= 2  # x^T in 1 x block tiles or in block x block blocks
+        q, qt = tri.dual_quantize(x, block, fmt, power_of_2=pow2, trans_wide=wide, t_square=sq)
         for got, want in ((q, ref.quantize_blocks(x, (1, block), fmt, power_of_2=pow2)),
-                          (qt, ref.quantize_blocks(x.T, (1, block), fmt, power_of_2=pow2))):  # fmt: skip
+                          (qt, ref.quantize_blocks(x.T, (block, block) if sq else (1, block), fmt,
+                                                   power_of_2=pow2))):  # fmt: skip
             g, w = np.asarray(got.data), np.asarray(want.data)
             gn, wn = np.isnan(g.astype(np.float32)), np.isnan(w.astype(np.float32))
             ok = ok and g.shape == w.shape and np.array_equal(gn, wn)
             ok = ok and np.array_equal(g.view(np.uint8)[~gn], w.view(np.uint8)[~wn])
             ok = ok and np.array_equal(np.asarray(got.scale_inv), np.asarray(want.scale_inv))
         verdict = "ok" if ok else "MISMATCH"
-        print(f"dual case {i} {shape} {jnp.dtype(dtype).name} 1x{block} {jnp.dtype(fmt).name} wide={wide}: {verdict}")
+        name = f"{shape} {jnp.dtype(dtype).name} 1x{block} {jnp.dtype(fmt).name} wide={wide} square={sq}"
+        print(f"dual case {i} {name}: {verdict}")
         failures += not ok
     # the block-scaled GEMM: 1 x 128 activations @ (128 x 128 weights)^T, K and N with partial blocks
     rng = np.random.default_rng(77)

@@ -79,10 +79,10 @@ def ref_block_local(x, block, fmt, power_of_2, margin):
     return ref.quantize_blocks(x, block, fmt, power_of_2=power_of_2)
 
 
-def ref_dual_local(x, block, fmt, power_of_2, margin):
+def ref_dual_local(x, block, fmt, power_of_2, margin, wide=False, t_square=False):
     return (
         ref.quantize_blocks(x, (1, block), fmt, power_of_2=power_of_2),
-        ref.quantize_blocks(x.T, (1, block), fmt, power_of_2=power_of_2),
+        ref.quantize_blocks(x.T, (block, block) if t_square else (1, block), fmt, power_of_2=power_of_2),
     )
 
 
@@ -169,15 +169,17 @@ def test_block_quantize_shards_whole_blocks(block, shape, spec, gathers):
         assert _nonzero(counts) == {}
 
 
-def test_dual_quantize_no_collective_on_block_boundaries():
+@pytest.mark.parametrize("t_square", [False, True])
+def test_dual_quantize_no_collective_on_block_boundaries(t_square):
     mesh = T.cpu_mesh((4, 2), ("a", "b"))
     x = _x(5, (512, 1024), jnp.bfloat16)
 
     def local(a):
-        q, qt = ref_dual_local(a, 128, E4M3, False, 0)
+        q, qt = ref_dual_local(a, 128, E4M3, False, 0, t_square=t_square)
         return q.data, q.scale_inv, qt.data, qt.scale_inv
 
-    out, expect, counts = T.run_sharded(fsh.dual_quantize(local, 128), [x], [P("a", "b")], None, mesh=mesh)
+    sharded = fsh.dual_quantize(local, 128, t_square)
+    out, expect, counts = T.run_sharded(sharded, [x], [P("a", "b")], None, mesh=mesh)
     _same_bits(out, expect)
     assert _nonzero(counts) == {}
 
