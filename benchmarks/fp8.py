@@ -259,17 +259,15 @@ def dense_fwd_bwd(summary):
                                  zip((st.x, st.w, st.g), (64.0, 2048.0, 4096.0), strict=True)))  # fmt: skip
 
     cur = fp8.CurrentScaling()
+    # (the "dequant" form of the per-tensor GEMM, dots of dequantized operands, ran 16x slower on the
+    # H200 on 2026-12-05: XLA does not rewrite it to an FP8 GEMM; no longer timed)
     variants = {  # name: (function, XLA_FP8_FORM)
         "bf16 te_ops.dense (cuBLASLt)": (fb(lambda x, w: te_ops.dense(x, w)), None),
         "bf16 XLA dot": (fb(lambda x, w: x @ w), None),
         "fp8 current, ours (Triton quantize, cuBLASLt FP8; f32 form)": (
             fb(lambda x, w: fp8.fp8_dense(x, w, cur, implementation="triton")), "f32"),
-        "fp8 current, ours (dequant form)": (
-            fb(lambda x, w: fp8.fp8_dense(x, w, cur, implementation="triton")), "dequant"),
         "fp8 current, XLA's own path (f32 form)": (
             fb(lambda x, w: fp8.fp8_dense(x, w, cur, implementation="xla")), "f32"),
-        "fp8 current, XLA's own path (dequant form)": (
-            fb(lambda x, w: fp8.fp8_dense(x, w, cur, implementation="xla")), "dequant"),
         "fp8 delayed, ours (Triton quantize, one pass; cuBLASLt FP8)": (fb_delayed("triton"), "f32"),
         "fp8 delayed, XLA's own path": (fb_delayed("xla"), "f32"),
         "fp8 block 1x128/128x128, ours (Triton)": (
