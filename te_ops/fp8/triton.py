@@ -203,6 +203,9 @@ def _dual_quantize_local(x, block, fmt, power_of_2, margin, wide=False, t_square
 
 # (BM, BN, num_warps, num_stages) of block_scaled_gemm; timed in benchmarks/fp8.py
 GEMM_CONFIG = (128, 128, 8, 3)
+# "tiled": block_scaled_gemm_kernel, one program per output tile; "persistent": the grouped kernel's
+# persistent tile loop with one group (GROUPED_GEMM_CONFIG); timed side by side in benchmarks/fp8.py
+GEMM_KERNEL = "tiled"
 
 
 def block_scaled_gemm(
@@ -236,6 +239,10 @@ def _sharded_block_gemm(out_dtype, config, has_bias, partition):
 def _block_gemm_local(a, sa, b, sb, out_dtype, config, bias=None):
     m, k = a.shape
     n = b.shape[0]
+    if GEMM_KERNEL == "persistent" and m > 0:  # the grouped kernel with one group of all M rows
+        gs = jnp.full((1,), m, jnp.int32)
+        bias1 = None if bias is None else bias.astype(jnp.float32)[None]
+        return _grouped_gemm_local(a, sa, b[None], sb[None], gs, out_dtype, None, GROUPED_GEMM_CONFIG, bias1)
     bm, bn, warps, stages = config
     bk = 128
     grid = (-(-m // bm) * -(-n // bn),)
@@ -294,7 +301,7 @@ def _sharded_grouped_gemm(out_dtype, num_programs, config, partition):
     return sharding.grouped_block_scaled_gemm(local, out_dtype)
 
 
-def _grouped_gemm_local(a, sa, b, sb, gs, out_dtype, num_programs, config):
+def _grouped_gemm_local(a, sa, b, sb, gs, out_dtype, num_programs, config, bias=None):
     from te_ops.grouped_dense import triton as gd
 
     m, k = a.shape
@@ -315,9 +322,12 @@ def _grouped_gemm_local(a, sa, b, sb, gs, out_dtype, num_programs, config):
         np.int32(k),
         np.int32(g),
         np.int32(grid),
+        sb if bias is None else bias,  # not read without bias
         out_shape=[SDS((m, n), out_dtype)],
         grid=(grid,),
-        constexprs=dict(BM=bm, BN=bn, BK=bk, BLOCK_G=max(16, 1 << max(0, (g - 1).bit_length())), WB=128),
+        constexprs=dict(
+            BM=bm, BN=bn, BK=bk, BLOCK_G=max(16, 1 << max(0, (g - 1).bit_length())), WB=128, HAS_BIAS=bias is not None
+        ),
         num_warps=warps,
         num_stages=stages,
         divisible_by_16=tuple(nm for nm, v in (("K", k), ("N", n)) if v % 16 == 0),

@@ -292,21 +292,24 @@ def grouped_block_scaled_gemm_kernel(
     K,
     G,
     num_programs,
+    bias_ptr,
     out_ptr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
     BLOCK_G: tl.constexpr,
     WB: tl.constexpr,
+    HAS_BIAS: tl.constexpr = False,
 ):
-    """Grouped block-scaled FP8 GEMM (MoE experts): out[rows of g] = a[rows of g] @ b[g]^T.
+    """Grouped block-scaled FP8 GEMM (MoE experts): out[rows of g] = a[rows of g] @ b[g]^T (+ bias[g]).
 
     a [M, K] FP8 in 1 x BK row tiles (inverse scales transposed: sa [cdiv(K, BK), M]); b [G, N, K]
     FP8, K-major, in BN x BK blocks (sb [G, cdiv(N, BN), cdiv(K, BK)]); group sizes on the device (the rule of
     grouped_dense: clamped >= 0, clipped at M; rows past the groups are zero). Persistent: the
     programs walk one tile schedule derived from the group sizes; tiles start at each group's first
     row; A rows past the group's end are clamped to its last row and never stored. A fresh float32
-    partial per BK block of K is scaled into the float32 accumulator."""
+    partial per BK block of K is scaled into the float32 accumulator. With HAS_BIAS, bias [G, N]
+    (float32) is added to the float32 sum of each group's rows (not to rows past the groups)."""
     pid = tl.program_id(0)
     gi, start, end = _group_table(gs_ptr, G, M, BLOCK_G)
     sizes = end - start
@@ -351,6 +354,9 @@ def grouped_block_scaled_gemm_kernel(
             else:  # BN = a multiple of the weight block: each column takes its own block's scale
                 sb = tl.load(sb_ptr + (g64 * tl.cdiv(N, WB) + cols // WB) * n_kb + kb, mask=cmask, other=0.0)
                 acc += partial * (sa[:, None] * sb[None, :])
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + g64 * N + cols, mask=cmask & in_group, other=0.0)
+            acc += bias[None, :]
         out = acc.to(out_ptr.dtype.element_ty)
         o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
         tl.store(o_ptrs, out, mask=(rows < row_end)[:, None] & cmask[None, :])

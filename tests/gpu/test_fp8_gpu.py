@@ -94,19 +94,23 @@ def test_dual_quantize_matches_reference_bytes(shape, block, wide, square):
 
 @needs_triton
 @pytest.mark.parametrize("m,k,n", [(200, 300, 130), (4096, 7168, 2048), (1000, 1024, 4096)])
-def test_block_scaled_gemm_matches_reference(m, k, n):
+@pytest.mark.parametrize("kernel", ["tiled", "persistent"])
+def test_block_scaled_gemm_matches_reference(m, k, n, kernel, monkeypatch):
     """FP8 wgmma with float32 promotion every 128 of K vs dequantized operands in a float32 GEMM
-    (the same products; the tensor cores sum each 128-element block with ~14-bit accumulation)."""
+    (the same products; the tensor cores sum each 128-element block with ~14-bit accumulation), plus
+    a bias; through the tiled kernel and through the grouped kernel with one group."""
     from te_ops.fp8 import triton as tri
 
+    monkeypatch.setattr(tri, "GEMM_KERNEL", kernel)
     rng = np.random.default_rng(m + k + n)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     w_t = jnp.asarray(rng.standard_normal((n, k)) / np.sqrt(k), jnp.bfloat16)
+    bias = jnp.asarray(rng.standard_normal(n), jnp.float32)
     qa = ref.quantize_blocks(x, (1, 128), fp8.E4M3, power_of_2=True)
     qb = ref.quantize_blocks(w_t, (128, 128), fp8.E4M3, power_of_2=True)
     with native.poisoned_outputs():
-        got = jax.jit(lambda a, b: tri.block_scaled_gemm(a, b, jnp.float32))(qa, qb)
-    want = jnp.dot(ref.dequantize(qa, jnp.float32), ref.dequantize(qb, jnp.float32).T, precision="highest")
+        got = jax.jit(lambda a, b, c: tri.block_scaled_gemm(a, b, jnp.float32, bias=c))(qa, qb, bias)
+    want = jnp.dot(ref.dequantize(qa, jnp.float32), ref.dequantize(qb, jnp.float32).T, precision="highest") + bias
     g, w = np.asarray(got), np.asarray(want)
     assert not np.isnan(g).any()
     np.testing.assert_allclose(g, w, rtol=0, atol=2e-3 * float(np.max(np.abs(w))))

@@ -450,13 +450,18 @@ def _kernel_main() -> int:
     bias = jnp.asarray(rng.standard_normal(130) * 5, jnp.float32)
     qa = ref.quantize_blocks(x, (1, 128), fp8.E4M3, power_of_2=False)
     qb = ref.quantize_blocks(w_t, (128, 128), fp8.E4M3, power_of_2=False)
-    got = np.asarray(tri.block_scaled_gemm(qa, qb, jnp.float32, bias=bias))
     want = np.asarray(ref.dequantize(qa, jnp.float32)) @ np.asarray(ref.dequantize(qb, jnp.float32)).T + np.asarray(
         bias
     )
-    err = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
-    print(f"gemm with bias: max rel diff {err:.2e} {'ok' if err < 1e-5 else 'MISMATCH'}")
-    failures += not err < 1e-5
+    for kernel in ("tiled", "persistent"):  # the tiled kernel, or the grouped kernel with one group
+        tri.GEMM_KERNEL = kernel
+        try:
+            got = np.asarray(tri.block_scaled_gemm(qa, qb, jnp.float32, bias=bias))
+        finally:
+            tri.GEMM_KERNEL = "tiled"
+        err = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+        print(f"gemm with bias ({kernel}): max rel diff {err:.2e} {'ok' if err < 1e-5 else 'MISMATCH'}")
+        failures += not err < 1e-5
     # the grouped block-scaled GEMM (MoE experts): uneven, empty and clipped groups, rows past the groups zero
     gcases = [
         (300, 256, 130, [100, 0, 150, 30], None),
