@@ -246,14 +246,18 @@ def dense_fwd_bwd(summary):
 
         return run
 
-    def fb_delayed(impl):
+    def fb_delayed(impl, recipe=None):
+        rc = recipe or dly
+
         def run(x, w, dy, st):  # the updated state comes back as the state's cotangent
-            y, vjp = jax.vjp(lambda x, w, st: fp8.fp8_dense(x, w, dly, state=st, implementation=impl), x, w, st)
+            y, vjp = jax.vjp(lambda x, w, st: fp8.fp8_dense(x, w, rc, state=st, implementation=impl), x, w, st)
             return (y, *vjp(dy))
 
         return run
 
     dly = fp8.DelayedScaling(history_len=1024)
+    dly_fast = fp8.DelayedScaling(history_len=1024, fast_accumulation=True)
+    cur_fast = fp8.CurrentScaling(fast_accumulation=True)
     st = fp8.initial_dense_state(dly)
     st = fp8.DenseScalingState(*(fp8.DelayedScalingState(s.amax_history, jnp.float32(v)) for s, v in
                                  zip((st.x, st.w, st.g), (64.0, 2048.0, 4096.0), strict=True)))  # fmt: skip
@@ -268,8 +272,14 @@ def dense_fwd_bwd(summary):
             fb(lambda x, w: fp8.fp8_dense(x, w, cur, implementation="triton")), "f32"),
         "fp8 current, XLA's own path (f32 form)": (
             fb(lambda x, w: fp8.fp8_dense(x, w, cur, implementation="xla")), "f32"),
+        "fp8 current, ours, fast accumulation": (
+            fb(lambda x, w: fp8.fp8_dense(x, w, cur_fast, implementation="triton")), "f32"),
+        "fp8 current, XLA's own path, fast accumulation": (
+            fb(lambda x, w: fp8.fp8_dense(x, w, cur_fast, implementation="xla")), "f32"),
         "fp8 delayed, ours (Triton quantize, one pass; cuBLASLt FP8)": (fb_delayed("triton"), "f32"),
         "fp8 delayed, XLA's own path": (fb_delayed("xla"), "f32"),
+        "fp8 delayed, ours, fast accumulation": (fb_delayed("triton", dly_fast), "f32"),
+        "fp8 delayed, XLA's own path, fast accumulation": (fb_delayed("xla", dly_fast), "f32"),
         "fp8 block 1x128/128x128, ours (Triton)": (
             fb(lambda x, w: fp8.fp8_dense(x, w, fp8.BlockScaling(), implementation="triton")), None),
     }  # fmt: skip
@@ -282,12 +292,14 @@ def dense_fwd_bwd(summary):
     times, _ = _timing.time_interleaved(fns, [(x, w, dy, st)], repeats=5, calls=5)
     flops = 3 * 2.0 * m * k * n
     bf16 = times.get("bf16 te_ops.dense (cuBLASLt)")
-    xla_fp8 = {r: min((t for nm, t in times.items() if nm.startswith(f"fp8 {r}, XLA")), default=None)
-               for r in ("current", "delayed")}  # fmt: skip
+    # ours vs XLA's own path with the same recipe, accumulation precision included
+    xla_fp8 = {(r, f): min((t for nm, t in times.items()
+                            if nm.startswith(f"fp8 {r}, XLA") and ("fast accumulation" in nm) == f), default=None)
+               for r in ("current", "delayed") for f in (False, True)}  # fmt: skip
     rows = []
     for name, t in times.items():
         rec = "current" if "current" in name else "delayed" if "delayed" in name else None
-        xla_t = xla_fp8.get(rec)
+        xla_t = xla_fp8.get((rec, "fast accumulation" in name))
         row = {"impl": name, "ms": t, "TFLOPs": flops / t / 1e9, "vs_bf16_te": bf16 / t if bf16 else None,
                "vs_xla_fp8": xla_t / t if xla_t and "ours" in name else None,
                "fp8_gemm_calls": calls[name], "shape": f"{m}x{k}x{n}"}  # fmt: skip

@@ -76,7 +76,7 @@ def gemm_xla_fp8(
     accumulation, ``Precision.HIGHEST`` requested); ``bias`` is added in float32 (XLA can fuse it into
     the cuBLASLt epilogue). ``fast_accum=True`` requests ``Precision.DEFAULT`` instead, which lets
     cuBLASLt keep partial sums in the tensor cores' reduced-precision accumulator (timed in
-    benchmarks/fp8.py; not used by fp8_dense)."""
+    benchmarks/fp8.py; fp8_dense uses it where the recipe sets ``fast_accumulation``)."""
     dims = (((1,), (1,)), ((), ()))
     hi = jax.lax.Precision.DEFAULT if fast_accum else jax.lax.Precision.HIGHEST
     if (form or XLA_FP8_FORM) == "f32":
@@ -130,7 +130,7 @@ def _triton_ops(recipe):
             q = quant(dy, "g")
             return q, _transpose(q)
 
-        return quant_x, quant_w_t, quant_dy, gemm_xla_fp8
+        return quant_x, quant_w_t, quant_dy, _per_tensor_gemm(recipe)
 
     def quant_x(x):
         return tri.dual_quantize(x, 128, recipe.format("x"), power_of_2=recipe.power_of_2)
@@ -163,7 +163,11 @@ def _xla_ops(recipe):
         q = _q(dy, recipe, "g", None)
         return q, _transpose(q)
 
-    return quant_x1, quant_w_t1, quant_dy1, gemm_xla_fp8
+    return quant_x1, quant_w_t1, quant_dy1, _per_tensor_gemm(recipe)
+
+
+def _per_tensor_gemm(recipe):
+    return functools.partial(gemm_xla_fp8, fast_accum=bool(getattr(recipe, "fast_accumulation", False)))
 
 
 _OPS = {"reference": _reference_ops, "triton": _triton_ops, "xla": _xla_ops}
@@ -241,8 +245,8 @@ def _quant_delayed(a, st, recipe, role, implementation):
     return ref.quantize_delayed(a, st, recipe, fmt)
 
 
-def _delayed_gemm(implementation):
-    return gemm_reference if implementation == "reference" else gemm_xla_fp8
+def _delayed_gemm(implementation, recipe):
+    return gemm_reference if implementation == "reference" else _per_tensor_gemm(recipe)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -263,14 +267,14 @@ def _dfwd_impl(x, w, bias, state, recipe, implementation):
     qx, st_x = _quant_delayed(x, state.x, recipe, "x", implementation)
     qw, st_w = _quant_delayed(w, state.w, recipe, "w", implementation)
     qw_t = _transpose(qw)
-    y = _delayed_gemm(implementation)(qx, qw_t, x.dtype, bias)
+    y = _delayed_gemm(implementation, recipe)(qx, qw_t, x.dtype, bias)
     return y, (_transpose(qx), qw_t, st_x, st_w, state.g, jnp.zeros((), w.dtype), _proto(bias))
 
 
 def _dbwd_impl(recipe, implementation, res, dy):
     qx_t, qw_t, st_x, st_w, st_g, w_proto, b_proto = res
     qdy, st_g = _quant_delayed(dy, st_g, recipe, "g", implementation)
-    gemm = _delayed_gemm(implementation)
+    gemm = _delayed_gemm(implementation, recipe)
     dx = gemm(qdy, _transpose(qw_t), dy.dtype)  # dy @ w^T
     dw = gemm(qx_t, _transpose(qdy), w_proto.dtype)  # x^T @ dy
     return dx, dw, _dbias(dy, b_proto), DenseScalingState(st_x, st_w, st_g)

@@ -53,6 +53,11 @@ def _check_margin(owner: str, margin) -> None:
         raise ValueError(f"te_ops.fp8.{owner}: margin must be an int >= 0 (scale / 2**margin), got {margin!r}")
 
 
+def _check_bool(owner: str, name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"te_ops.fp8.{owner}: {name} must be a bool, got {value!r}")
+
+
 def role_format(policy: FormatPolicy, role: Role) -> jnp.dtype:
     """The FP8 format of a tensor role under a format policy."""
     if role not in ROLES:
@@ -69,15 +74,23 @@ class CurrentScaling:
       margin: int >= 0; the scale is divided by ``2**margin`` (headroom for the next values).
       power_of_2: round the scale down to a power of two (the quantized values are then exact
         multiples of the inputs' binary exponents; dequantization is exact up to rounding).
+      fast_accumulation: the accumulation precision of the per-tensor FP8 GEMMs on the GPU. False
+        (default): float32 sums (cuBLASLt promotes the tensor cores' partial sums to float32, the
+        reference's arithmetic up to summation order). True: cuBLASLt's fast-accumulation mode, which
+        keeps partial sums in the tensor cores' reduced-precision accumulator (TransformerEngine's
+        forward default; faster, less accurate for long K). No effect on the reference path or on
+        block-scaled kernels (which promote every 128 of K).
     """
 
     formats: FormatPolicy = "hybrid"
     margin: int = 0
     power_of_2: bool = False
+    fast_accumulation: bool = False
 
     def __post_init__(self):
         _check_policy("CurrentScaling", self.formats)
         _check_margin("CurrentScaling", self.margin)
+        _check_bool("CurrentScaling", "fast_accumulation", self.fast_accumulation)
 
     def format(self, role: Role) -> jnp.dtype:
         return role_format(self.formats, role)
@@ -96,16 +109,19 @@ class DelayedScaling:
       history_len: int >= 1, amaxes kept per tensor.
       margin: int >= 0, as in :class:`CurrentScaling`.
       amax_compute_algo: "max" or "most_recent".
+      fast_accumulation: as in :class:`CurrentScaling`.
     """
 
     formats: FormatPolicy = "hybrid"
     history_len: int = 1024
     margin: int = 0
     amax_compute_algo: Literal["max", "most_recent"] = "max"
+    fast_accumulation: bool = False
 
     def __post_init__(self):
         _check_policy("DelayedScaling", self.formats)
         _check_margin("DelayedScaling", self.margin)
+        _check_bool("DelayedScaling", "fast_accumulation", self.fast_accumulation)
         if isinstance(self.history_len, bool) or not isinstance(self.history_len, int) or self.history_len < 1:
             raise ValueError(f"te_ops.fp8.DelayedScaling: history_len must be an int >= 1, got {self.history_len!r}")
         if self.amax_compute_algo not in ("max", "most_recent"):

@@ -218,6 +218,8 @@ def test_pytrees_under_jit_and_vmap():
         (lambda: fp8.CurrentScaling(formats="e5m2"), ValueError, "formats must be"),
         (lambda: fp8.DelayedScaling(history_len=0), ValueError, "history_len"),
         (lambda: fp8.DelayedScaling(amax_compute_algo="mean"), ValueError, "amax_compute_algo"),
+        (lambda: fp8.CurrentScaling(fast_accumulation=1), TypeError, "fast_accumulation must be a bool"),
+        (lambda: fp8.DelayedScaling(fast_accumulation="yes"), TypeError, "fast_accumulation must be a bool"),
         (lambda: fp8.BlockScaling(act_block=(0, 128)), ValueError, "act_block"),
         (lambda: fp8.initial_state(fp8.CurrentScaling()), TypeError, "DelayedScaling"),
         (lambda: fp8.dequantize(jnp.ones(3)), TypeError, "QuantizedTensor"),
