@@ -120,7 +120,7 @@ def test_block_scaled_gemm_matches_reference(m, k, n, kernel, monkeypatch):
 @pytest.mark.parametrize("recipe", [fp8.BlockScaling(), fp8.CurrentScaling(), fp8.DelayedScaling(history_len=4),
                                     fp8.CurrentScaling(fast_accumulation=True),
                                     fp8.DelayedScaling(history_len=4, fast_accumulation=True)],
-                         ids=lambda r: type(r).__name__ + ("-fast" if getattr(r, "fast_accumulation", 0) else ""))  # fmt: skip
+                         ids=lambda r: f"{type(r).__name__}{'-fast' * getattr(r, 'fast_accumulation', 0)}")  # fmt: skip
 def test_fp8_dense_triton_path_matches_reference(recipe):
     """fp8_dense forward and both gradients through the Triton path (block: our quantize and GEMM
     kernels; current and delayed: our quantize kernels and cuBLASLt's FP8 GEMM via XLA) vs the
