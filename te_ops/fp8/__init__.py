@@ -1,7 +1,7 @@
 """FP8: scaling recipes, the quantized-tensor pytree and the reference quantization
 (:mod:`te_ops.fp8.recipes`, :mod:`te_ops.fp8.reference`, :mod:`te_ops.fp8.api`)."""
 
-from te_ops.fp8.api import dequantize, initial_state, quantize
+from te_ops.fp8.api import dact_dbias_quantize, dequantize, initial_state, quantize
 from te_ops.fp8.dense import DenseScalingState, fp8_dense, initial_dense_state
 from te_ops.fp8.grouped import fp8_grouped_dense
 from te_ops.fp8.recipes import E4M3, E5M2, BlockScaling, CurrentScaling, DelayedScaling, format_max
@@ -16,6 +16,7 @@ __all__ = [
     "DelayedScalingState",
     "DenseScalingState",
     "QuantizedTensor",
+    "dact_dbias_quantize",
     "dequantize",
     "fp8_dense",
     "fp8_grouped_dense",

@@ -150,3 +150,83 @@ def dequantize(q: QuantizedTensor, dtype: Any = None) -> jax.Array:
     if not isinstance(q, QuantizedTensor):
         raise TypeError(err("fp8.dequantize", f"q must be a te_ops.fp8.QuantizedTensor, got {type(q).__name__}."))
     return ref.dequantize(q, dtype)
+
+
+DACT_OP = "fp8.dact_dbias_quantize"
+
+
+def dact_dbias_quantize(
+    dy: jax.Array,
+    z: jax.Array,
+    recipe: BlockScaling | CurrentScaling,
+    *,
+    activation: str | None = "gelu",
+    implementation: str | None = None,
+) -> tuple[QuantizedTensor, QuantizedTensor, jax.Array]:
+    """The backward of ``y = activation(z)``, ``z = x @ w + bias``, straight into the FP8 operands
+    of the two backward GEMMs, with the bias gradient.
+
+    ``dz = dy * activation'(z)`` in float32 (never rounded to dy's dtype); then ``dz`` quantized as
+    a gradient (role "g") for the dgrad GEMM ``dx = dz @ w^T``, ``dz^T`` for the wgrad GEMM ``dw =
+    x^T @ dz``, and ``dbias = sum(dz, rows)`` (float32 sums, in dy's dtype). With block scaling dz
+    takes the recipe's ``act_block`` tiles and dz^T its ``weight_block`` blocks; with current
+    scaling both share one scale (dz^T is the exact FP8 transpose). The derivatives are those of
+    ``te_ops.dense``'s activations: "gelu" (exact erf), "gelu_tanh", "relu" (0 at z <= 0), "silu",
+    or None (dz = dy); docs/semantics.md, "FP8 quantization", has the formulas.
+
+    Args:
+      dy: [M, N] float32, bfloat16 or float16: the gradient of the activation's output.
+      z: [M, N], dy's dtype: the pre-activation saved by the forward.
+      recipe: :class:`~te_ops.fp8.BlockScaling` or :class:`~te_ops.fp8.CurrentScaling` (static).
+      activation: None, "gelu", "gelu_tanh", "relu" or "silu" (static).
+      implementation: None (the fused Triton kernel on a CUDA GPU with FP8 tensor cores where it
+        takes the call, staged with ``jax.lax.platform_dependent``; the reference elsewhere),
+        "reference" (pure JAX) or "triton" (block scaling with 1 x 128 / 128 x 128 blocks: one read
+        of dy and z writes both quantizations and the dbias partials).
+
+    Returns:
+      ``(q_dz [M, N], q_dz_t [N, M], dbias [N])``.
+
+    Equivalent to::
+
+        dz = dy.astype(jnp.float32) * activation_derivative(z.astype(jnp.float32))
+        q_dz, q_dz_t = quantize(dz, recipe, "g"), quantize(dz.T, ...)   # weight_block for dz^T
+        dbias = dz.sum(0).astype(dy.dtype)
+    """
+    dy = check_float(DACT_OP, "dy", dy, INPUT_DTYPES, rank=2, layout="[M, N]")
+    z = check_float(DACT_OP, "z", z, INPUT_DTYPES, rank=2, layout="[M, N]")
+    if z.shape != dy.shape or z.dtype != dy.dtype:
+        raise ValueError(
+            err(DACT_OP, f"z must have dy's shape and dtype {dy.shape} {dy.dtype}, got {z.shape} {z.dtype}.")
+        )
+    if not isinstance(recipe, (BlockScaling, CurrentScaling)):
+        raise TypeError(
+            err(DACT_OP, f"recipe must be a te_ops.fp8 BlockScaling or CurrentScaling, got {recipe!r:.80}.")
+        )
+    static_choice(DACT_OP, "activation", activation, ref.ACT_GRADS)
+    static_choice(DACT_OP, "implementation", implementation, (None, "reference", "triton"))
+    why = _dact_triton_reason(dy, recipe)
+    if implementation == "triton" and why:
+        raise ValueError(err(DACT_OP, f"implementation='triton' cannot take this call: {why}."))
+    if implementation is None:
+        from te_ops.fp8.select import resolve, staged
+
+        impl = resolve(None)
+        if impl == "auto" and why is None:
+            return staged(
+                lambda name: lambda d, zz: dact_dbias_quantize(d, zz, recipe, activation=activation,
+                                                               implementation=name), impl)(dy, z)  # fmt: skip
+        implementation = "reference"
+    if implementation == "triton":
+        from te_ops.fp8 import triton as tri
+
+        return tri.dact_dbias_quantize(dy, z, activation, 128, recipe.format("g"), power_of_2=recipe.power_of_2)
+    return ref.dact_dbias_quantize(dy, z, activation, recipe)
+
+
+def _dact_triton_reason(dy, recipe) -> str | None:
+    if not isinstance(recipe, BlockScaling) or (recipe.act_block, recipe.weight_block) != ((1, 128), (128, 128)):
+        return f"the fused kernel takes BlockScaling with 1 x 128 / 128 x 128 blocks, got {recipe!r}"
+    from te_ops.fp8 import triton as tri
+
+    return tri.unsupported_reason(dtype=dy.dtype, block=(128, 128), fmt=recipe.format("g"))

@@ -183,3 +183,44 @@ def quantize(x, recipe, role, state=None):
     if isinstance(recipe, BlockScaling):
         return quantize_blocks(x, recipe.block(role), fmt, power_of_2=recipe.power_of_2)
     return quantize_tensor(x, fmt, margin=recipe.margin, power_of_2=recipe.power_of_2)
+
+
+ACT_GRADS = (None, "gelu", "gelu_tanh", "relu", "silu")
+
+
+def act_grad(z: jax.Array, activation: str | None) -> jax.Array:
+    """The derivative of ``activation`` at ``z`` in float32, written as the fused kernel computes it:
+    GELU ``Phi(z) + z phi(z)``; tanh-GELU with ``t = tanh(sqrt(2/pi) (z + 0.044715 z^3))``, tanh(u)
+    computed as ``1 - 2 / (exp(2u) + 1)``:
+    ``(1 + t) / 2 + (z / 2)(1 - t^2) sqrt(2/pi)(1 + 0.134145 z^2)``; ReLU ``1 if z > 0 else 0``;
+    SiLU ``s (1 + z (1 - s))`` with ``s = sigmoid(z)``; None: 1."""
+    z = z.astype(F32)
+    if activation == "gelu":
+        return 0.5 * (1.0 + jax.lax.erf(z * 0.7071067811865476)) + z * (jnp.exp(-0.5 * z * z) * 0.3989422804014327)
+    if activation == "gelu_tanh":
+        t = 1.0 - 2.0 / (jnp.exp(2.0 * (0.7978845608028654 * (z + 0.044715 * (z * z * z)))) + 1.0)  # tanh
+        return 0.5 * (1.0 + t) + (0.5 * z) * ((1.0 - t * t) * (0.7978845608028654 * (1.0 + 0.134145 * (z * z))))
+    if activation == "relu":
+        return jnp.where(z > 0.0, 1.0, 0.0).astype(F32)
+    if activation == "silu":
+        s = 1.0 / (1.0 + jnp.exp(-z))
+        return s * (1.0 + z * (1.0 - s))
+    return jnp.ones_like(z)
+
+
+def dact_dbias_quantize(dy: jax.Array, z: jax.Array, activation, recipe) -> tuple:
+    """``dz = dy * act'(z)`` (float32), quantized for the two backward GEMMs of ``z = x @ w + b``:
+    (dz in the recipe's activation blocks or per tensor, dz^T in its weight blocks or the exact FP8
+    transpose, ``dbias = sum of dz over rows`` in dy's dtype). ``dy``, ``z``: [M, N]."""
+    dz = dy.astype(F32) * act_grad(z, activation)
+    fmt = recipe.format("g")
+    if isinstance(recipe, BlockScaling):
+        q = quantize_blocks(dz, recipe.act_block, fmt, power_of_2=recipe.power_of_2)
+        qt = quantize_blocks(dz.T, recipe.weight_block, fmt, power_of_2=recipe.power_of_2)
+    else:
+        q = quantize_tensor(dz, fmt, margin=recipe.margin, power_of_2=recipe.power_of_2)
+        qt = QuantizedTensor(q.data.T, q.scale_inv, None, q.dtype)
+    dt = jnp.dtype(dy.dtype)
+    q = QuantizedTensor(q.data, q.scale_inv, q.block, dt)
+    qt = QuantizedTensor(qt.data, qt.scale_inv, qt.block, dt)
+    return q, qt, jnp.sum(dz, axis=0).astype(dt)

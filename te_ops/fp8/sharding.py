@@ -229,6 +229,29 @@ def dual_quantize(
     return _wrap(local, rule, plan, True)
 
 
+def dact_dbias_quantize(local: Callable[..., tuple], block: int) -> Callable[..., tuple]:
+    """``local(dy[R, C], z[R, C]) -> (q[R, C], s[R, C/b], qt[C, R], st[C/b, R/b], dbp[R/b, C])``:
+    elementwise over whole b x b tiles (the per-row-block dbias partials shard like the rows; their
+    sum over row blocks, outside, is where a row-sharded dbias gets its one all-reduce)."""
+
+    def rule(shape, z_shape, mesh):
+        sizes: dict = {}
+        need: list = []
+        r, rs = _block_dims(shape[0], block, "r", sizes, need, mesh)
+        c, cs = _block_dims(shape[1], block, "c", sizes, need, mesh)
+        outs = f"{r} {c}, {r} {cs}, {c} {r}, {cs} {rs}, {rs} {c}"
+        return f"{r} {c}, {r} {c} -> {outs}", {"need_replication_factors": tuple(need), **sizes}
+
+    def plan(ctx: ShardContext) -> ShardPlan:
+        (rr, cc), spec = ctx.arg_shapes[0], ctx.arg_specs[0]
+        used: set[str] = set()
+        r = spec_entry(_block_axes(spec[0], rr, block, ctx.mesh, used))
+        c = spec_entry(_block_axes(spec[1], cc, block, ctx.mesh, used))
+        return ShardPlan([[r, c], [r, c]], [[r, c], [r, c], [c, r], [c, r], [r, c]], None)
+
+    return _wrap(local, rule, plan, True)
+
+
 # ----------------------------------------------------------------------------------------------
 # block-scaled GEMMs
 # ----------------------------------------------------------------------------------------------

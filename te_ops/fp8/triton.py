@@ -201,6 +201,75 @@ def _dual_quantize_local(x, block, fmt, power_of_2, margin, wide=False, t_square
     )
 
 
+_ACT_CODES = {None: 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "silu": 4}
+
+
+def dact_dbias_quantize(
+    dy: jax.Array, z: jax.Array, activation, block: int, fmt, *, power_of_2: bool
+) -> tuple[QuantizedTensor, QuantizedTensor, jax.Array]:
+    """One read of ``dy`` and ``z`` [M, N]: ``dz = dy * act'(z)`` in float32, written as dz in 1 x
+    ``block`` row tiles and dz^T in ``block x block`` blocks (the dgrad and wgrad operands of the
+    GEMMs behind ``z``), and ``dbias = sum of dz over rows`` (float32 column sums per row block,
+    added up in float32; in dy's dtype). Equal to ``reference.dact_dbias_quantize`` up to the
+    activation derivative's last-ulp rounding (bit for bit for ReLU and None)."""
+    fmt = jnp.dtype(fmt)
+    local = _sharded_dact(_ACT_CODES[activation], block, fmt, bool(power_of_2), PARTITION)
+    q, s, qt, st, dbp = local(dy, z)
+    dt = jnp.dtype(dy.dtype)
+    return (
+        QuantizedTensor(q, s, (1, block), dt),
+        QuantizedTensor(qt, st, (block, block), dt),
+        jnp.sum(dbp, axis=0).astype(dt),
+    )
+
+
+@functools.cache
+def _sharded_dact(act, block, fmt, power_of_2, partition):
+    def local(dy, z):
+        return _dact_local(dy, z, act, block, fmt, power_of_2)
+
+    return sharding.dact_dbias_quantize(local, block) if partition else local
+
+
+def _dact_local(dy, z, act, block, fmt, power_of_2):
+    r, c = dy.shape
+    mbits, emin = FORMAT_BITS[fmt]
+    nrb, ncb = -(-r // block), -(-c // block)
+    if r * c == 0:
+        return (jnp.zeros((r, c), fmt), jnp.ones((r, ncb), jnp.float32), jnp.zeros((c, r), fmt),
+                jnp.ones((ncb, nrb), jnp.float32), jnp.zeros((nrb, c), jnp.float32))  # fmt: skip
+    q, sinv, qt, sinvt, dbp = tb.triton_call(
+        _k().dact_dbias_quantize_kernel,
+        dy,
+        z,
+        np.int32(r),
+        np.int32(c),
+        out_shape=[
+            SDS((r, c), jnp.uint8),
+            SDS((r, ncb), jnp.float32),
+            SDS((c, r), jnp.uint8),
+            SDS((ncb, nrb), jnp.float32),
+            SDS((nrb, c), jnp.float32),
+        ],
+        grid=(nrb, ncb),
+        constexprs=dict(
+            ACT=act,
+            B=block,
+            FMAX=format_max(fmt),
+            MBITS=mbits,
+            EMIN=emin,
+            MARGIN_MUL=1.0,
+            POW2=bool(power_of_2),
+            HW=_hw_cvt(),
+        ),  # fmt: skip
+        num_warps=8,
+        divisible_by_16=tuple(n for n, v in (("R", r), ("C", c)) if v % 16 == 0),
+        name="te_fp8_dact_dbias_quantize",
+    )
+    cast = lambda a: jax.lax.bitcast_convert_type(a, fmt)  # noqa: E731
+    return cast(q), sinv, cast(qt), sinvt, dbp
+
+
 # (BM, BN, num_warps, num_stages) of block_scaled_gemm; timed in benchmarks/fp8.py
 GEMM_CONFIG = (128, 128, 8, 3)
 # "tiled": block_scaled_gemm_kernel, one program per output tile; "persistent": the grouped kernel's

@@ -217,6 +217,81 @@ def dual_quantize_kernel(
 
 
 @triton.jit
+def _act_grad(z, ACT: tl.constexpr):
+    """act'(z) in float32 (the formulas of reference.act_grad): ACT 1 GELU (erf), 2 GELU (tanh
+    approximation), 3 ReLU (0 at z <= 0), 4 SiLU; 0 (no activation) is 1."""
+    if ACT == 1:
+        d = 0.5 * (1.0 + tl.math.erf(z * 0.7071067811865476)) + z * (tl.exp(-0.5 * z * z) * 0.3989422804014327)
+    elif ACT == 2:
+        t = 1.0 - 2.0 / (tl.exp(2.0 * (0.7978845608028654 * (z + 0.044715 * (z * z * z)))) + 1.0)  # tanh
+        d = 0.5 * (1.0 + t) + (0.5 * z) * ((1.0 - t * t) * (0.7978845608028654 * (1.0 + 0.134145 * (z * z))))
+    elif ACT == 3:
+        d = tl.where(z > 0.0, 1.0, 0.0)
+    elif ACT == 4:
+        sg = 1.0 / (1.0 + tl.exp(-z))
+        d = sg * (1.0 + z * (1.0 - sg))
+    else:
+        d = tl.full(z.shape, 1.0, tl.float32)
+    return d
+
+
+@triton.jit
+def dact_dbias_quantize_kernel(
+    dy_ptr,
+    z_ptr,
+    R,
+    C,
+    q_ptr,
+    sinv_ptr,
+    qt_ptr,
+    sinvt_ptr,
+    dbp_ptr,
+    ACT: tl.constexpr,
+    B: tl.constexpr,
+    FMAX: tl.constexpr,
+    MBITS: tl.constexpr,
+    EMIN: tl.constexpr,
+    MARGIN_MUL: tl.constexpr,
+    POW2: tl.constexpr,
+    HW: tl.constexpr,
+):
+    """The backward of an activation into the FP8 operands of the two backward GEMMs, one read of
+    dy and z [R, C] per [B, B] tile: dz = dy * act'(z) in float32, then
+
+    * q [R, C]: dz in 1 x B row tiles, sinv [R, cdiv(C, B)] (the dgrad GEMM's left operand);
+    * qt [C, R]: dz^T in B x B blocks, sinvt [cdiv(C, B), cdiv(R, B)] (the wgrad GEMM's operand);
+    * dbp [cdiv(R, B), C]: float32 column sums of dz per row block (dbias = their sum over blocks).
+    Grid (cdiv(R, B), cdiv(C, B))."""
+    rb = tl.program_id(0)
+    cb = tl.program_id(1)
+    rows = rb * B + tl.arange(0, B)
+    cols = cb * B + tl.arange(0, B)
+    rmask = rows < R
+    cmask = cols < C
+    mask = rmask[:, None] & cmask[None, :]
+    offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
+    dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x = dy * _act_grad(z, ACT)
+    nan = x != x
+    ax = tl.where(nan, 0.0, tl.abs(x))
+    srow = _scales(tl.max(ax, axis=1), tl.sum(nan.to(tl.int32), axis=1) > 0, FMAX, MARGIN_MUL, POW2)
+    tl.store(q_ptr + offs, _quantize_tile(x, nan, srow[:, None], FMAX, MBITS, EMIN, HW), mask=mask)
+    ncb = tl.cdiv(C, B)
+    tl.store(sinv_ptr + rows.to(tl.int64) * ncb + cb, tl.math.div_rn(tl.full((B,), 1.0, tl.float32), srow), mask=rmask)
+    zero = tl.zeros((B,), tl.float32)
+    sblk = _scales(zero + tl.max(tl.max(ax, axis=1), axis=0),
+                   (zero.to(tl.int32) + tl.sum(tl.sum(nan.to(tl.int32), axis=1), axis=0)) > 0,
+                   FMAX, MARGIN_MUL, POW2)  # fmt: skip
+    qct = tl.trans(_quantize_tile(x, nan, sblk[None, :], FMAX, MBITS, EMIN, HW))
+    tl.store(qt_ptr + cols.to(tl.int64)[:, None] * R + rows[None, :], qct, mask=cmask[:, None] & rmask[None, :])
+    nrb = tl.cdiv(R, B)
+    sinvt = tl.math.div_rn(tl.full((B,), 1.0, tl.float32), sblk)
+    tl.store(sinvt_ptr + cb.to(tl.int64) * nrb + rb, tl.max(sinvt, axis=0))
+    tl.store(dbp_ptr + rb.to(tl.int64) * C + cols, tl.sum(x, axis=0), mask=cmask)
+
+
+@triton.jit
 def block_scaled_gemm_kernel(
     a_ptr,
     sa_ptr,

@@ -601,6 +601,28 @@ def _kernel_main() -> int:
             verdict = "ok" if ok else "MISMATCH"
             print(f"fp8_grouped_dense triton {type(rec).__name__} {name}: max rel diff {err:.2e} {verdict}")
             failures += not ok
+    # the fused activation backward: dz = dy * act'(z) -> 1 x 128 tiles of dz, 128 x 128 blocks of
+    # dz^T, dbias; partial tiles both ways, NaN / Inf / zero blocks in the first rows of dy
+    for i, act in enumerate((None, "gelu", "gelu_tanh", "relu", "silu")):
+        dy = jnp.asarray(_special(np.random.default_rng(90 + i).standard_normal((200, 300)) * 2.0), jnp.float32)
+        z = jnp.asarray(np.random.default_rng(95 + i).standard_normal((200, 300)) * 2.0, jnp.bfloat16)
+        dy = dy.astype(jnp.bfloat16)
+        got = tri.dact_dbias_quantize(dy, z, act, 128, fp8.E5M2, power_of_2=True)
+        want = ref.dact_dbias_quantize(dy, z, act, fp8.BlockScaling(formats="hybrid"))
+        ok, worst = True, 0.0
+        for g_, w_ in zip(got[:2], want[:2], strict=True):
+            g, w = np.asarray(g_.data), np.asarray(w_.data)
+            gn, wn = np.isnan(g.astype(np.float32)), np.isnan(w.astype(np.float32))
+            same = g.view(np.uint8) == w.view(np.uint8)
+            ok = ok and g.shape == w.shape and np.array_equal(gn, wn) and g_.block == w_.block
+            # ReLU / None: bit for bit; GELU, SiLU: act' may differ in its last ulp (libm vs XLA)
+            worst = max(worst, float(np.mean(~same[~gn])))
+            ok = ok and np.array_equal(np.asarray(g_.scale_inv), np.asarray(w_.scale_inv))
+        ok = ok and (worst == 0.0 if act in (None, "relu") else worst < 1e-3)
+        db_g, db_w = np.asarray(got[2], np.float32), np.asarray(want[2], np.float32)
+        ok = ok and np.allclose(db_g, db_w, rtol=1e-2, atol=1e-2, equal_nan=True)  # bf16 dbias, f32 sums
+        print(f"dact_dbias_quantize {act}: byte mismatch fraction {worst:.1e} {'ok' if ok else 'MISMATCH'}")
+        failures += not ok
     print(f"interpret failures: {failures}")
     return failures
 
