@@ -124,6 +124,27 @@ def main():
             "headline": False,
         }
     )
+    # the fused activation backward (GELU): dz = dy * gelu'(z), its 1x128 tiles, the 128x128 blocks of
+    # dz^T and dbias, from one read of dy and z; vs XLA fusing the same jnp (reference) computation
+    shape = (16384, 14336)
+    r, c = shape
+    ks = jax.random.split(jax.random.key(3), 2)
+    dz_args = [(jax.random.normal(ks[0], shape, jnp.bfloat16), jax.random.normal(ks[1], shape, jnp.bfloat16))]
+    moved = r * c * (2 + 2 + 1 + 1)  # dy and z read, two FP8 copies written
+    rec = fp8.BlockScaling()
+    fns = {impl: jax.jit(lambda d, z, impl=impl: fp8.dact_dbias_quantize(d, z, rec, activation="gelu",
+                                                                        implementation=impl))
+           for impl in ("triton", "reference")}  # fmt: skip
+    times, _ = _timing.time_interleaved(fns, dz_args)
+    rows.append({"case": "dact (GELU) + dbias + quantize dz and dz^T", "shape": f"{r}x{c}",
+                 "block": "1x128 + 128x128^T", "dtype": "bfloat16", "ours_ms": times["triton"],
+                 "xla_ms": times["reference"], "cast_ms": None, "ours_TBps": moved / times["triton"] / 1e9,
+                 "xla_TBps": moved / times["reference"] / 1e9, "speedup": times["reference"] / times["triton"],
+                 "bytes_equal_to_xla": None, "meets_target": moved / times["triton"] / 1e9 >= TARGET_TBPS})  # fmt: skip
+    summary.append({"workload": f"fused GELU backward + dbias + FP8 quantize (dz, dz^T) {r}x{c} bf16",
+                    "ours_ms": times["triton"], "alternative": "XLA (jnp reference, jitted)",
+                    "alternative_ms": times["reference"], "headline": False})  # fmt: skip
+    del dz_args
     # per-tensor current scaling of the output gradient (amax pass + cast pass) with its FP8 transpose,
     # as fp8_dense's backward needs them: ours (Triton amax + cast, XLA transposes the bytes) vs jnp
     shape = (16384, 14336)

@@ -300,3 +300,34 @@ def test_default_implementation_runs_the_triton_path():
 
         for a, b in zip(fb(None)(x, w), fb("triton")(x, w), strict=True):
             np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@needs_triton
+@pytest.mark.parametrize("act", [None, "gelu", "gelu_tanh", "relu", "silu"], ids=str)
+@pytest.mark.parametrize("shape", [(300, 200), (4096, 14336)])
+def test_dact_dbias_quantize_matches_reference(act, shape):
+    """The fused activation backward on the GPU vs the reference on the CPU: bytes and scales of
+    dz (1 x 128) and dz^T (128 x 128) equal for ReLU / None and all but a few last-ulp roundings of
+    act' for GELU / SiLU (libdevice vs XLA's CPU math); dbias within bf16 rounding; NaN / Inf /
+    zero blocks in dy; outputs NaN-poisoned."""
+    dy = _x(31, shape, jnp.bfloat16)
+    z = jnp.asarray(np.random.default_rng(32).standard_normal(shape) * 2.0, jnp.bfloat16)
+    rec = fp8.BlockScaling()
+
+    def run(impl):
+        return lambda d, zz: fp8.dact_dbias_quantize(d, zz, rec, activation=act, implementation=impl)
+
+    with native.poisoned_outputs():
+        got = jax.jit(run("triton"))(dy, z)
+    want = on_cpu(run("reference"), dy, z)
+    for g_, w_ in zip(got[:2], want[:2], strict=True):
+        g, w = np.asarray(g_.data), np.asarray(w_.data)
+        gn, wn = np.isnan(g.astype(np.float32)), np.isnan(w.astype(np.float32))
+        assert np.array_equal(gn, wn), "NaN positions differ"
+        frac = float(np.mean(g.view(np.uint8)[~gn] != w.view(np.uint8)[~wn]))
+        assert frac == 0.0 if act in (None, "relu") else frac < 1e-3, frac
+        sg, sw = np.asarray(g_.scale_inv), np.asarray(w_.scale_inv)
+        assert np.mean(sg != sw) < 1e-3, "scales differ"
+    db_g, db_w = np.asarray(got[2], np.float32), np.asarray(want[2], np.float32)
+    np.testing.assert_allclose(db_g, db_w, rtol=2e-2, atol=2e-2 * float(np.nanmax(np.abs(db_w[np.isfinite(db_w)]))),
+                               equal_nan=True)  # fmt: skip

@@ -983,3 +983,63 @@ def test_fp8_dense_bias(recipe):
     assert db.dtype == b.dtype
     with pytest.raises(ValueError, match=r"bias must have shape \[N\] = \(200,\)"):
         fp8.fp8_dense(x, w, recipe, bias=jnp.ones(199), **kw)
+
+
+_ACT_FNS = {
+    None: lambda z: z,
+    "gelu": lambda z: jax.nn.gelu(z, approximate=False),
+    "gelu_tanh": lambda z: jax.nn.gelu(z, approximate=True),
+    "relu": jax.nn.relu,
+    "silu": jax.nn.silu,
+}
+
+
+@pytest.mark.parametrize("act", list(_ACT_FNS), ids=str)
+@pytest.mark.parametrize("recipe", [fp8.BlockScaling(), fp8.CurrentScaling()], ids=lambda r: type(r).__name__)
+def test_dact_dbias_quantize_reference(act, recipe):
+    """dz = dy * act'(z) equals JAX's own derivative of te_ops.dense's activation (float32, within
+    float32 rounding); its quantizations are fp8.quantize of that dz (bit for bit) and of dz^T with
+    the weight blocks; dbias is the float32 column sum of dz."""
+    from te_ops._core import testing as T
+    from te_ops.fp8 import reference as ref
+
+    dy = _inputs(11, (200, 300), jnp.bfloat16)
+    z = _inputs(12, (200, 300), jnp.bfloat16, outliers=False)
+    q, qt, dbias = fp8.dact_dbias_quantize(dy, z, recipe, activation=act, implementation="reference")
+    _, vjp = jax.vjp(_ACT_FNS[act], z.astype(jnp.float32))
+    dz_jax = vjp(dy.astype(jnp.float32))[0]
+    dz = dy.astype(jnp.float32) * ref.act_grad(z, act)
+    T.assert_close(dz, dz_jax, jnp.float32, scale=float(jnp.max(jnp.abs(dz_jax))))
+    want = fp8.quantize(dz, recipe, "g", implementation="reference")
+    np.testing.assert_array_equal(_bytes(q.data), _bytes(want.data))
+    np.testing.assert_array_equal(np.asarray(q.scale_inv), np.asarray(want.scale_inv))
+    if isinstance(recipe, fp8.BlockScaling):
+        want_t = ref.quantize_blocks(dz.T, recipe.weight_block, recipe.format("g"), power_of_2=recipe.power_of_2)
+    else:
+        want_t = ref.QuantizedTensor(want.data.T, want.scale_inv, None, want.dtype)
+    np.testing.assert_array_equal(_bytes(qt.data), _bytes(want_t.data))
+    np.testing.assert_array_equal(np.asarray(qt.scale_inv), np.asarray(want_t.scale_inv))
+    assert q.dtype == qt.dtype == dbias.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(dbias, np.float32), np.asarray(jnp.sum(dz, axis=0).astype(jnp.bfloat16),
+                               np.float32), rtol=0, atol=0)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "call, exc, match",
+    [
+        (lambda: fp8.dact_dbias_quantize(jnp.ones((4, 8)), jnp.ones((4, 9)), fp8.BlockScaling()), ValueError,
+         "z must have dy's shape"),
+        (lambda: fp8.dact_dbias_quantize(jnp.ones((4, 8)), jnp.ones((4, 8), jnp.bfloat16), fp8.BlockScaling()),
+         ValueError, "z must have dy's shape and dtype"),
+        (lambda: fp8.dact_dbias_quantize(jnp.ones((4, 8)), jnp.ones((4, 8)), fp8.BlockScaling(), activation="tanh"),
+         ValueError, "activation"),
+        (lambda: fp8.dact_dbias_quantize(jnp.ones(8), jnp.ones(8), fp8.BlockScaling()), ValueError, "dy"),
+        (lambda: fp8.dact_dbias_quantize(jnp.ones((4, 8)), jnp.ones((4, 8)), fp8.DelayedScaling()), TypeError,
+         "BlockScaling or CurrentScaling"),
+        (lambda: fp8.dact_dbias_quantize(jnp.ones((4, 8)), jnp.ones((4, 8)), fp8.CurrentScaling(),
+                                         implementation="triton"), ValueError, "1 x 128 / 128 x 128"),
+    ],
+)  # fmt: skip
+def test_dact_dbias_quantize_errors_name_the_argument(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()

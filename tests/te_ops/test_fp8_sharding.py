@@ -263,13 +263,52 @@ def triton_on_cpu(monkeypatch):
     monkeypatch.setattr(tri, "_block_gemm_local", ref_gemm_local)
     monkeypatch.setattr(tri, "_grouped_gemm_local", ref_grouped_local)
     monkeypatch.setattr(tri, "_wgrad_local", ref_wgrad_local)
+    monkeypatch.setattr(tri, "_dact_local", ref_dact_local)
     caches = [tri._sharded_amax, tri._sharded_cast, tri._sharded_block_quantize, tri._sharded_dual_quantize,
-              tri._sharded_block_gemm, tri._sharded_grouped_gemm, tri._sharded_wgrad]  # fmt: skip
+              tri._sharded_block_gemm, tri._sharded_grouped_gemm, tri._sharded_wgrad, tri._sharded_dact]  # fmt: skip
     for c in caches:
         c.cache_clear()
     yield
     for c in caches:
         c.cache_clear()
+
+
+_ACT_NAMES = {0: None, 1: "gelu", 2: "gelu_tanh", 3: "relu", 4: "silu"}
+
+
+def ref_dact_local(dy, z, act, block, fmt, power_of_2):
+    """The fused kernel's outputs from the reference (dbias as per-row-block float32 partials)."""
+    dz = dy.astype(F32) * ref.act_grad(z, _ACT_NAMES[act])
+    q = ref.quantize_blocks(dz, (1, block), fmt, power_of_2=power_of_2)
+    qt = ref.quantize_blocks(dz.T, (block, block), fmt, power_of_2=power_of_2)
+    r, c = dz.shape
+    nrb = -(-r // block)
+    dbp = jnp.pad(dz, ((0, nrb * block - r), (0, 0))).reshape(nrb, block, c).sum(axis=1)
+    return q.data, q.scale_inv, qt.data, qt.scale_inv, dbp
+
+
+@pytest.mark.parametrize(
+    "spec, reduces",
+    [(P("d"), 1), (P(None, "d"), 0), (P("a", "b"), 1)],
+    ids=["rows", "columns", "both"],
+)
+def test_dact_dbias_quantize_sharded(triton_on_cpu, spec, reduces):
+    """The fused activation backward sharded on whole 128-blocks: the unsharded bytes, scales and
+    dbias; the only collective is dbias's sum over row shards (one all-reduce, none when only the
+    columns are sharded)."""
+    mesh = T.cpu_mesh((8,), ("d",)) if "d" in spec else T.cpu_mesh((4, 2), ("a", "b"))
+    dy = _x(21, (1024, 1024), jnp.bfloat16)  # 8 blocks of 128 both ways
+    z = _x(22, (1024, 1024), jnp.bfloat16)
+
+    def f(dy, z):
+        q, qt, db = fp8.dact_dbias_quantize(dy, z, fp8.BlockScaling(), activation="gelu", implementation="triton")
+        return q.data, q.scale_inv, qt.data, qt.scale_inv, db
+
+    out, expect, counts = T.run_sharded(f, [dy, z], [spec, spec], None, mesh=mesh)
+    _same_bits(out[:4], expect[:4])
+    np.testing.assert_allclose(np.asarray(out[4], F32), np.asarray(expect[4], F32), rtol=1e-2, atol=1e-2)
+    assert counts.get("all-reduce", 0) == reduces, counts
+    assert counts.get("all-gather", 0) == 0 and counts.get("all-to-all", 0) == 0, counts
 
 
 def _dense_loss(recipe, impl):
