@@ -116,6 +116,8 @@ def _block_quantize_local(x, block, fmt, power_of_2, margin) -> QuantizedTensor:
     return QuantizedTensor(q.reshape(shape), sinv.reshape(shape[:-2] + (nrb, ncb)), tuple(block), jnp.dtype(x.dtype))
 
 
+# warps of the 128 x 128-tile quantize kernels (dual_quantize, dact_dbias_quantize); timed in benchmarks/fp8.py
+QUANT_TILE_WARPS = 16
 # where the transposed output is transposed: the input tile (16-bit lanes) or the FP8 bytes; timed in
 # benchmarks/fp8.py
 DUAL_TRANS_WIDE = False
@@ -190,7 +192,7 @@ def _dual_quantize_local(x, block, fmt, power_of_2, margin, wide=False, t_square
             TRANS_WIDE=bool(wide),
             T_SQUARE=bool(t_square),
         ),
-        num_warps=8,
+        num_warps=QUANT_TILE_WARPS,
         divisible_by_16=tuple(n for n, v in (("R", r), ("C", c)) if v % 16 == 0),
         name="te_fp8_dual_quantize",
     )
@@ -262,7 +264,7 @@ def _dact_local(dy, z, act, block, fmt, power_of_2):
             POW2=bool(power_of_2),
             HW=_hw_cvt(),
         ),  # fmt: skip
-        num_warps=8,
+        num_warps=QUANT_TILE_WARPS,
         divisible_by_16=tuple(n for n, v in (("R", r), ("C", c)) if v % 16 == 0),
         name="te_fp8_dact_dbias_quantize",
     )
