@@ -1043,3 +1043,65 @@ def test_dact_dbias_quantize_reference(act, recipe):
 def test_dact_dbias_quantize_errors_name_the_argument(call, exc, match):
     with pytest.raises(exc, match=match):
         call()
+
+
+def test_fp8_kernels_compile_for_sm90_without_spills(monkeypatch):
+    """Every FP8 Triton kernel in its default configuration compiles for sm_90a here (jaxlib's
+    launcher stubbed) and Triton's bundled ptxas reports no register spills at sizes that are
+    multiples of 128 (training shapes): a spill in a GEMM main loop or a quantize tile costs far more
+    than any tuning gains. (Sizes that are not multiples of 16 lose the vectorized accesses and the
+    128 x 128-tile quantize kernels then spill: correct, slower.)"""
+    import os
+    import subprocess
+    import tempfile
+
+    from te_ops._core import native
+    from te_ops._core import triton_bridge as tb
+
+    if tb.triton_unavailable_reason() is not None:
+        pytest.skip(f"needs Triton: {tb.triton_unavailable_reason()}")
+    import triton
+
+    from te_ops.fp8 import triton as tri
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        pytest.skip(f"Triton's bundled ptxas is not at {ptxas}")
+    launches = []
+    monkeypatch.setattr(native, "cuda_device_unavailable_reason", lambda: None)
+    monkeypatch.setattr(tb, "launcher_unavailable_reason", lambda: None)
+    monkeypatch.setattr(tb, "_launcher_call", lambda params, compiled, grid, platform, name: launches.append(
+        (name, compiled)) or b"x")  # fmt: skip
+    monkeypatch.setattr(tri, "PARTITION", False)
+    S = jax.ShapeDtypeStruct
+
+    def qt(shape, block, sshape, fmt=jnp.float8_e4m3fn):
+        return fp8.QuantizedTensor(S(shape, fmt), S(sshape, jnp.float32), block, jnp.dtype(jnp.bfloat16))
+
+    m, k, n, g = 4096, 1024, 2048, 8
+    calls = [
+        (lambda a, b: tri.block_scaled_gemm(a, b, jnp.bfloat16), qt((m, k), (1, 128), (m, 8)),
+         qt((n, k), (128, 128), (16, 8))),
+        (lambda a, b, s: tri.grouped_block_scaled_gemm(a, b, s, jnp.bfloat16), qt((m, k), (1, 128), (m, 8)),
+         qt((g, n, k), (128, 128), (g, 16, 8)), S((g,), jnp.int32)),
+        (lambda a, b, s: tri.grouped_block_scaled_wgrad(a, b, s, g, jnp.bfloat16), qt((k, m), (1, 128), (k, 32)),
+         qt((n, m), (128, 128), (16, 32), jnp.float8_e5m2), S((g,), jnp.int32)),
+        (lambda x: tri.dual_quantize(x, 128, fp8.E4M3, power_of_2=True), S((1024, 1152), jnp.bfloat16)),
+        (lambda x: tri.dual_quantize(x, 128, fp8.E5M2, power_of_2=True, t_square=True), S((1024, 1152), jnp.bfloat16)),
+        (lambda d, z: tri.dact_dbias_quantize(d, z, "gelu", 128, fp8.E5M2, power_of_2=True), S((1024, 1152),
+         jnp.bfloat16), S((1024, 1152), jnp.bfloat16)),
+        (lambda x: tri.block_quantize(x, (1, 128), fp8.E4M3, power_of_2=True), S((1024, 1152), jnp.bfloat16)),
+    ]  # fmt: skip
+    with tb.target_override(("cuda", 90, 32)):
+        for fn, *args in calls:
+            jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    assert len(launches) == len(calls)
+    with tempfile.TemporaryDirectory() as d:
+        for i, (name, compiled) in enumerate(launches):
+            src = os.path.join(d, f"k{i}.ptx")
+            with open(src, "w") as f:
+                f.write(compiled.asm["ptx"])
+            r = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", os.path.join(d, f"k{i}.cubin")],
+                               capture_output=True, text=True, timeout=300)  # fmt: skip
+            assert r.returncode == 0, (name, r.stderr[-2000:])
+            assert "0 bytes spill stores" in r.stderr, (name, r.stderr[-2000:])
