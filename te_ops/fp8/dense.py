@@ -173,25 +173,37 @@ def _per_tensor_gemm(recipe):
 _OPS = {"reference": _reference_ops, "triton": _triton_ops, "xla": _xla_ops}
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _fp8_dense(x, w, bias, recipe, implementation):
-    return _fwd(x, w, bias, recipe, implementation)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _fp8_dense(x, w, bias, recipe, implementation, activation=None):
+    return _fwd(x, w, bias, recipe, implementation, activation)[0]
 
 
-def _fwd(x, w, bias, recipe, implementation):
-    fwd = staged(lambda name: functools.partial(_fwd_impl, recipe=recipe, implementation=name), implementation)
+def _fwd(x, w, bias, recipe, implementation, activation=None):
+    fwd = staged(lambda name: functools.partial(_fwd_impl, recipe=recipe, implementation=name,
+                                                activation=activation), implementation)  # fmt: skip
     return fwd(x, w, bias)
 
 
-def _bwd(recipe, implementation, res, dy):
-    return staged(lambda name: functools.partial(_bwd_impl, recipe, name), implementation)(res, dy)
+def _bwd(recipe, implementation, activation, res, dy):
+    return staged(lambda name: functools.partial(_bwd_impl, recipe, name, activation), implementation)(res, dy)
 
 
-def _fwd_impl(x, w, bias, *, recipe, implementation):
+def _activate(z32, activation, dtype):
+    """``activation(z)`` of the float32 GEMM output (bias included), one rounding to ``dtype``; and
+    z in ``dtype``, the backward's residual (te_ops.dense's rule)."""
+    from te_ops.dense.reference import activate
+
+    return activate(z32, activation).astype(dtype), z32.astype(dtype)
+
+
+def _fwd_impl(x, w, bias, *, recipe, implementation, activation=None):
     quant_x, quant_w_t, _, gemm = _OPS[implementation](recipe)
     qx, qx_t = quant_x(x)
     qw_t = quant_w_t(w)
-    return gemm(qx, qw_t, x.dtype, bias), (qx_t, qw_t, jnp.zeros((), w.dtype), _proto(bias))
+    if activation is None:
+        return gemm(qx, qw_t, x.dtype, bias), (qx_t, qw_t, jnp.zeros((), w.dtype), _proto(bias), None)
+    y, z = _activate(gemm(qx, qw_t, F32, bias), activation, x.dtype)
+    return y, (qx_t, qw_t, jnp.zeros((), w.dtype), _proto(bias), z)
 
 
 def _proto(bias):
@@ -202,13 +214,21 @@ def _dbias(dy, b_proto):
     return None if b_proto is None else jnp.sum(dy.astype(F32), axis=0).astype(b_proto.dtype)
 
 
-def _bwd_impl(recipe, implementation, res, dy):
-    qx_t, qw_t, w_proto, b_proto = res
+def _bwd_impl(recipe, implementation, activation, res, dy):
+    qx_t, qw_t, w_proto, b_proto, z = res
     _, _, quant_dy, gemm = _OPS[implementation](recipe)
-    qdy, qdy_t = quant_dy(dy)
-    dx = gemm(qdy, _transpose(qw_t), dy.dtype)  # dy @ w^T: b_t = w [K, N]
-    dw = gemm(qx_t, qdy_t, w_proto.dtype)  # x^T @ dy: a = x^T [K, M], b_t = dy^T [N, M]
-    return dx, dw, _dbias(dy, b_proto)
+    if activation is None:
+        qdy, qdy_t = quant_dy(dy)
+        dbias = _dbias(dy, b_proto)
+    else:  # dz = dy * act'(z), dbias and both quantizations of dz from one fused pass where it can
+        from te_ops.fp8.api import dact_dbias_quantize
+
+        dact_impl = "triton" if implementation == "triton" and isinstance(recipe, BlockScaling) else "reference"
+        qdy, qdy_t, dbias = dact_dbias_quantize(dy, z, recipe, activation=activation, implementation=dact_impl)
+        dbias = None if b_proto is None else dbias.astype(b_proto.dtype)
+    dx = gemm(qdy, _transpose(qw_t), dy.dtype)  # dz @ w^T: b_t = w [K, N]
+    dw = gemm(qx_t, qdy_t, w_proto.dtype)  # x^T @ dz: a = x^T [K, M], b_t = dz^T [N, M]
+    return dx, dw, dbias
 
 
 _fp8_dense.defvjp(_fwd, _bwd)
@@ -249,35 +269,47 @@ def _delayed_gemm(implementation, recipe):
     return gemm_reference if implementation == "reference" else _per_tensor_gemm(recipe)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _fp8_dense_delayed(x, w, bias, state, recipe, implementation):
-    return _dfwd(x, w, bias, state, recipe, implementation)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _fp8_dense_delayed(x, w, bias, state, recipe, implementation, activation=None):
+    return _dfwd(x, w, bias, state, recipe, implementation, activation)[0]
 
 
-def _dfwd(x, w, bias, state, recipe, implementation):
-    fwd = staged(lambda name: lambda x, w, b, st: _dfwd_impl(x, w, b, st, recipe, name), implementation)
+def _dfwd(x, w, bias, state, recipe, implementation, activation=None):
+    fwd = staged(lambda name: lambda x, w, b, st: _dfwd_impl(x, w, b, st, recipe, name, activation), implementation)
     return fwd(x, w, bias, state)
 
 
-def _dbwd(recipe, implementation, res, dy):
-    return staged(lambda name: functools.partial(_dbwd_impl, recipe, name), implementation)(res, dy)
+def _dbwd(recipe, implementation, activation, res, dy):
+    return staged(lambda name: functools.partial(_dbwd_impl, recipe, name, activation), implementation)(res, dy)
 
 
-def _dfwd_impl(x, w, bias, state, recipe, implementation):
+def _dfwd_impl(x, w, bias, state, recipe, implementation, activation=None):
     qx, st_x = _quant_delayed(x, state.x, recipe, "x", implementation)
     qw, st_w = _quant_delayed(w, state.w, recipe, "w", implementation)
     qw_t = _transpose(qw)
-    y = _delayed_gemm(implementation, recipe)(qx, qw_t, x.dtype, bias)
-    return y, (_transpose(qx), qw_t, st_x, st_w, state.g, jnp.zeros((), w.dtype), _proto(bias))
-
-
-def _dbwd_impl(recipe, implementation, res, dy):
-    qx_t, qw_t, st_x, st_w, st_g, w_proto, b_proto = res
-    qdy, st_g = _quant_delayed(dy, st_g, recipe, "g", implementation)
     gemm = _delayed_gemm(implementation, recipe)
-    dx = gemm(qdy, _transpose(qw_t), dy.dtype)  # dy @ w^T
-    dw = gemm(qx_t, _transpose(qdy), w_proto.dtype)  # x^T @ dy
-    return dx, dw, _dbias(dy, b_proto), DenseScalingState(st_x, st_w, st_g)
+    z = None
+    if activation is None:
+        y = gemm(qx, qw_t, x.dtype, bias)
+    else:
+        y, z = _activate(gemm(qx, qw_t, F32, bias), activation, x.dtype)
+    return y, (_transpose(qx), qw_t, st_x, st_w, state.g, jnp.zeros((), w.dtype), _proto(bias), z)
+
+
+def _dbwd_impl(recipe, implementation, activation, res, dy):
+    qx_t, qw_t, st_x, st_w, st_g, w_proto, b_proto, z = res
+    if activation is not None:  # dz = dy * act'(z) (float32), then quantized with the gradient's state
+        dz = dy.astype(F32) * ref.act_grad(z, activation)
+        dbias = None if b_proto is None else jnp.sum(dz, axis=0).astype(b_proto.dtype)
+        qdy, st_g = _quant_delayed(dz, st_g, recipe, "g", implementation)
+        qdy = QuantizedTensor(qdy.data, qdy.scale_inv, qdy.block, jnp.dtype(dy.dtype))
+    else:
+        qdy, st_g = _quant_delayed(dy, st_g, recipe, "g", implementation)
+        dbias = _dbias(dy, b_proto)
+    gemm = _delayed_gemm(implementation, recipe)
+    dx = gemm(qdy, _transpose(qw_t), dy.dtype)  # dz @ w^T
+    dw = gemm(qx_t, _transpose(qdy), w_proto.dtype)  # x^T @ dz
+    return dx, dw, dbias, DenseScalingState(st_x, st_w, st_g)
 
 
 _fp8_dense_delayed.defvjp(_dfwd, _dbwd)
@@ -306,9 +338,11 @@ def fp8_dense(
     *,
     bias: jax.Array | None = None,
     state: DenseScalingState | None = None,
+    activation: str | None = None,
     implementation=None,
 ):
-    """``x @ kernel (+ bias)`` with FP8 operands in the forward GEMM and in both backward GEMMs.
+    """``activation(x @ kernel (+ bias))`` with FP8 operands in the forward GEMM and in both backward
+    GEMMs.
 
     Each GEMM multiplies dequantized FP8 operands and sums in float32 (module docstring: which
     tensor is quantized with which blocks); the output has x's dtype, the kernel gradient the
@@ -337,6 +371,12 @@ def fp8_dense(
         into cuBLASLt with per-tensor scaling); its gradient is the float32 column sum of dy, in
         bias's dtype.
       state: with DelayedScaling (required), the :class:`DenseScalingState`; else None.
+      activation: None, "gelu" (exact erf), "gelu_tanh", "relu" or "silu" (static): applied in
+        float32 to the GEMM's float32 sum (bias included), one rounding to x's dtype, as
+        ``te_ops.dense`` does. The backward takes ``dz = dy * activation'(z)`` (z, the
+        pre-activation in x's dtype, is the residual) and quantizes dz as the gradient: with block
+        scaling on the Triton path in one fused pass that also gives dbias
+        (:func:`te_ops.fp8.dact_dbias_quantize`).
       implementation: None (the Triton path on a CUDA GPU with FP8 tensor cores where it takes the
         call, staged with ``jax.lax.platform_dependent``; the reference elsewhere), "reference"
         (pure JAX, every platform); "triton" (CUDA GPU; current
@@ -373,6 +413,7 @@ def fp8_dense(
     if isinstance(recipe, BlockScaling) and recipe.weight_block[0] != recipe.weight_block[1]:
         raise ValueError(err(OP, f"BlockScaling.weight_block must be square for fp8_dense, got {recipe.weight_block}."))
     implementation = static_choice(OP, "implementation", implementation, (None, "reference", "triton", "xla"))
+    static_choice(OP, "activation", activation, ref.ACT_GRADS)
     if implementation == "xla" and isinstance(recipe, BlockScaling):
         raise ValueError(
             err(OP, "implementation='xla' takes CurrentScaling or DelayedScaling (XLA has no block-scaled FP8 GEMM), "
@@ -392,7 +433,7 @@ def fp8_dense(
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if isinstance(recipe, DelayedScaling):
-        y = _fp8_dense_delayed(x2, kernel, bias, state, recipe, impl)
+        y = _fp8_dense_delayed(x2, kernel, bias, state, recipe, impl, activation)
     else:
-        y = _fp8_dense(x2, kernel, bias, recipe, impl)
+        y = _fp8_dense(x2, kernel, bias, recipe, impl, activation)
     return y.reshape(*lead, kernel.shape[1])

@@ -556,16 +556,23 @@ def _kernel_main() -> int:
     w = jnp.asarray(rng.standard_normal((256, 130)) / 16, jnp.float32)
     dy = jnp.asarray(rng.standard_normal((200, 130)), jnp.float32)
     outs = {}
-    for recipe in (fp8.BlockScaling(), fp8.CurrentScaling(margin=1)):
+    bias = jnp.asarray(rng.standard_normal(130), jnp.float32)
+    for recipe, act in ((fp8.BlockScaling(), None), (fp8.CurrentScaling(margin=1), None), (fp8.BlockScaling(), "relu"),
+                        (fp8.CurrentScaling(), "silu")):  # fmt: skip
         for impl in ("triton", "reference"):
-            y, vjp = jax.vjp(lambda x, w, impl=impl, r=recipe: fp8.fp8_dense(x, w, r, implementation=impl), x, w)
+
+            def f(x, w, b, impl=impl, r=recipe, act=act):
+                return fp8.fp8_dense(x, w, r, bias=b if act else None, activation=act, implementation=impl)
+
+            y, vjp = jax.vjp(f, x, w, bias)
             outs[impl] = (y, *vjp(dy))
-        for name, a, b in zip(("y", "dx", "dw"), outs["triton"], outs["reference"], strict=True):
+        for name, a, b in zip(("y", "dx", "dw", "dbias"), outs["triton"], outs["reference"], strict=True):
+            if name == "dbias" and act is None:  # no bias in those calls: its gradient is zero
+                continue
             err = float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / np.max(np.abs(np.asarray(b))))
             ok = err < 1e-5
-            print(
-                f"fp8_dense triton {type(recipe).__name__} {name}: max rel diff {err:.2e} {'ok' if ok else 'MISMATCH'}"
-            )
+            verdict = "ok" if ok else "MISMATCH"
+            print(f"fp8_dense triton {type(recipe).__name__} {act} {name}: max rel diff {err:.2e} {verdict}")
             failures += not ok
     # delayed scaling: the same scales from the state, the same updated state (the state's cotangent)
     rec = fp8.DelayedScaling(history_len=4)
@@ -1105,3 +1112,65 @@ def test_fp8_kernels_compile_for_sm90_without_spills(monkeypatch):
                                capture_output=True, text=True, timeout=300)  # fmt: skip
             assert r.returncode == 0, (name, r.stderr[-2000:])
             assert "0 bytes spill stores" in r.stderr, (name, r.stderr[-2000:])
+
+
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu", "silu"])
+@pytest.mark.parametrize("recipe", [fp8.BlockScaling(), fp8.CurrentScaling(), fp8.DelayedScaling(history_len=4)],
+                         ids=lambda r: type(r).__name__)  # fmt: skip
+def test_fp8_dense_activation(recipe, activation):
+    """fp8_dense with an activation: y = act(float32 FP8 GEMM + bias), one rounding; the backward
+    takes dz = dy * act'(z) of the rounded pre-activation z, quantizes dz as the gradient (dz^T in
+    the weight blocks), and dbias = sum of dz. Written out here with the public pieces
+    (fp8.quantize, fp8.dact_dbias_quantize, the reference GEMM) and compared, and checked against
+    te_ops.dense on the dequantized operands."""
+    import te_ops
+    from te_ops.fp8 import dense as fd
+    from te_ops.fp8 import reference as ref
+
+    x = _inputs(41, (160, 256), jnp.float32, outliers=False)
+    w = _inputs(42, (256, 384), jnp.float32, outliers=False) / 16
+    b = _inputs(43, (384,), jnp.float32, outliers=False)
+    dy = _inputs(44, (160, 384), jnp.float32, outliers=False)
+    st = fp8.initial_dense_state(recipe) if isinstance(recipe, fp8.DelayedScaling) else None
+    if st is not None:  # scales that fit these tensors (a fresh state has scale 1)
+        st = fp8.DenseScalingState(*(fp8.DelayedScalingState(s.amax_history, jnp.float32(v)) for s, v in
+                                     zip((st.x, st.w, st.g), (32.0, 512.0, 1024.0), strict=True)))  # fmt: skip
+
+    def f(x, w, b):
+        return fp8.fp8_dense(x, w, recipe, bias=b, state=st, activation=activation, implementation="reference")
+
+    y, vjp = jax.vjp(f, x, w, b)
+    dx, dw, db = vjp(dy)
+    # written out
+    blocked = isinstance(recipe, fp8.BlockScaling)
+    if st is None:
+        qx, qw_t = fp8.quantize(x, recipe, "x"), fp8.quantize(w.T, recipe, "w")
+        qx_t = fp8.quantize(x.T, recipe, "x") if blocked else ref.QuantizedTensor(qx.data.T, qx.scale_inv, None,
+                                                                                   qx.dtype)  # fmt: skip
+    else:
+        qx, _ = fp8.quantize(x, recipe, "x", st.x)
+        qw, _ = fp8.quantize(w, recipe, "w", st.w)
+        qw_t = ref.QuantizedTensor(qw.data.T, qw.scale_inv, None, qw.dtype)
+        qx_t = ref.QuantizedTensor(qx.data.T, qx.scale_inv, None, qx.dtype)
+    z32 = fd.gemm_reference(qx, qw_t, jnp.float32, b)
+    from te_ops._core import testing as T
+    from te_ops.dense.reference import activate
+
+    T.assert_close(y, activate(z32, activation), jnp.float32)
+    z = z32.astype(x.dtype)
+    if st is None:
+        qdz, qdz_t, db_want = fp8.dact_dbias_quantize(dy, z, recipe, activation=activation, implementation="reference")
+    else:
+        dz = dy * ref.act_grad(z, activation)
+        qdz, _ = fp8.quantize(dz, recipe, "g", st.g)
+        qdz_t, db_want = ref.QuantizedTensor(qdz.data.T, qdz.scale_inv, None, qdz.dtype), dz.sum(0)
+    w_q = ref.QuantizedTensor(qw_t.data.T, qw_t.scale_inv.T if blocked else qw_t.scale_inv, qw_t.block, qw_t.dtype)
+    scale = float(jnp.max(jnp.abs(dx)))
+    T.assert_close(dx, fd.gemm_reference(qdz, w_q, jnp.float32), jnp.float32, scale=scale)
+    T.assert_close(dw, fd.gemm_reference(qx_t, qdz_t, jnp.float32), jnp.float32, scale=float(jnp.max(jnp.abs(dw))))
+    T.assert_close(db, db_want, jnp.float32, scale=float(jnp.max(jnp.abs(db))))
+    # and the forward is te_ops.dense's on the dequantized operands
+    want = te_ops.dense(
+        fp8.dequantize(qx), fp8.dequantize(qw_t).T, b, activation=activation, implementation="reference"
+    )
+    T.assert_close(y, want, jnp.float32, scale=float(jnp.max(jnp.abs(want))))
