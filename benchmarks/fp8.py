@@ -26,6 +26,9 @@ from te_ops._core import triton_bridge as tb  # noqa: E402
 from te_ops.fp8 import reference as ref  # noqa: E402
 
 TARGET_TBPS = 3.8
+# FP8_BENCH_SECTIONS=dense,grouped_fb,quant,gemm,grouped,torch (default all): run only these sections
+ALL_SECTIONS = "dense,grouped_fb,quant,gemm,grouped,torch"
+SECTIONS = set(filter(None, os.environ.get("FP8_BENCH_SECTIONS", ALL_SECTIONS).split(",")))
 L2_BYTES = 60 * 2**20
 CASES = [  # (name, shape, block)
     ("activations 1x128", (16384, 7168), (1, 128)),
@@ -50,7 +53,7 @@ def main():
     from te_ops.fp8 import triton as tri
 
     rows, summary, gemm_rows, torch_rows = [], [], [], []
-    dense_rows = dense_fwd_bwd(summary)  # the headline first; results saved after every section
+    dense_rows = dense_fwd_bwd(summary) if "dense" in SECTIONS else []  # the headline first; saved after every section
 
     def save():
         payload = {"rows": rows, "gemm_rows": gemm_rows, "dense_rows": dense_rows, "torch_rows": torch_rows}
@@ -60,184 +63,192 @@ def main():
                              "meets_target"])  # fmt: skip
 
     save()
-    grouped_fwd_bwd(summary, gemm_rows)  # then the MoE experts' fwd+bwd and the wgrad kernel alone
+    if "grouped_fb" in SECTIONS:
+        grouped_fwd_bwd(summary, gemm_rows)  # then the MoE experts' fwd+bwd and the wgrad kernel alone
     save()
-    for name, shape, block in CASES:
-        dtype = jnp.bfloat16
-        sets = _arg_sets(shape, dtype)
+    if "quant" in SECTIONS:
+        for name, shape, block in CASES:
+            dtype = jnp.bfloat16
+            sets = _arg_sets(shape, dtype)
+            r, c = shape
+            nblocks = -(-r // block[0]) * -(-c // block[1])
+            moved = r * c * (jnp.dtype(dtype).itemsize + 1) + 4 * nblocks
+            fns = {
+                "triton": jax.jit(lambda x, block=block: tri.block_quantize(x, block, fp8.E4M3, power_of_2=True)),
+                "xla": jax.jit(lambda x, block=block: ref.quantize_blocks(x, block, fp8.E4M3, power_of_2=True)),
+                "cast": jax.jit(lambda x: (x.astype(jnp.float8_e4m3fn), x[:, ::128].astype(jnp.float32))),
+            }
+            times, _ = _timing.time_interleaved(fns, sets)
+            got = fns["triton"](sets[0][0])
+            want = fns["xla"](sets[0][0])
+            same = bool(jnp.array_equal(jax.lax.bitcast_convert_type(got.data, jnp.uint8),
+                                        jax.lax.bitcast_convert_type(want.data, jnp.uint8)))  # fmt: skip
+            row = {"case": name, "shape": f"{r}x{c}", "block": f"{block[0]}x{block[1]}", "dtype": "bfloat16",
+                   "ours_ms": times["triton"], "xla_ms": times["xla"], "cast_ms": times["cast"],
+                   "ours_TBps": moved / times["triton"] / 1e9, "xla_TBps": moved / times["xla"] / 1e9,
+                   "speedup": times["xla"] / times["triton"], "bytes_equal_to_xla": same,
+                   "meets_target": moved / times["triton"] / 1e9 >= TARGET_TBPS}  # fmt: skip
+            rows.append(row)
+            summary.append({"workload": f"block quantize {name} {r}x{c} bf16 -> e4m3", "ours_ms": times["triton"],
+                            "alternative": "XLA (jnp reference, jitted)", "alternative_ms": times["xla"],
+                            "headline": False})  # fmt: skip
+        # one read, two outputs: 1 x 128 row tiles of x and of x^T (the forward and weight-gradient operands)
+        shape = (16384, 7168)
+        sets = _arg_sets(shape, jnp.bfloat16)
         r, c = shape
-        nblocks = -(-r // block[0]) * -(-c // block[1])
-        moved = r * c * (jnp.dtype(dtype).itemsize + 1) + 4 * nblocks
+        moved = r * c * (2 + 2) + 4 * (r * (c // 128) + c * (r // 128))
         fns = {
-            "triton": jax.jit(lambda x, block=block: tri.block_quantize(x, block, fp8.E4M3, power_of_2=True)),
-            "xla": jax.jit(lambda x, block=block: ref.quantize_blocks(x, block, fp8.E4M3, power_of_2=True)),
-            "cast": jax.jit(lambda x: (x.astype(jnp.float8_e4m3fn), x[:, ::128].astype(jnp.float32))),
+            "triton": jax.jit(lambda x: tri.dual_quantize(x, 128, fp8.E4M3, power_of_2=True, trans_wide=False)),
+            "triton (transpose the input tile)": jax.jit(
+                lambda x: tri.dual_quantize(x, 128, fp8.E4M3, power_of_2=True, trans_wide=True)
+            ),
+            "xla": jax.jit(
+                lambda x: (
+                    ref.quantize_blocks(x, (1, 128), fp8.E4M3, power_of_2=True),
+                    ref.quantize_blocks(x.T, (1, 128), fp8.E4M3, power_of_2=True),
+                )
+            ),  # fmt: skip
+            "cast": jax.jit(lambda x: (x.astype(jnp.float8_e4m3fn), x.T.astype(jnp.float8_e4m3fn))),
+        }
+        # the same kernel with 8 warps (compiled now, while the setting is 8; jit keeps that executable)
+        f8w = jax.jit(lambda x: tri.dual_quantize(x, 128, fp8.E4M3, power_of_2=True, trans_wide=False))
+        old_w, tri.QUANT_TILE_WARPS = tri.QUANT_TILE_WARPS, 8
+        try:
+            jax.block_until_ready(f8w(sets[0][0]))
+        finally:
+            tri.QUANT_TILE_WARPS = old_w
+        fns["triton (8 warps)"] = f8w
+        times, _ = _timing.time_interleaved(fns, sets)
+        rows.append({"case": f"dual 1x128 (x and x^T), 8 warps (default {old_w})", "shape": f"{r}x{c}",
+                     "block": "1x128 + 128x1", "dtype": "bfloat16", "ours_ms": times["triton (8 warps)"],
+                     "xla_ms": times["xla"], "cast_ms": times["cast"],
+                     "ours_TBps": moved / times["triton (8 warps)"] / 1e9, "xla_TBps": moved / times["xla"] / 1e9,
+                     "speedup": times["xla"] / times["triton (8 warps)"], "bytes_equal_to_xla": None,
+                     "meets_target": False})  # fmt: skip
+        tw = times["triton (transpose the input tile)"]
+        rows.append({"case": "dual 1x128 (x and x^T), input tile transposed", "shape": f"{r}x{c}",
+                     "block": "1x128 + 128x1", "dtype": "bfloat16", "ours_ms": tw, "xla_ms": times["xla"],
+                     "cast_ms": times["cast"], "ours_TBps": moved / tw / 1e9, "xla_TBps": moved / times["xla"] / 1e9,
+                     "speedup": times["xla"] / tw, "bytes_equal_to_xla": None,
+                     "meets_target": moved / tw / 1e9 >= TARGET_TBPS})  # fmt: skip
+        rows.append({"case": "dual 1x128 (x and x^T)", "shape": f"{r}x{c}", "block": "1x128 + 128x1",
+                     "dtype": "bfloat16",
+                     "ours_ms": times["triton"], "xla_ms": times["xla"], "cast_ms": times["cast"],
+                     "ours_TBps": moved / times["triton"] / 1e9, "xla_TBps": moved / times["xla"] / 1e9,
+                     "speedup": times["xla"] / times["triton"], "bytes_equal_to_xla": None,
+                     "meets_target": moved / times["triton"] / 1e9 >= TARGET_TBPS})  # fmt: skip
+        summary.append(
+            {
+                "workload": f"dual quantize x and x^T 1x128 {r}x{c} bf16 -> e4m3",
+                "ours_ms": times["triton"],
+                "alternative": "XLA (jnp reference, jitted)",
+                "alternative_ms": times["xla"],
+                "headline": False,
+            }
+        )
+        # the fused activation backward (GELU): dz = dy * gelu'(z), its 1x128 tiles, the 128x128 blocks of
+        # dz^T and dbias, from one read of dy and z; vs XLA fusing the same jnp (reference) computation
+        shape = (16384, 14336)
+        r, c = shape
+        ks = jax.random.split(jax.random.key(3), 2)
+        dz_args = [(jax.random.normal(ks[0], shape, jnp.bfloat16), jax.random.normal(ks[1], shape, jnp.bfloat16))]
+        moved = r * c * (2 + 2 + 1 + 1)  # dy and z read, two FP8 copies written
+        rec = fp8.BlockScaling()
+        fns = {impl: jax.jit(lambda d, z, impl=impl: fp8.dact_dbias_quantize(d, z, rec, activation="gelu",
+                                                                            implementation=impl))
+               for impl in ("triton", "reference")}  # fmt: skip
+        times, _ = _timing.time_interleaved(fns, dz_args)
+        rows.append({"case": "dact (GELU) + dbias + quantize dz and dz^T", "shape": f"{r}x{c}",
+                     "block": "1x128 + 128x128^T", "dtype": "bfloat16", "ours_ms": times["triton"],
+                     "xla_ms": times["reference"], "cast_ms": None, "ours_TBps": moved / times["triton"] / 1e9,
+                     "xla_TBps": moved / times["reference"] / 1e9, "speedup": times["reference"] / times["triton"],
+                     "bytes_equal_to_xla": None,
+                     "meets_target": moved / times["triton"] / 1e9 >= TARGET_TBPS})  # fmt: skip
+        summary.append({"workload": f"fused GELU backward + dbias + FP8 quantize (dz, dz^T) {r}x{c} bf16",
+                        "ours_ms": times["triton"], "alternative": "XLA (jnp reference, jitted)",
+                        "alternative_ms": times["reference"], "headline": False})  # fmt: skip
+        del dz_args
+        # per-tensor current scaling of the output gradient (amax pass + cast pass) with its FP8 transpose,
+        # as fp8_dense's backward needs them: ours (Triton amax + cast, XLA transposes the bytes) vs jnp
+        shape = (16384, 14336)
+        sets = _arg_sets(shape, jnp.bfloat16)
+        r, c = shape
+        moved = r * c * (2 + 1 + 1)  # one bf16 read (the amax read is extra) + q + q^T written
+
+        def both(q):
+            return q.data, q.data.T, q.scale_inv
+
+        fns = {
+            "triton": jax.jit(lambda x: both(tri.quantize_tensor(x, fp8.E5M2))),
+            "xla": jax.jit(lambda x: both(ref.quantize_tensor(x, fp8.E5M2))),
+            "cast": jax.jit(lambda x: (x.astype(jnp.float8_e5m2), x.T.astype(jnp.float8_e5m2))),
         }
         times, _ = _timing.time_interleaved(fns, sets)
-        got = fns["triton"](sets[0][0])
-        want = fns["xla"](sets[0][0])
-        same = bool(jnp.array_equal(jax.lax.bitcast_convert_type(got.data, jnp.uint8),
-                                    jax.lax.bitcast_convert_type(want.data, jnp.uint8)))  # fmt: skip
-        row = {"case": name, "shape": f"{r}x{c}", "block": f"{block[0]}x{block[1]}", "dtype": "bfloat16",
-               "ours_ms": times["triton"], "xla_ms": times["xla"], "cast_ms": times["cast"],
-               "ours_TBps": moved / times["triton"] / 1e9, "xla_TBps": moved / times["xla"] / 1e9,
-               "speedup": times["xla"] / times["triton"], "bytes_equal_to_xla": same,
-               "meets_target": moved / times["triton"] / 1e9 >= TARGET_TBPS}  # fmt: skip
-        rows.append(row)
-        summary.append({"workload": f"block quantize {name} {r}x{c} bf16 -> e4m3", "ours_ms": times["triton"],
-                        "alternative": "XLA (jnp reference, jitted)", "alternative_ms": times["xla"],
-                        "headline": False})  # fmt: skip
-    # one read, two outputs: 1 x 128 row tiles of x and of x^T (the forward and weight-gradient operands)
-    shape = (16384, 7168)
-    sets = _arg_sets(shape, jnp.bfloat16)
-    r, c = shape
-    moved = r * c * (2 + 2) + 4 * (r * (c // 128) + c * (r // 128))
-    fns = {
-        "triton": jax.jit(lambda x: tri.dual_quantize(x, 128, fp8.E4M3, power_of_2=True, trans_wide=False)),
-        "triton (transpose the input tile)": jax.jit(
-            lambda x: tri.dual_quantize(x, 128, fp8.E4M3, power_of_2=True, trans_wide=True)
-        ),
-        "xla": jax.jit(
-            lambda x: (
-                ref.quantize_blocks(x, (1, 128), fp8.E4M3, power_of_2=True),
-                ref.quantize_blocks(x.T, (1, 128), fp8.E4M3, power_of_2=True),
-            )
-        ),  # fmt: skip
-        "cast": jax.jit(lambda x: (x.astype(jnp.float8_e4m3fn), x.T.astype(jnp.float8_e4m3fn))),
-    }
-    # the same kernel with 8 warps (compiled now, while the setting is 8; jit keeps that executable)
-    f8w = jax.jit(lambda x: tri.dual_quantize(x, 128, fp8.E4M3, power_of_2=True, trans_wide=False))
-    old_w, tri.QUANT_TILE_WARPS = tri.QUANT_TILE_WARPS, 8
-    try:
-        jax.block_until_ready(f8w(sets[0][0]))
-    finally:
-        tri.QUANT_TILE_WARPS = old_w
-    fns["triton (8 warps)"] = f8w
-    times, _ = _timing.time_interleaved(fns, sets)
-    rows.append({"case": f"dual 1x128 (x and x^T), 8 warps (default {old_w})", "shape": f"{r}x{c}",
-                 "block": "1x128 + 128x1", "dtype": "bfloat16", "ours_ms": times["triton (8 warps)"],
-                 "xla_ms": times["xla"], "cast_ms": times["cast"],
-                 "ours_TBps": moved / times["triton (8 warps)"] / 1e9, "xla_TBps": moved / times["xla"] / 1e9,
-                 "speedup": times["xla"] / times["triton (8 warps)"], "bytes_equal_to_xla": None,
-                 "meets_target": False})  # fmt: skip
-    tw = times["triton (transpose the input tile)"]
-    rows.append({"case": "dual 1x128 (x and x^T), input tile transposed", "shape": f"{r}x{c}",
-                 "block": "1x128 + 128x1", "dtype": "bfloat16", "ours_ms": tw, "xla_ms": times["xla"],
-                 "cast_ms": times["cast"], "ours_TBps": moved / tw / 1e9, "xla_TBps": moved / times["xla"] / 1e9,
-                 "speedup": times["xla"] / tw, "bytes_equal_to_xla": None,
-                 "meets_target": moved / tw / 1e9 >= TARGET_TBPS})  # fmt: skip
-    rows.append({"case": "dual 1x128 (x and x^T)", "shape": f"{r}x{c}", "block": "1x128 + 128x1", "dtype": "bfloat16",
-                 "ours_ms": times["triton"], "xla_ms": times["xla"], "cast_ms": times["cast"],
-                 "ours_TBps": moved / times["triton"] / 1e9, "xla_TBps": moved / times["xla"] / 1e9,
-                 "speedup": times["xla"] / times["triton"], "bytes_equal_to_xla": None,
-                 "meets_target": moved / times["triton"] / 1e9 >= TARGET_TBPS})  # fmt: skip
-    summary.append(
-        {
-            "workload": f"dual quantize x and x^T 1x128 {r}x{c} bf16 -> e4m3",
-            "ours_ms": times["triton"],
-            "alternative": "XLA (jnp reference, jitted)",
-            "alternative_ms": times["xla"],
-            "headline": False,
-        }
-    )
-    # the fused activation backward (GELU): dz = dy * gelu'(z), its 1x128 tiles, the 128x128 blocks of
-    # dz^T and dbias, from one read of dy and z; vs XLA fusing the same jnp (reference) computation
-    shape = (16384, 14336)
-    r, c = shape
-    ks = jax.random.split(jax.random.key(3), 2)
-    dz_args = [(jax.random.normal(ks[0], shape, jnp.bfloat16), jax.random.normal(ks[1], shape, jnp.bfloat16))]
-    moved = r * c * (2 + 2 + 1 + 1)  # dy and z read, two FP8 copies written
-    rec = fp8.BlockScaling()
-    fns = {impl: jax.jit(lambda d, z, impl=impl: fp8.dact_dbias_quantize(d, z, rec, activation="gelu",
-                                                                        implementation=impl))
-           for impl in ("triton", "reference")}  # fmt: skip
-    times, _ = _timing.time_interleaved(fns, dz_args)
-    rows.append({"case": "dact (GELU) + dbias + quantize dz and dz^T", "shape": f"{r}x{c}",
-                 "block": "1x128 + 128x128^T", "dtype": "bfloat16", "ours_ms": times["triton"],
-                 "xla_ms": times["reference"], "cast_ms": None, "ours_TBps": moved / times["triton"] / 1e9,
-                 "xla_TBps": moved / times["reference"] / 1e9, "speedup": times["reference"] / times["triton"],
-                 "bytes_equal_to_xla": None, "meets_target": moved / times["triton"] / 1e9 >= TARGET_TBPS})  # fmt: skip
-    summary.append({"workload": f"fused GELU backward + dbias + FP8 quantize (dz, dz^T) {r}x{c} bf16",
-                    "ours_ms": times["triton"], "alternative": "XLA (jnp reference, jitted)",
-                    "alternative_ms": times["reference"], "headline": False})  # fmt: skip
-    del dz_args
-    # per-tensor current scaling of the output gradient (amax pass + cast pass) with its FP8 transpose,
-    # as fp8_dense's backward needs them: ours (Triton amax + cast, XLA transposes the bytes) vs jnp
-    shape = (16384, 14336)
-    sets = _arg_sets(shape, jnp.bfloat16)
-    r, c = shape
-    moved = r * c * (2 + 1 + 1)  # one bf16 read (the amax read is extra) + q + q^T written
-
-    def both(q):
-        return q.data, q.data.T, q.scale_inv
-
-    fns = {
-        "triton": jax.jit(lambda x: both(tri.quantize_tensor(x, fp8.E5M2))),
-        "xla": jax.jit(lambda x: both(ref.quantize_tensor(x, fp8.E5M2))),
-        "cast": jax.jit(lambda x: (x.astype(jnp.float8_e5m2), x.T.astype(jnp.float8_e5m2))),
-    }
-    times, _ = _timing.time_interleaved(fns, sets)
-    rows.append({"case": "per-tensor current (amax + cast) with the FP8 transpose", "shape": f"{r}x{c}",
-                 "block": "tensor", "dtype": "bfloat16", "ours_ms": times["triton"], "xla_ms": times["xla"],
-                 "cast_ms": times["cast"], "ours_TBps": moved / times["triton"] / 1e9,
-                 "xla_TBps": moved / times["xla"] / 1e9, "speedup": times["xla"] / times["triton"],
-                 "bytes_equal_to_xla": None, "meets_target": moved / times["triton"] / 1e9 >= TARGET_TBPS})  # fmt: skip
+        rows.append({"case": "per-tensor current (amax + cast) with the FP8 transpose", "shape": f"{r}x{c}",
+                     "block": "tensor", "dtype": "bfloat16", "ours_ms": times["triton"], "xla_ms": times["xla"],
+                     "cast_ms": times["cast"], "ours_TBps": moved / times["triton"] / 1e9,
+                     "xla_TBps": moved / times["xla"] / 1e9, "speedup": times["xla"] / times["triton"],
+                     "bytes_equal_to_xla": None,
+                     "meets_target": moved / times["triton"] / 1e9 >= TARGET_TBPS})  # fmt: skip
     # the block-scaled FP8 GEMM (forward), operands pre-quantized, vs XLA's bf16 GEMM of the same shape
     save()
-    for m, k, n in [(16384, 4096, 14336), (8192, 7168, 4096)]:
-        kx, kw = jax.random.split(jax.random.key(1))
-        x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
-        w_t = (jax.random.normal(kw, (n, k), jnp.float32) / k**0.5).astype(jnp.bfloat16)
-        qa = jax.jit(lambda x: ref.quantize_blocks(x, (1, 128), fp8.E4M3, power_of_2=True))(x)
-        qb = jax.jit(lambda w: ref.quantize_blocks(w, (128, 128), fp8.E4M3, power_of_2=True))(w_t)
-        fns = {
-            "fp8 block-scaled (triton)": jax.jit(lambda a, b, x, w: tri.block_scaled_gemm(a, b, jnp.bfloat16)),
-            "bf16 (XLA)": jax.jit(lambda a, b, x, w: jnp.dot(x, w.T)),
-            "fp8 per-tensor (XLA -> cuBLASLt)": jax.jit(
+    if "gemm" in SECTIONS:
+        for m, k, n in [(16384, 4096, 14336), (8192, 7168, 4096)]:
+            kx, kw = jax.random.split(jax.random.key(1))
+            x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
+            w_t = (jax.random.normal(kw, (n, k), jnp.float32) / k**0.5).astype(jnp.bfloat16)
+            qa = jax.jit(lambda x: ref.quantize_blocks(x, (1, 128), fp8.E4M3, power_of_2=True))(x)
+            qb = jax.jit(lambda w: ref.quantize_blocks(w, (128, 128), fp8.E4M3, power_of_2=True))(w_t)
+            fns = {
+                "fp8 block-scaled (triton)": jax.jit(lambda a, b, x, w: tri.block_scaled_gemm(a, b, jnp.bfloat16)),
+                "bf16 (XLA)": jax.jit(lambda a, b, x, w: jnp.dot(x, w.T)),
+                "fp8 per-tensor (XLA -> cuBLASLt)": jax.jit(
+                    lambda a, b, x, w: fd.gemm_xla_fp8(
+                        fd.QuantizedTensor(a.data, jnp.float32(1.0)), fd.QuantizedTensor(b.data, jnp.float32(1.0)),
+                        jnp.bfloat16)),
+            }  # fmt: skip
+            fns["fp8 per-tensor (XLA -> cuBLASLt, fast accumulation)"] = jax.jit(
                 lambda a, b, x, w: fd.gemm_xla_fp8(
                     fd.QuantizedTensor(a.data, jnp.float32(1.0)), fd.QuantizedTensor(b.data, jnp.float32(1.0)),
-                    jnp.bfloat16)),
-        }  # fmt: skip
-        fns["fp8 per-tensor (XLA -> cuBLASLt, fast accumulation)"] = jax.jit(
-            lambda a, b, x, w: fd.gemm_xla_fp8(
-                fd.QuantizedTensor(a.data, jnp.float32(1.0)), fd.QuantizedTensor(b.data, jnp.float32(1.0)),
-                jnp.bfloat16, fast_accum=True))  # fmt: skip
-        for cfg in [(256, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 4), (64, 256, 4, 3)]:
-            fns[f"fp8 block-scaled (triton {cfg})"] = jax.jit(
-                lambda a, b, x, w, cfg=cfg: tri.block_scaled_gemm(a, b, jnp.bfloat16, config=cfg))  # fmt: skip
-        fns["fp8 block-scaled (triton grouped kernel, G=1)"] = jax.jit(
-            lambda a, b, x, w: tri.grouped_block_scaled_gemm(
-                a, fd.QuantizedTensor(b.data[None], b.scale_inv[None], b.block, b.dtype),
-                jnp.full((1,), a.data.shape[0], jnp.int32), jnp.bfloat16))  # fmt: skip
-        times, _ = _timing.time_interleaved(fns, [(qa, qb, x, w_t)], repeats=5, calls=10)
-        flops = 2.0 * m * k * n
-        for name, t in times.items():
-            gemm_rows.append({"gemm": f"{m}x{k}x{n}", "impl": name, "ms": t, "TFLOPs": flops / t / 1e9})
-        summary.append({"workload": f"block-scaled FP8 GEMM fwd {m}x{k}x{n} (operands quantized)",
-                        "ours_ms": times["fp8 block-scaled (triton)"], "alternative": "bf16 GEMM (XLA)",
-                        "alternative_ms": times["bf16 (XLA)"], "headline": False})  # fmt: skip
+                    jnp.bfloat16, fast_accum=True))  # fmt: skip
+            for cfg in [(256, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 4), (64, 256, 4, 3)]:
+                fns[f"fp8 block-scaled (triton {cfg})"] = jax.jit(
+                    lambda a, b, x, w, cfg=cfg: tri.block_scaled_gemm(a, b, jnp.bfloat16, config=cfg))  # fmt: skip
+            fns["fp8 block-scaled (triton grouped kernel, G=1)"] = jax.jit(
+                lambda a, b, x, w: tri.grouped_block_scaled_gemm(
+                    a, fd.QuantizedTensor(b.data[None], b.scale_inv[None], b.block, b.dtype),
+                    jnp.full((1,), a.data.shape[0], jnp.int32), jnp.bfloat16))  # fmt: skip
+            times, _ = _timing.time_interleaved(fns, [(qa, qb, x, w_t)], repeats=5, calls=10)
+            flops = 2.0 * m * k * n
+            for name, t in times.items():
+                gemm_rows.append({"gemm": f"{m}x{k}x{n}", "impl": name, "ms": t, "TFLOPs": flops / t / 1e9})
+            summary.append({"workload": f"block-scaled FP8 GEMM fwd {m}x{k}x{n} (operands quantized)",
+                            "ours_ms": times["fp8 block-scaled (triton)"], "alternative": "bf16 GEMM (XLA)",
+                            "alternative_ms": times["bf16 (XLA)"], "headline": False})  # fmt: skip
     # the grouped block-scaled FP8 GEMM (MoE experts) at the issue's shapes: K7168 N4096, 8 / 32 / 128 groups
-    import numpy as np
+    if "grouped" in SECTIONS:
+        import numpy as np
 
-    for m, g in [(32768, 8), (65536, 32), (65536, 128)]:
-        k, n = 7168, 4096
-        rng = np.random.default_rng(g)
-        sizes = jnp.asarray(np.full(g, m // g, np.int32))
-        x = jnp.asarray(rng.standard_normal((m, k), np.float32), jnp.bfloat16)
-        w_t = jnp.asarray(rng.standard_normal((g, n, k), np.float32) / k**0.5, jnp.bfloat16)
-        qa = jax.jit(lambda x: ref.quantize_blocks(x, (1, 128), fp8.E4M3, power_of_2=True))(x)
-        qb = jax.jit(lambda w: ref.quantize_blocks(w, (128, 128), fp8.E4M3, power_of_2=True))(w_t)
-        del w_t
-        target = 1100.0 if g == 32 else None
-        for cfg in [None, (128, 128, 8, 4), (64, 128, 4, 4), (256, 128, 8, 3)]:
-            fn = jax.jit(lambda a, b, s, cfg=cfg: tri.grouped_block_scaled_gemm(a, b, s, jnp.bfloat16, config=cfg))
-            t = _timing.time_fn(fn, [(qa, qb, sizes)], repeats=5, calls=10)
-            gemm_rows.append({"gemm": f"grouped K{k} N{n} G{g} M{m}",
-                              "impl": f"fp8 block-scaled (triton {cfg or tri.GROUPED_GEMM_CONFIG})", "ms": t,
-                              "TFLOPs": 2.0 * m * k * n / t / 1e9, "target_TFLOPs": target})  # fmt: skip
-        del qa, qb, x
+        for m, g in [(32768, 8), (65536, 32), (65536, 128)]:
+            k, n = 7168, 4096
+            rng = np.random.default_rng(g)
+            sizes = jnp.asarray(np.full(g, m // g, np.int32))
+            x = jnp.asarray(rng.standard_normal((m, k), np.float32), jnp.bfloat16)
+            w_t = jnp.asarray(rng.standard_normal((g, n, k), np.float32) / k**0.5, jnp.bfloat16)
+            qa = jax.jit(lambda x: ref.quantize_blocks(x, (1, 128), fp8.E4M3, power_of_2=True))(x)
+            qb = jax.jit(lambda w: ref.quantize_blocks(w, (128, 128), fp8.E4M3, power_of_2=True))(w_t)
+            del w_t
+            target = 1100.0 if g == 32 else None
+            for cfg in [None, (128, 128, 8, 4), (64, 128, 4, 4), (256, 128, 8, 3)]:
+                fn = jax.jit(lambda a, b, s, cfg=cfg: tri.grouped_block_scaled_gemm(a, b, s, jnp.bfloat16, config=cfg))
+                t = _timing.time_fn(fn, [(qa, qb, sizes)], repeats=5, calls=10)
+                gemm_rows.append({"gemm": f"grouped K{k} N{n} G{g} M{m}",
+                                  "impl": f"fp8 block-scaled (triton {cfg or tri.GROUPED_GEMM_CONFIG})", "ms": t,
+                                  "TFLOPs": 2.0 * m * k * n / t / 1e9, "target_TFLOPs": target})  # fmt: skip
+            del qa, qb, x
     save()
-    torch_rows.extend(torch_scaled_grouped(gemm_rows))
+    if "torch" in SECTIONS:
+        torch_rows.extend(torch_scaled_grouped(gemm_rows))
     _timing.print_table("FP8 block-scaled GEMM", gemm_rows, ["gemm", "impl", "ms", "TFLOPs", "target_TFLOPs"])
     _timing.print_table("FP8 block quantization (bf16 -> e4m3)", rows,
                         ["case", "shape", "block", "ours_ms", "xla_ms", "cast_ms", "ours_TBps", "xla_TBps", "speedup",

@@ -17,10 +17,10 @@ The transposed copies are quantized from the high-precision tensor, not from its
 ``implementation="triton"`` (CUDA GPU): with block scaling, x and dy are each read once for both of
 their quantizations (``dual_quantize``), the kernel is quantized untransposed and its FP8 bytes
 transposed (exact for square blocks), and the GEMMs run in our block-scaled FP8 GEMM kernel (float32
-promotion every 128 of K); with current scaling, our amax and cast kernels quantize (the transposed
-copies are the exact FP8 transposes) and the GEMMs are FP8 dots that XLA hands to cuBLASLt
-(:func:`gemm_xla_fp8`, float32 accumulation). Delayed scaling needs its state threaded through the
-forward and backward passes and is not supported here yet.
+promotion every 128 of K). With current or delayed scaling the quantization is XLA's fusion of the
+jnp code (it measured faster than our per-tensor kernels, which need a separate pass for the
+transposed copy: see CURRENT_TRITON_QUANT and DELAYED_TRITON_CAST) and the GEMMs are FP8 dots that
+XLA hands to cuBLASLt (:func:`gemm_xla_fp8`; float32 or fast accumulation, as the recipe says).
 """
 
 from __future__ import annotations
@@ -111,9 +111,18 @@ def _reference_ops(recipe):
     return quant_x, quant_w_t, quant_dy, gemm_reference
 
 
+# Current scaling on the Triton path: our amax + cast kernels (then an FP8 transpose), or XLA's
+# fusion of the jnp quantization, which writes the transposed copy in the same pass. fp8_dense
+# fwd+bwd at 16384x4096x14336: 6.91 ms with our kernels, 6.34 ms with XLA's fusion (H100,
+# 2026-12-06, benchmarks/fp8.py), so the fusion is used.
+CURRENT_TRITON_QUANT = False
+
+
 def _triton_ops(recipe):
     from te_ops.fp8 import triton as tri
 
+    if isinstance(recipe, CurrentScaling) and not CURRENT_TRITON_QUANT:
+        return _xla_ops(recipe)
     if isinstance(recipe, CurrentScaling):  # one scale per tensor: the transposes are exact
 
         def quant(a, role):
@@ -257,12 +266,19 @@ def initial_dense_state(recipe: DelayedScaling) -> DenseScalingState:
 
 def _quant_delayed(a, st, recipe, role, implementation):
     fmt = recipe.format(role)
-    if implementation == "triton":
+    if implementation == "triton" and DELAYED_TRITON_CAST:
         from te_ops.fp8 import triton as tri
 
         q, a_amax, sinv = tri.tensor_cast(a, st.scale, fmt, with_amax=True)
         return QuantizedTensor(q, sinv, None, jnp.dtype(a.dtype)), ref.update_delayed_state(st, recipe, fmt, a_amax)
     return ref.quantize_delayed(a, st, recipe, fmt)
+
+
+# Our one-pass cast kernel (cast with the state's scale, amax recorded) or XLA's fusion of the jnp
+# quantization on the Triton path of delayed scaling: fp8_dense fwd+bwd at 16384x4096x14336 took
+# 6.48 ms with the kernel and 6.24 ms with XLA's fusion, which also writes the transposed copy in
+# the same pass (H100, 2026-12-06, benchmarks/fp8.py).
+DELAYED_TRITON_CAST = False
 
 
 def _delayed_gemm(implementation, recipe):

@@ -338,11 +338,14 @@ def test_dact_dbias_quantize_matches_reference(act, shape):
 @pytest.mark.parametrize("act", ["gelu", "relu"])
 def test_fp8_dense_activation_triton_matches_reference(recipe, act):
     """fp8_dense with bias and an activation through the Triton path (block scaling: the fused
-    activation backward kernel) vs the reference on the CPU: y, dx, dw, dbias."""
+    activation backward kernel) vs the reference on the CPU: y, dx, dw, dbias. The pre-activation
+    keeps away from 0 (bias +-3, x @ w of std 0.25): the GPU's and the CPU's GEMMs round z
+    differently, and a z within that rounding of 0 would flip ReLU's derivative and move a whole row
+    of dx (seen on the H100, 2026-12-06: 0.1% of rows)."""
     k = jax.random.split(jax.random.key(9), 4)
     x = jax.random.normal(k[0], (2048, 1024), jnp.bfloat16)
-    w = (jax.random.normal(k[1], (1024, 768), jnp.float32) / 32).astype(jnp.bfloat16)
-    b = jax.random.normal(k[2], (768,), jnp.bfloat16)
+    w = (jax.random.normal(k[1], (1024, 768), jnp.float32) / 128).astype(jnp.bfloat16)
+    b = (3.0 * jnp.sign(jax.random.normal(k[2], (768,), jnp.float32))).astype(jnp.bfloat16)
     dy = jax.random.normal(k[3], (2048, 768), jnp.bfloat16)
 
     def fn(x, w, b, dy, impl):
