@@ -955,7 +955,11 @@ def test_default_implementation_is_staged_per_platform(monkeypatch, op, recipe):
     with tb.target_override(("cuda", 90, 32)):
         cuda_hlo = grad.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
     n_calls = cuda_hlo.count(tb.FFI_TARGET)
-    assert n_calls >= 4, f"expected the Triton FP8 kernels in the CUDA lowering, found {n_calls} launches"
+    if op == "dense" and isinstance(recipe, fp8.CurrentScaling):
+        # per-tensor fp8_dense quantizes with XLA's fusion on the Triton path (CURRENT_TRITON_QUANT)
+        assert n_calls == 0, f"expected XLA's quantization, found {n_calls} Triton launches"
+    else:
+        assert n_calls >= 4, f"expected the Triton FP8 kernels in the CUDA lowering, found {n_calls} launches"
     assert tb.FFI_TARGET not in grad.lower(x, w).as_text()  # CPU: the reference only
     got = grad(x, w)
     want = jax.jit(jax.value_and_grad(lambda x, w: loss(x, w, "reference"), (0, 1)))(x, w)
