@@ -185,7 +185,7 @@ def quantize(x, recipe, role, state=None):
     return quantize_tensor(x, fmt, margin=recipe.margin, power_of_2=recipe.power_of_2)
 
 
-ACT_GRADS = (None, "gelu", "gelu_tanh", "relu", "silu")
+from te_ops.dense.reference import ACTIVATIONS as ACT_GRADS  # noqa: E402, F401 - te_ops.dense's activations
 
 
 def act_grad(z: jax.Array, activation: str | None) -> jax.Array:

@@ -205,6 +205,15 @@ def block_quantize(local: Callable[[jax.Array], tuple], block: tuple[int, int]) 
     return _wrap(local, rule, plan, True)
 
 
+def _tile_entries(ctx: ShardContext, block: int) -> tuple[Any, Any]:
+    """Spec entries of a 2-D tensor tiled by ``block`` both ways (the first argument): its mesh axes
+    kept where each shard holds whole blocks."""
+    (rr, cc), spec = ctx.arg_shapes[0], ctx.arg_specs[0]
+    used: set[str] = set()
+    r = spec_entry(_block_axes(spec[0], rr, block, ctx.mesh, used))
+    return r, spec_entry(_block_axes(spec[1], cc, block, ctx.mesh, used))
+
+
 def dual_quantize(
     local: Callable[[jax.Array], tuple], block: int, t_square: bool = False
 ) -> Callable[[jax.Array], tuple]:
@@ -220,10 +229,7 @@ def dual_quantize(
         return f"{r} {c} -> {r} {c}, {r} {cs}, {c} {r}, {st}", {"need_replication_factors": tuple(need), **sizes}
 
     def plan(ctx: ShardContext) -> ShardPlan:
-        (rr, cc), spec = ctx.arg_shapes[0], ctx.arg_specs[0]
-        used: set[str] = set()
-        r = spec_entry(_block_axes(spec[0], rr, block, ctx.mesh, used))
-        c = spec_entry(_block_axes(spec[1], cc, block, ctx.mesh, used))
+        r, c = _tile_entries(ctx, block)
         return ShardPlan([[r, c]], [[r, c], [r, c], [c, r], [c, r]], None)
 
     return _wrap(local, rule, plan, True)
@@ -243,10 +249,7 @@ def dact_dbias_quantize(local: Callable[..., tuple], block: int) -> Callable[...
         return f"{r} {c}, {r} {c} -> {outs}", {"need_replication_factors": tuple(need), **sizes}
 
     def plan(ctx: ShardContext) -> ShardPlan:
-        (rr, cc), spec = ctx.arg_shapes[0], ctx.arg_specs[0]
-        used: set[str] = set()
-        r = spec_entry(_block_axes(spec[0], rr, block, ctx.mesh, used))
-        c = spec_entry(_block_axes(spec[1], cc, block, ctx.mesh, used))
+        r, c = _tile_entries(ctx, block)
         return ShardPlan([[r, c], [r, c]], [[r, c], [r, c], [c, r], [c, r], [r, c]], None)
 
     return _wrap(local, rule, plan, True)

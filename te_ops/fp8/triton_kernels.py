@@ -147,6 +147,49 @@ def _quantize_tile(x, nan, scale, FMAX: tl.constexpr, MBITS: tl.constexpr, EMIN:
 
 
 @triton.jit
+def _dual_tile(x, xin, rows, cols, rb, cb, R, C, q_ptr, sinv_ptr, qt_ptr, sinvt_ptr, B: tl.constexpr,
+               FMAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, MARGIN_MUL: tl.constexpr,
+               POW2: tl.constexpr, HW: tl.constexpr, TRANS_WIDE: tl.constexpr, T_SQUARE: tl.constexpr):  # fmt: skip
+    """The two quantizations of one [B, B] tile x (float32; xin: as loaded) at (rb, cb) of an [R, C]
+    tensor, as dual_quantize_kernel describes them."""
+    rmask = rows < R
+    cmask = cols < C
+    mask = rmask[:, None] & cmask[None, :]
+    offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
+    nan = x != x
+    ax = tl.where(nan, 0.0, tl.abs(x))
+    # row tiles: one scale per row of the tile
+    srow = _scales(tl.max(ax, axis=1), tl.sum(nan.to(tl.int32), axis=1) > 0, FMAX, MARGIN_MUL, POW2)
+    q = _quantize_tile(x, nan, srow[:, None], FMAX, MBITS, EMIN, HW)
+    tl.store(q_ptr + offs, q, mask=mask)
+    ncb = tl.cdiv(C, B)
+    tl.store(sinv_ptr + rows.to(tl.int64) * ncb + cb, tl.math.div_rn(tl.full((B,), 1.0, tl.float32), srow), mask=rmask)
+    # column tiles: one scale per column of the tile (T_SQUARE: one for the whole B x B tile), stored
+    # transposed
+    cmax = tl.max(ax, axis=0)
+    cnan = tl.sum(nan.to(tl.int32), axis=0)
+    if T_SQUARE:
+        zero = tl.zeros((B,), tl.float32)
+        cmax = zero + tl.max(cmax, axis=0)
+        cnan = zero.to(tl.int32) + tl.sum(cnan, axis=0)
+    scol = _scales(cmax, cnan > 0, FMAX, MARGIN_MUL, POW2)
+    # transposed in registers (through shared memory) so the store runs along x^T's rows
+    offs_t = cols.to(tl.int64)[:, None] * R + rows[None, :]
+    if TRANS_WIDE:  # transpose the input tile (16-bit lanes), then quantize it by rows
+        xt = tl.trans(xin).to(tl.float32)
+        qct = _quantize_tile(xt, xt != xt, scol[:, None], FMAX, MBITS, EMIN, HW)
+    else:  # quantize by columns, then transpose the bytes
+        qct = tl.trans(_quantize_tile(x, nan, scol[None, :], FMAX, MBITS, EMIN, HW))
+    tl.store(qt_ptr + offs_t, qct, mask=cmask[:, None] & rmask[None, :])
+    nrb = tl.cdiv(R, B)
+    sinvt = tl.math.div_rn(tl.full((B,), 1.0, tl.float32), scol)
+    if T_SQUARE:  # sinvt [cdiv(C, B), cdiv(R, B)]
+        tl.store(sinvt_ptr + cb.to(tl.int64) * nrb + rb, tl.max(sinvt, axis=0))
+    else:  # sinvt [C, cdiv(R, B)]
+        tl.store(sinvt_ptr + cols.to(tl.int64) * nrb + rb, sinvt, mask=cmask)
+
+
+@triton.jit
 def dual_quantize_kernel(
     x_ptr,
     R,
@@ -182,38 +225,8 @@ def dual_quantize_kernel(
     mask = rmask[:, None] & cmask[None, :]
     offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
     xin = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    x = xin.to(tl.float32)
-    nan = x != x
-    ax = tl.where(nan, 0.0, tl.abs(x))
-    # row tiles: one scale per row of the tile
-    srow = _scales(tl.max(ax, axis=1), tl.sum(nan.to(tl.int32), axis=1) > 0, FMAX, MARGIN_MUL, POW2)
-    q = _quantize_tile(x, nan, srow[:, None], FMAX, MBITS, EMIN, HW)
-    tl.store(q_ptr + offs, q, mask=mask)
-    ncb = tl.cdiv(C, B)
-    tl.store(sinv_ptr + rows.to(tl.int64) * ncb + cb, tl.math.div_rn(tl.full((B,), 1.0, tl.float32), srow), mask=rmask)
-    # column tiles: one scale per column of the tile (T_SQUARE: one for the whole B x B tile), stored
-    # transposed
-    cmax = tl.max(ax, axis=0)
-    cnan = tl.sum(nan.to(tl.int32), axis=0)
-    if T_SQUARE:
-        zero = tl.zeros((B,), tl.float32)
-        cmax = zero + tl.max(cmax, axis=0)
-        cnan = zero.to(tl.int32) + tl.sum(cnan, axis=0)
-    scol = _scales(cmax, cnan > 0, FMAX, MARGIN_MUL, POW2)
-    # transposed in registers (through shared memory) so the store runs along x^T's rows
-    offs_t = cols.to(tl.int64)[:, None] * R + rows[None, :]
-    if TRANS_WIDE:  # transpose the input tile (16-bit lanes), then quantize it by rows
-        xt = tl.trans(xin).to(tl.float32)
-        qct = _quantize_tile(xt, xt != xt, scol[:, None], FMAX, MBITS, EMIN, HW)
-    else:  # quantize by columns, then transpose the bytes
-        qct = tl.trans(_quantize_tile(x, nan, scol[None, :], FMAX, MBITS, EMIN, HW))
-    tl.store(qt_ptr + offs_t, qct, mask=cmask[:, None] & rmask[None, :])
-    nrb = tl.cdiv(R, B)
-    sinvt = tl.math.div_rn(tl.full((B,), 1.0, tl.float32), scol)
-    if T_SQUARE:  # sinvt [cdiv(C, B), cdiv(R, B)]
-        tl.store(sinvt_ptr + cb.to(tl.int64) * nrb + rb, tl.max(sinvt, axis=0))
-    else:  # sinvt [C, cdiv(R, B)]
-        tl.store(sinvt_ptr + cols.to(tl.int64) * nrb + rb, sinvt, mask=cmask)
+    _dual_tile(xin.to(tl.float32), xin, rows, cols, rb, cb, R, C, q_ptr, sinv_ptr, qt_ptr, sinvt_ptr, B, FMAX, MBITS,
+               EMIN, MARGIN_MUL, POW2, HW, TRANS_WIDE, T_SQUARE)  # fmt: skip
 
 
 @triton.jit
@@ -273,21 +286,8 @@ def dact_dbias_quantize_kernel(
     dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     z = tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     x = dy * _act_grad(z, ACT)
-    nan = x != x
-    ax = tl.where(nan, 0.0, tl.abs(x))
-    srow = _scales(tl.max(ax, axis=1), tl.sum(nan.to(tl.int32), axis=1) > 0, FMAX, MARGIN_MUL, POW2)
-    tl.store(q_ptr + offs, _quantize_tile(x, nan, srow[:, None], FMAX, MBITS, EMIN, HW), mask=mask)
-    ncb = tl.cdiv(C, B)
-    tl.store(sinv_ptr + rows.to(tl.int64) * ncb + cb, tl.math.div_rn(tl.full((B,), 1.0, tl.float32), srow), mask=rmask)
-    zero = tl.zeros((B,), tl.float32)
-    sblk = _scales(zero + tl.max(tl.max(ax, axis=1), axis=0),
-                   (zero.to(tl.int32) + tl.sum(tl.sum(nan.to(tl.int32), axis=1), axis=0)) > 0,
-                   FMAX, MARGIN_MUL, POW2)  # fmt: skip
-    qct = tl.trans(_quantize_tile(x, nan, sblk[None, :], FMAX, MBITS, EMIN, HW))
-    tl.store(qt_ptr + cols.to(tl.int64)[:, None] * R + rows[None, :], qct, mask=cmask[:, None] & rmask[None, :])
-    nrb = tl.cdiv(R, B)
-    sinvt = tl.math.div_rn(tl.full((B,), 1.0, tl.float32), sblk)
-    tl.store(sinvt_ptr + cb.to(tl.int64) * nrb + rb, tl.max(sinvt, axis=0))
+    _dual_tile(x, x, rows, cols, rb, cb, R, C, q_ptr, sinv_ptr, qt_ptr, sinvt_ptr, B, FMAX, MBITS, EMIN, MARGIN_MUL,
+               POW2, HW, False, True)  # fmt: skip
     tl.store(dbp_ptr + rb.to(tl.int64) * C + cols, tl.sum(x, axis=0), mask=cmask)
 
 
