@@ -9,9 +9,11 @@ benchmark have run).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -274,9 +276,30 @@ def _dact_local(dy, z, act, block, fmt, power_of_2):
 
 # (BM, BN, num_warps, num_stages) of block_scaled_gemm; timed in benchmarks/fp8.py
 GEMM_CONFIG = (128, 128, 8, 3)
-# "tiled": block_scaled_gemm_kernel, one program per output tile; "persistent": the grouped kernel's
-# persistent tile loop with one group (GROUPED_GEMM_CONFIG); timed side by side in benchmarks/fp8.py
+# "tiled": block_scaled_gemm_kernel, one program per output tile; "persistent": the Triton grouped
+# kernel's persistent tile loop with one group (GROUPED_GEMM_CONFIG); "gluon": the Gluon
+# warp-specialized grouped kernel with one group where it applies (else "tiled"). Timed side by side
+# in benchmarks/fp8.py; kernel_override() switches them for calls traced inside it.
 GEMM_KERNEL = "tiled"
+
+_override = threading.local()
+
+
+@contextlib.contextmanager
+def kernel_override(dense: str | None = None, grouped: str | None = None):
+    """Block-scaled GEMM kernels for calls traced inside the block (benchmarks, tests): ``dense`` one
+    of "tiled", "persistent", "gluon"; ``grouped`` "triton" or "gluon"."""
+    prev = getattr(_override, "value", None)
+    _override.value = (dense, grouped)
+    try:
+        yield
+    finally:
+        _override.value = prev
+
+
+def _kernel_choice() -> tuple[str, str]:
+    dense, grouped = getattr(_override, "value", None) or (None, None)
+    return dense or GEMM_KERNEL, grouped or GROUPED_GEMM_KERNEL
 
 
 def block_scaled_gemm(
@@ -310,10 +333,14 @@ def _sharded_block_gemm(out_dtype, config, has_bias, partition):
 def _block_gemm_local(a, sa, b, sb, out_dtype, config, bias=None):
     m, k = a.shape
     n = b.shape[0]
-    if GEMM_KERNEL == "persistent" and m > 0:  # the grouped kernel with one group of all M rows
+    route = _kernel_choice()[0]
+    if route == "gluon" and (m == 0 or gluon_gemm_unavailable_reason(k, n, out_dtype) is not None):
+        route = "tiled"
+    if route in ("persistent", "gluon") and m > 0:  # the grouped kernel with one group of all M rows
         gs = jnp.full((1,), m, jnp.int32)
         bias1 = None if bias is None else bias.astype(jnp.float32)[None]
-        return _grouped_gemm_local(a, sa, b[None], sb[None], gs, out_dtype, None, GROUPED_GEMM_CONFIG, bias1)
+        kernel = "gluon" if route == "gluon" else "triton"
+        return _grouped_gemm_local(a, sa, b[None], sb[None], gs, out_dtype, None, GROUPED_GEMM_CONFIG, bias1, kernel)
     bm, bn, warps, stages = config
     bk = 128
     grid = (-(-m // bm) * -(-n // bn),)
@@ -372,11 +399,92 @@ def _sharded_grouped_gemm(out_dtype, num_programs, config, partition):
     return sharding.grouped_block_scaled_gemm(local, out_dtype)
 
 
-def _grouped_gemm_local(a, sa, b, sb, gs, out_dtype, num_programs, config, bias=None):
+# The Gluon warp-specialized kernel (gluon_kernels.py: TMA producer warp, two wgmma consumer
+# warpgroups on 128 x 128 tiles, float32 promotion every K step) on Hopper where it applies: K a
+# multiple of 16, N a multiple of 8 (16-byte TMA rows), 128 x 128 tiles. "triton": always the Triton
+# kernel (GROUPED_GEMM_CONFIG). Timed side by side in benchmarks/fp8.py.
+GROUPED_GEMM_KERNEL = "gluon"
+# (STAGES, GROUP_M, producer registers, maxnreg) of the Gluon kernel
+GLUON_GEMM_CONFIG = (4, 8, 32, 168)  # 24 producer registers spill
+
+
+def gluon_gemm_unavailable_reason(k: int | None = None, n: int | None = None, out_dtype=None) -> str | None:
+    """Why the Gluon block-scaled GEMM cannot take this call (None if it can)."""
+    from te_ops.grouped_dense import triton as gd
+
+    why = gd.gluon_ws_unavailable_reason()
+    if why:
+        return why
+    if k is not None and k % 16:
+        return f"the Gluon FP8 GEMM needs K % 16 == 0 (16-byte TMA rows), got K={k}"
+    if n is not None and n % 8:
+        return f"the Gluon FP8 GEMM needs N % 8 == 0 (16-byte TMA rows of the output), got N={n}"
+    if out_dtype is not None and jnp.dtype(out_dtype).itemsize * (n or 8) % 16:
+        return f"the Gluon FP8 GEMM needs 16-byte output rows, got N={n} of {jnp.dtype(out_dtype)}"
+    return None
+
+
+def _gk():
+    from te_ops.fp8 import gluon_kernels
+
+    return gluon_kernels
+
+
+def _gluon_grouped_gemm(a, sa_t, b, sb, gs, out_dtype, num_programs, gcfg, bias=None):
     from te_ops.grouped_dense import triton as gd
 
     m, k = a.shape
     g, n, _ = b.shape
+    stages, group_m, producer_regs, maxnreg = gcfg
+    bm = bn = 128
+    grid = num_programs or max(1, min(gd.num_sms(), (-(-m // bm) + g + 1) * -(-n // bn)))
+    return tb.triton_call(
+        _gk().grouped_block_scaled_gemm_ws_kernel,
+        a,
+        sa_t,
+        b,
+        sb,
+        gs,
+        sb if bias is None else bias,  # not read without bias
+        np.int32(m),
+        np.int32(k // 16),
+        np.int32(n // 8),
+        np.int32(g),
+        np.int32(grid),
+        out_shape=[SDS((m, n), out_dtype)],
+        grid=(grid,),
+        constexprs=dict(
+            BM=bm,
+            BN=bn,
+            BK=128,
+            STAGES=stages,
+            GROUP_M=group_m,
+            BLOCK_G=max(16, 1 << max(0, (g - 1).bit_length())),
+            HAS_BIAS=bias is not None,
+            NUM_WARPS=8,
+            PRODUCER_REGS=producer_regs,
+        ),  # fmt: skip
+        num_warps=8,
+        num_stages=1,
+        maxnreg=maxnreg,
+        scratch_bytes_per_program=gd.TMA_SCRATCH_BYTES,
+        name="te_fp8_grouped_block_gemm_ws",
+    )[0]
+
+
+def _grouped_gemm_local(a, sa, b, sb, gs, out_dtype, num_programs, config, bias=None, kernel=None):
+    from te_ops.grouped_dense import triton as gd
+
+    m, k = a.shape
+    g, n, _ = b.shape
+    gcfg = GLUON_GEMM_CONFIG
+    if config[0] == "gluon":  # ("gluon", STAGES, GROUP_M, producer regs, maxnreg): this Gluon configuration
+        kernel, gcfg, config = "gluon", tuple(config[1:]), GROUPED_GEMM_CONFIG
+    kernel = kernel or _kernel_choice()[1]
+    if m > 0 and n > 0 and kernel == "gluon" and gluon_gemm_unavailable_reason(k, n, out_dtype) is None:
+        return _gluon_grouped_gemm(a, sa.T, b, sb, gs, out_dtype, num_programs, gcfg, bias)
+    if m == 0 or n == 0:
+        return jnp.zeros((m, n), out_dtype)
     bm, bn, warps, stages = config
     bk = 128
     n_tiles = -(-n // bn)

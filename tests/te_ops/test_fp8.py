@@ -1094,7 +1094,9 @@ def test_fp8_kernels_compile_for_sm90_without_spills(monkeypatch):
         (lambda a, b: tri.block_scaled_gemm(a, b, jnp.bfloat16), qt((m, k), (1, 128), (m, 8)),
          qt((n, k), (128, 128), (16, 8))),
         (lambda a, b, s: tri.grouped_block_scaled_gemm(a, b, s, jnp.bfloat16), qt((m, k), (1, 128), (m, 8)),
-         qt((g, n, k), (128, 128), (g, 16, 8)), S((g,), jnp.int32)),
+         qt((g, n, k), (128, 128), (g, 16, 8)), S((g,), jnp.int32)),  # the Gluon warp-specialized kernel
+        (lambda a, b, s: tri.grouped_block_scaled_gemm(a, b, s, jnp.bfloat16, config=tri.GROUPED_GEMM_CONFIG),
+         qt((m, k), (1, 128), (m, 8)), qt((g, n, k), (128, 128), (g, 16, 8)), S((g,), jnp.int32)),
         (lambda a, b, s: tri.grouped_block_scaled_wgrad(a, b, s, g, jnp.bfloat16), qt((k, m), (1, 128), (k, 32)),
          qt((n, m), (128, 128), (16, 32), jnp.float8_e5m2), S((g,), jnp.int32)),
         (lambda x: tri.dual_quantize(x, 128, fp8.E4M3, power_of_2=True), S((1024, 1152), jnp.bfloat16)),
@@ -1104,9 +1106,11 @@ def test_fp8_kernels_compile_for_sm90_without_spills(monkeypatch):
         (lambda x: tri.block_quantize(x, (1, 128), fp8.E4M3, power_of_2=True), S((1024, 1152), jnp.bfloat16)),
     ]  # fmt: skip
     with tb.target_override(("cuda", 90, 32)):
-        for fn, *args in calls:
-            jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+        for i, (fn, *args) in enumerate(calls):
+            with tri.kernel_override(grouped="triton" if i == 2 else None):
+                jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     assert len(launches) == len(calls)
+    assert [nm for nm, _ in launches[1:3]] == ["te_fp8_grouped_block_gemm_ws", "te_fp8_grouped_block_gemm"]
     with tempfile.TemporaryDirectory() as d:
         for i, (name, compiled) in enumerate(launches):
             src = os.path.join(d, f"k{i}.ptx")
