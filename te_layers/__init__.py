@@ -16,8 +16,16 @@ segments, dropout), ``TopKRouter`` and ``MoEBlock`` (router ->
 token_dispatch -> grouped-GEMM expert FFN (gated SiLU/GELU) -> token_combine, optional expert
 parallelism over a mesh axis and aux-loss-free expert-bias balancing). Import the flavour you use
 (``from te_layers import linen as tel``); this package itself imports no framework.
+
+FP8: Dense, the MultiHeadAttention projections and the MoEBlock experts take ``fp8=`` (a
+``te_ops.fp8`` recipe); :func:`fp8_recipe` sets one recipe for a whole model (a layer's own ``fp8=``
+wins; ``fp8=False`` keeps a layer in high precision). Delayed-scaling state is kept the way each
+framework keeps state: the ``"fp8_state"`` collection (Linen), ``te_layers.nnx.FP8State`` variables
+(NNX), ``eqx.nn.State`` (Equinox).
 """
+
+from te_layers._fp8 import current_fp8_recipe, fp8_recipe
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = ["__version__", "current_fp8_recipe", "fp8_recipe"]

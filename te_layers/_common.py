@@ -75,11 +75,21 @@ def dense_apply(
     *,
     activation: str | Callable | None = None,
     dtype: Any = None,
+    fp8: Any = None,
+    fp8_state: Any = None,
 ) -> jax.Array:
-    """``activation(x @ kernel + bias)`` through ``te_ops.dense`` (activation fused when it can be)."""
+    """``activation(x @ kernel + bias)`` through ``te_ops.dense`` (activation fused when it can be).
+
+    ``fp8``: a resolved ``te_ops.fp8`` recipe (``te_layers._fp8.resolve``) or None; with one, the GEMM
+    is ``te_ops.fp8.fp8_dense`` (``fp8_state``: the layer's delayed-scaling state tree with
+    DelayedScaling)."""
     dt = compute_dtype(x, dtype)
     x, kernel = x.astype(dt), kernel.astype(dt)
     bias = None if bias is None else bias.astype(dt)
+    if fp8 is not None:
+        from te_layers._fp8 import fp8_dense_apply
+
+        return fp8_dense_apply(x, kernel, bias, fp8, activation=activation, state_tree=fp8_state)
     if activation is None or (isinstance(activation, str) and activation in FUSED_ACTIVATIONS):
         return _te_dense(x, kernel, bias, activation=activation)
     return activation_fn(activation)(_te_dense(x, kernel, bias))
@@ -374,9 +384,21 @@ class MoEOutput(NamedTuple):
     tokens_per_expert: jax.Array  # int32 [E] (global)
 
 
-def expert_ffn(x, wi, wo, group_sizes, *, activation, gated, backend):
-    """Per-expert FFN on expert-major rows: ``act(x @ wi[g]) [* (x @ wi_lin[g])] @ wo[g]``."""
-    h = grouped_dense(x, wi.astype(x.dtype), group_sizes, backend=backend)
+def expert_ffn(x, wi, wo, group_sizes, *, activation, gated, backend, fp8=None):
+    """Per-expert FFN on expert-major rows: ``act(x @ wi[g]) [* (x @ wi_lin[g])] @ wo[g]``.
+
+    ``fp8``: a resolved recipe (CurrentScaling or 1 x 128 / 128 x 128 BlockScaling) or None; with one,
+    both grouped GEMMs are ``te_ops.fp8.fp8_grouped_dense`` (``backend`` is then not used)."""
+    if fp8 is not None:
+        from te_ops.fp8 import fp8_grouped_dense
+
+        def gemm(a, k, gs, backend):
+            return fp8_grouped_dense(a, k, gs.astype(jnp.int32), fp8)
+
+        grouped = gemm
+    else:
+        grouped = grouped_dense
+    h = grouped(x, wi.astype(x.dtype), group_sizes, backend=backend)
     act = activation_fn(activation)
     if gated:
         f = h.shape[-1] // 2
@@ -384,10 +406,10 @@ def expert_ffn(x, wi, wo, group_sizes, *, activation, gated, backend):
         h = (act(hf[:, :f]) * hf[:, f:]).astype(x.dtype)
     else:
         h = act(h.astype(jnp.float32)).astype(x.dtype)
-    return grouped_dense(h, wo.astype(x.dtype), group_sizes, backend=backend)
+    return grouped(h, wo.astype(x.dtype), group_sizes, backend=backend)
 
 
-def _moe_local(x2d, router_kernel, expert_bias, wi, wo, cfg: MoEConfig, axis_name):
+def _moe_local(x2d, router_kernel, expert_bias, wi, wo, cfg: MoEConfig, axis_name, fp8=None):
     """MoE on the local tokens; with ``axis_name`` inside shard_map, experts are split over it."""
     rc = cfg.router
     logits = router_logits(x2d, router_kernel)
@@ -396,7 +418,7 @@ def _moe_local(x2d, router_kernel, expert_bias, wi, wo, cfg: MoEConfig, axis_nam
     n = t * rc.topk
     dispatched = token_dispatch(x2d, r.routing_map, n)
     rows, row_id_map, tpe_local = dispatched.out, dispatched.row_id_map, dispatched.tokens_per_expert
-    ffn = functools.partial(expert_ffn, activation=cfg.activation, gated=cfg.gated, backend=cfg.grouped_gemm)
+    ffn = functools.partial(expert_ffn, activation=cfg.activation, gated=cfg.gated, backend=cfg.grouped_gemm, fp8=fp8)
     if axis_name is None:
         y = ffn(rows, wi, wo, tpe_local)
     else:
@@ -460,12 +482,14 @@ def moe_apply(
     *,
     dtype: Any = None,
     mesh: Any = None,
+    fp8: Any = None,
 ) -> MoEOutput:
     """MoE block: router -> token_dispatch -> grouped expert FFN -> token_combine.
 
     With ``cfg.expert_axis`` the experts (dimension 0 of wi/wo) and the tokens are split over that mesh
     axis inside ``shard_map``; tokens are exchanged with two all-to-alls. Zero tokens give an empty
-    output of x's shape, aux loss 0 and no tokens per expert.
+    output of x's shape, aux loss 0 and no tokens per expert. ``fp8``: the experts' resolved recipe
+    (see :func:`expert_ffn`); the router, dispatch and combine stay in high precision.
     """
     layer = cfg.router.layer
     dt = compute_dtype(x, dtype)
@@ -476,7 +500,7 @@ def moe_apply(
         r = empty_route(cfg.router.num_experts)
         return MoEOutput(jnp.zeros(x.shape, dt), r.aux_loss, r.tokens_per_expert)
     if cfg.expert_axis is None:
-        out, aux, tpe = _moe_local(x2d, router_kernel, expert_bias, wi, wo, cfg, None)
+        out, aux, tpe = _moe_local(x2d, router_kernel, expert_bias, wi, wo, cfg, None, fp8)
     else:
         ax = cfg.expert_axis
         m = _current_mesh(layer, mesh)
@@ -490,7 +514,7 @@ def moe_apply(
         eb = expert_bias if expert_bias is not None else jnp.zeros((cfg.router.num_experts,), jnp.float32)
 
         def body(xs, rk, ebias, wis, wos):
-            return _moe_local(xs, rk, ebias if cfg.router.use_expert_bias else None, wis, wos, cfg, ax)
+            return _moe_local(xs, rk, ebias if cfg.router.use_expert_bias else None, wis, wos, cfg, ax, fp8)
 
         out, aux, tpe = jax.shard_map(
             body, mesh=m,

@@ -10,6 +10,12 @@ aux-loss-free balancing is functional: ``block = block.update_expert_bias(aux.to
 Partitioning metadata: every parameter has logical axis names; :func:`logical_axes` returns a pytree
 of ``PartitionSpec`` (logical names) shaped like the model.
 
+FP8: ``Dense``, the ``MultiHeadAttention`` projections and the ``MoEBlock`` experts take ``fp8=`` (a
+``te_ops.fp8`` recipe, None = the :func:`te_layers.fp8_recipe` context, False = high precision). A
+Dense built with DelayedScaling holds an ``eqx.nn.StateIndex`` (``fp8_index``): call it as
+``y, state = dense(x, state)`` and update the state with :func:`fp8_value_and_grad`
+(``te_layers.eqx.fp8``).
+
 Configuration is checked in ``__init__`` (``__check_init__`` for the field-only modules) and inputs when a
 module is called, with the same messages as the Linen and NNX modules (``te_layers.<Layer>: ...``).
 """
@@ -26,7 +32,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from te_layers import _common as C
+from te_layers import _fp8 as F
 from te_layers import _validation as V
+from te_layers.eqx.fp8 import fp8_accumulate, fp8_update, fp8_value_and_grad
 from te_layers.eqx.norm import LayerNorm, RMSNorm
 
 Initializer = Callable[..., jax.Array]
@@ -42,21 +50,34 @@ def _axes(a: Axes):
 
 
 class Dense(eqx.Module):
-    """``activation(x @ kernel + bias)`` on ``te_ops.dense``: kernel ``[in_features, out_features]``."""
+    """``activation(x @ kernel + bias)`` on ``te_ops.dense``: kernel ``[in_features, out_features]``.
+
+    ``fp8``: a ``te_ops.fp8`` recipe (the GEMM is ``te_ops.fp8.fp8_dense``), None (the recipe of the
+    :func:`te_layers.fp8_recipe` context when called) or False (high precision). With DelayedScaling
+    (argument, or the context at construction) the layer holds ``fp8_index`` (an
+    ``eqx.nn.StateIndex``) and is called as ``y, state = dense(x, state)``. Any Dense called with a
+    state returns ``(y, state)``.
+    """
 
     kernel: jax.Array
     bias: jax.Array | None
+    fp8_index: eqx.nn.StateIndex | None
     activation: str | Callable | None = eqx.field(static=True)
     dtype: Any = eqx.field(static=True)
     param_axes: dict = eqx.field(static=True)
+    fp8: Any = eqx.field(static=True)
 
     def __init__(self, in_features: int, out_features: int, *, use_bias: bool = True,
                  activation: str | Callable | None = None, dtype: Any = None, param_dtype: Any = jnp.float32,
                  kernel_init: Initializer = _lecun, bias_init: Initializer = _zeros, kernel_axes: Axes = None,
-                 bias_axes: Axes = None, key: jax.Array):  # fmt: skip
+                 bias_axes: Axes = None, fp8: Any = None, key: jax.Array):  # fmt: skip
         V.check_dense("Dense", sizes={"in_features": in_features, "out_features": out_features}, use_bias=use_bias,
                       activation_=activation, dtype=dtype, param_dtype=param_dtype, kernel_axes=kernel_axes,
                       bias_axes=bias_axes)  # fmt: skip
+        recipe = F.resolve("Dense", fp8)
+        self.fp8 = fp8
+        delayed = isinstance(recipe, F.DelayedScaling)
+        self.fp8_index = eqx.nn.StateIndex(F.initial_state_tree(recipe)) if delayed else None
         kk, bk = jax.random.split(key)
         self.kernel = kernel_init(kk, (in_features, out_features), param_dtype)
         self.bias = bias_init(bk, (out_features,), param_dtype) if use_bias else None
@@ -65,9 +86,23 @@ class Dense(eqx.Module):
             bias_axes = (tuple(kernel_axes)[-1],)
         self.param_axes = {"kernel": _axes(kernel_axes), "bias": _axes(bias_axes)}
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, state: eqx.nn.State | None = None):
         x = V.dense_input("Dense", x, self.dtype, self.kernel.shape[0])
-        return C.dense_apply(x, self.kernel, self.bias, activation=self.activation, dtype=self.dtype)
+        recipe = F.resolve("Dense", self.fp8)
+        tree = None
+        if isinstance(recipe, F.DelayedScaling):
+            if state is None or self.fp8_index is None:
+                what = "no state was passed" if state is None else "the layer was built without it"
+                raise ValueError(
+                    V.err("Dense", f"fp8 is {recipe!r}, which needs the layer's delayed-scaling state: call "
+                                   "`y, state = dense(x, state)` with the eqx.nn.State of a model built with the same "
+                                   f"recipe (fp8= or inside te_layers.fp8_recipe) by eqx.nn.make_with_state; {what}.")
+                )  # fmt: skip
+            tree = state.get(self.fp8_index)
+            F.check_state_tree("Dense", tree, recipe, "its eqx.nn.State entry (dense.fp8_index)")
+        y = C.dense_apply(x, self.kernel, self.bias, activation=self.activation, dtype=self.dtype, fp8=recipe,
+                          fp8_state=tree)  # fmt: skip
+        return y if state is None else (y, state)
 
 
 class Softmax(eqx.Module):
@@ -125,7 +160,8 @@ class MultiHeadAttention(eqx.Module):
     """Multi-head (GQA) self- or cross-attention with optional fused QKV projection and RoPE.
 
     Call: ``mha(x, inputs_kv=None, *, segment_ids=None, segment_pos=None, seqlens=None, positions=None, bias=None,
-    key=None, inference=None)`` -> ``[B, S, out_features or in_features]``.
+    key=None, inference=None, state=None)`` -> ``[B, S, out_features or in_features]``, or ``(out, state)``
+    when ``state`` (an ``eqx.nn.State``, needed by delayed-scaling ``fp8``) is given.
     """
 
     qkv: Dense | None
@@ -149,7 +185,7 @@ class MultiHeadAttention(eqx.Module):
                  rope_theta: float = 10000.0, dropout_rate: float = 0.0, inference: bool = False,
                  dtype: Any = None, param_dtype: Any = jnp.float32, kernel_init: Initializer = _lecun,
                  bias_init: Initializer = _zeros, kernel_axes: Axes = ("embed", "heads"),
-                 out_kernel_axes: Axes = ("heads", "embed"), key: jax.Array):  # fmt: skip
+                 out_kernel_axes: Axes = ("heads", "embed"), fp8: Any = None, key: jax.Array):  # fmt: skip
         nkv = V.check_mha(
             "MultiHeadAttention", in_features=in_features, num_heads=num_heads, head_dim=head_dim,
             num_kv_heads=num_kv_heads, out_features=out_features, fused_qkv=fused_qkv, use_bias=use_bias,
@@ -158,11 +194,12 @@ class MultiHeadAttention(eqx.Module):
             out_kernel_axes=out_kernel_axes,
         )  # fmt: skip
         V.flag("MultiHeadAttention", "inference", inference)
+        F.check_recipe_arg("MultiHeadAttention", fp8)
         keys = iter(jax.random.split(key, 5))
 
         def proj(fin, n, axes):
             return Dense(fin, n, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init,
-                         bias_init=bias_init, kernel_axes=axes, key=next(keys))  # fmt: skip
+                         bias_init=bias_init, kernel_axes=axes, fp8=fp8, key=next(keys))  # fmt: skip
 
         d = head_dim
         self.qkv = proj(in_features, (num_heads + 2 * nkv) * d, kernel_axes) if fused_qkv else None
@@ -176,7 +213,7 @@ class MultiHeadAttention(eqx.Module):
         self.dropout_rate, self.inference = dropout_rate, inference
 
     def __call__(self, x, inputs_kv=None, *, segment_ids=None, segment_pos=None, seqlens=None, positions=None,
-                 bias=None, key=None, inference: bool | None = None):  # fmt: skip
+                 bias=None, key=None, inference: bool | None = None, state: eqx.nn.State | None = None):  # fmt: skip
         in_features = (self.qkv if self.qkv is not None else self.query).kernel.shape[0]
         x, inputs_kv = V.mha_inputs(
             "MultiHeadAttention", x, inputs_kv, dtype=self.out.dtype, in_features=in_features,
@@ -187,13 +224,21 @@ class MultiHeadAttention(eqx.Module):
         inf = self.inference if inference is None else inference
         nq, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         b, s = x.shape[:2]
+
+        def proj(layer, a):
+            nonlocal state
+            if state is None:
+                return layer(a)
+            y, state = layer(a, state)
+            return y
+
         if self.qkv is not None:
-            q, k, v = C.split_qkv(self.qkv(x), nq, nkv, d)
+            q, k, v = C.split_qkv(proj(self.qkv, x), nq, nkv, d)
         else:
             kv_in = x if inputs_kv is None else inputs_kv
-            q = self.query(x).reshape(b, s, nq, d)
-            k = self.key(kv_in).reshape(b, kv_in.shape[1], nkv, d)
-            v = self.value(kv_in).reshape(b, kv_in.shape[1], nkv, d)
+            q = proj(self.query, x).reshape(b, s, nq, d)
+            k = proj(self.key, kv_in).reshape(b, kv_in.shape[1], nkv, d)
+            v = proj(self.value, kv_in).reshape(b, kv_in.shape[1], nkv, d)
         padded = self.mask_type.startswith("padding")
         o = C.heads_attention(
             q, k, v, use_rope=self.use_rope, rope_theta=self.rope_theta, positions=positions, kv_positions=None,
@@ -202,7 +247,8 @@ class MultiHeadAttention(eqx.Module):
             window_size=self.window_size, dropout_rate=self.dropout_rate,
             rng=_dropout_key("MultiHeadAttention", self.dropout_rate, inf, key), deterministic=inf,
         )  # fmt: skip
-        return self.out(o)
+        out = proj(self.out, o)
+        return out if state is None else (out, state)
 
 
 class MoEAux(NamedTuple):
@@ -253,7 +299,8 @@ class MoEBlock(eqx.Module):
     Parameters: ``router.kernel [H, E]``, ``wi [E, H, 2F]`` (gated) or ``[E, H, F]``, ``wo [E, F, H]``.
     With ``expert_axis`` the experts are sharded over that mesh axis (``mesh`` or the mesh set with
     ``jax.set_mesh``) and tokens exchanged by all-to-all. ``block(x)`` returns
-    ``(out [..., H], MoEAux(aux_loss, tokens_per_expert))``.
+    ``(out [..., H], MoEAux(aux_loss, tokens_per_expert))``. ``fp8``: the experts' recipe
+    (CurrentScaling or BlockScaling), None (the context's) or False.
     """
 
     router: TopKRouter
@@ -263,6 +310,7 @@ class MoEBlock(eqx.Module):
     mesh: Any = eqx.field(static=True)
     dtype: Any = eqx.field(static=True)
     param_axes: dict = eqx.field(static=True)
+    fp8: Any = eqx.field(static=True)
 
     def __init__(self, in_features: int, num_experts: int, topk: int, ffn_dim: int, *, activation: str = "silu",
                  gated: bool = True, aux_loss_coeff: float = 1e-2, expert_axis: str | None = None, mesh: Any = None,
@@ -270,7 +318,7 @@ class MoEBlock(eqx.Module):
                  router_param_dtype: Any = jnp.float32, kernel_init: Initializer = _expert_init,
                  router_kernel_init: Initializer = _lecun, router_kernel_axes: Axes = ("embed", None),
                  wi_axes: Axes = ("expert", "embed", "mlp"), wo_axes: Axes = ("expert", "mlp", "embed"),
-                 key: jax.Array, **router_options):  # fmt: skip
+                 fp8: Any = None, key: jax.Array, **router_options):  # fmt: skip
         rc = C.router_config("MoEBlock", num_experts, topk, dict(router_options, aux_loss_coeff=aux_loss_coeff))
         cfg = C.MoEConfig(rc, ffn_dim, activation, gated, expert_axis, grouped_gemm)
         V.check_moe_params(
@@ -278,6 +326,8 @@ class MoEBlock(eqx.Module):
             dtype=dtype, param_dtype=param_dtype, router_param_dtype=router_param_dtype,
             router_kernel_axes=router_kernel_axes, wi_axes=wi_axes, wo_axes=wo_axes,
         )  # fmt: skip
+        F.check_recipe_arg("MoEBlock", fp8)
+        self.fp8 = fp8
         rk, ik, ok = jax.random.split(key, 3)  # (checked above, so errors name MoEBlock, not TopKRouter)
         self.router = TopKRouter(in_features, num_experts, topk, param_dtype=router_param_dtype,
                                  kernel_init=router_kernel_init, kernel_axes=router_kernel_axes, key=rk,
@@ -292,7 +342,8 @@ class MoEBlock(eqx.Module):
     def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEAux]:
         x = V.token_input("MoEBlock", x, self.dtype, self.wi.shape[1])
         bias = None if self.router.expert_bias is None else jax.lax.stop_gradient(self.router.expert_bias)
-        r = C.moe_apply(x, self.router.kernel, self.wi, self.wo, self.cfg, bias, dtype=self.dtype, mesh=self.mesh)
+        r = C.moe_apply(x, self.router.kernel, self.wi, self.wo, self.cfg, bias, dtype=self.dtype, mesh=self.mesh,
+                        fp8=F.resolve("MoEBlock", self.fp8, grouped=True))
         return r.out, MoEAux(r.aux_loss, r.tokens_per_expert)
 
     def update_expert_bias(self, tokens_per_expert: jax.Array) -> MoEBlock:
@@ -340,5 +391,8 @@ __all__ = [
     "RMSNorm",
     "Softmax",
     "TopKRouter",
+    "fp8_accumulate",
+    "fp8_update",
+    "fp8_value_and_grad",
     "logical_axes",
 ]

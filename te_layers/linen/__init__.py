@@ -8,6 +8,12 @@ losses are sown into the ``"intermediates"`` collection under ``"aux_loss"`` (su
 :func:`collect_aux_loss`); the aux-loss-free expert bias lives in the ``"router_state"`` collection
 and is updated when that collection is mutable and ``deterministic=False``.
 
+FP8: ``Dense``, the ``MultiHeadAttention`` projections and the ``MoEBlock`` experts take ``fp8=`` (a
+``te_ops.fp8`` recipe, None = the :func:`te_layers.fp8_recipe` context, False = high precision).
+Delayed scaling keeps each Dense's state in the ``"fp8_state"`` collection; the training step
+differentiates with respect to it and keeps the "gradient" as the next state
+(:func:`fp8_value_and_grad`, :func:`fp8_update`, :func:`fp8_accumulate` in ``te_layers.linen.fp8``).
+
 Configuration is checked when a module is constructed (``__post_init__``) and inputs when it is called,
 with the same messages as the NNX and Equinox modules (``te_layers.<Layer>: ...``).
 """
@@ -22,7 +28,9 @@ import jax
 import jax.numpy as jnp
 
 from te_layers import _common as C
+from te_layers import _fp8 as F
 from te_layers import _validation as V
+from te_layers.linen.fp8 import FP8_COLLECTION, fp8_accumulate, fp8_update, fp8_value_and_grad
 from te_layers.linen.norm import LayerNorm, RMSNorm
 
 Initializer = Callable[..., jax.Array]
@@ -62,7 +70,12 @@ def _dropout_key(mod: nn.Module, layer: str, stream: str, deterministic: bool) -
 
 
 class Dense(nn.Module):
-    """``activation(x @ kernel + bias)`` on ``te_ops.dense``: kernel ``[in, features]``, bias ``[features]``."""
+    """``activation(x @ kernel + bias)`` on ``te_ops.dense``: kernel ``[in, features]``, bias ``[features]``.
+
+    ``fp8``: a ``te_ops.fp8`` recipe (the GEMM is ``te_ops.fp8.fp8_dense``), None (the recipe of the
+    :func:`te_layers.fp8_recipe` context, if any) or False (high precision). With DelayedScaling the
+    state lives in ``"fp8_state"``/``x``, ``w``, ``g`` (created by ``init`` under the same recipe).
+    """
 
     features: int
     use_bias: bool = True
@@ -73,11 +86,13 @@ class Dense(nn.Module):
     bias_init: Initializer = nn.initializers.zeros_init()
     kernel_axes: Axes = None
     bias_axes: Axes = None
+    fp8: Any = None
 
     def __post_init__(self):
         V.check_dense("Dense", sizes={"features": self.features}, use_bias=self.use_bias,
                       activation_=self.activation, dtype=self.dtype, param_dtype=self.param_dtype,
                       kernel_axes=self.kernel_axes, bias_axes=self.bias_axes)  # fmt: skip
+        F.check_recipe_arg("Dense", self.fp8)
         super().__post_init__()
 
     @nn.compact
@@ -90,7 +105,22 @@ class Dense(nn.Module):
             b_axes = self.bias_axes if self.bias_axes is not None else (
                 None if self.kernel_axes is None else (tuple(self.kernel_axes)[-1],))
             bias = _param(self, "bias", self.bias_init, (self.features,), self.param_dtype, b_axes)
-        return C.dense_apply(x, kernel, bias, activation=self.activation, dtype=self.dtype)
+        recipe = F.resolve("Dense", self.fp8)
+        state = _fp8_state(self, recipe)
+        return C.dense_apply(x, kernel, bias, activation=self.activation, dtype=self.dtype, fp8=recipe,
+                             fp8_state=state)  # fmt: skip
+
+
+def _fp8_state(mod: nn.Module, recipe):
+    """The Dense's delayed-scaling state tree from the ``"fp8_state"`` collection (created by init)."""
+    if not isinstance(recipe, F.DelayedScaling):
+        return None
+    if not mod.is_initializing() and not all(mod.has_variable(FP8_COLLECTION, r) for r in F.ROLES):
+        F.check_state_tree(type(mod).__name__, None, recipe, f"the {FP8_COLLECTION!r} collection passed to apply")
+    fresh = F.initial_state_tree(recipe)
+    tree = {r: mod.variable(FP8_COLLECTION, r, lambda r=r: fresh[r]).value for r in F.ROLES}
+    F.check_state_tree(type(mod).__name__, tree, recipe, f"the {FP8_COLLECTION!r} collection")
+    return tree
 
 
 class Softmax(nn.Module):
@@ -162,9 +192,11 @@ class MultiHeadAttention(nn.Module):
     bias_init: Initializer = nn.initializers.zeros_init()
     kernel_axes: Axes = ("embed", "heads")
     out_kernel_axes: Axes = ("heads", "embed")
+    fp8: Any = None
 
     def __post_init__(self):
         self._check()
+        F.check_recipe_arg("MultiHeadAttention", self.fp8)
         super().__post_init__()
 
     def _check(self) -> int:
@@ -189,7 +221,7 @@ class MultiHeadAttention(nn.Module):
         )  # fmt: skip
         proj = lambda n, name: Dense(  # noqa: E731
             n, use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype, kernel_init=self.kernel_init,
-            bias_init=self.bias_init, kernel_axes=self.kernel_axes, name=name)  # fmt: skip
+            bias_init=self.bias_init, kernel_axes=self.kernel_axes, fp8=self.fp8, name=name)  # fmt: skip
         b, s = x.shape[:2]
         if self.fused_qkv:
             q, k, v = C.split_qkv(proj((nq + 2 * nkv) * d, "qkv")(x), nq, nkv, d)
@@ -208,7 +240,8 @@ class MultiHeadAttention(nn.Module):
         )  # fmt: skip
         return Dense(
             self.out_features or x.shape[-1], use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype,
-            kernel_init=self.kernel_init, bias_init=self.bias_init, kernel_axes=self.out_kernel_axes, name="out",
+            kernel_init=self.kernel_init, bias_init=self.bias_init, kernel_axes=self.out_kernel_axes, fp8=self.fp8,
+            name="out",
         )(o)  # fmt: skip
 
 
@@ -300,7 +333,9 @@ class MoEBlock(nn.Module):
     ``[E, H, F]``, ``wo [E, F, H]``. With ``expert_axis`` the experts are sharded over that mesh axis
     (``mesh`` or the mesh set with ``jax.set_mesh``) and tokens exchanged by all-to-all. Returns the
     output ``[..., H]``; the aux loss is sown into ``"intermediates"``/``"aux_loss"`` and the
-    tokens per expert into ``"intermediates"``/``"tokens_per_expert"``.
+    tokens per expert into ``"intermediates"``/``"tokens_per_expert"``. ``fp8``: the experts' recipe
+    (CurrentScaling or BlockScaling; ``te_ops.fp8.fp8_grouped_dense`` has no delayed scaling), None
+    (the context's) or False; the router, dispatch and combine stay in high precision.
     """
 
     num_experts: int
@@ -327,9 +362,11 @@ class MoEBlock(nn.Module):
     router_kernel_axes: Axes = ("embed", None)
     wi_axes: Axes = ("expert", "embed", "mlp")
     wo_axes: Axes = ("expert", "mlp", "embed")
+    fp8: Any = None
 
     def __post_init__(self):
         self._config()
+        F.check_recipe_arg("MoEBlock", self.fp8)
         V.check_moe_params(
             "MoEBlock", num_experts=self.num_experts, expert_axis=self.expert_axis, mesh=self.mesh, dtype=self.dtype,
             param_dtype=self.param_dtype, router_param_dtype=self.router_param_dtype,
@@ -353,8 +390,8 @@ class MoEBlock(nn.Module):
         wi = _param(self, "wi", self.kernel_init, (self.num_experts, hdim, f2), self.param_dtype, self.wi_axes)
         wo = _param(self, "wo", self.kernel_init, (self.num_experts, self.ffn_dim, hdim), self.param_dtype,
                     self.wo_axes)  # fmt: skip
-        r = C.moe_apply(x, rkernel, wi, wo, cfg, bias, dtype=self.dtype,
-                        mesh=self.mesh)  # fmt: skip
+        r = C.moe_apply(x, rkernel, wi, wo, cfg, bias, dtype=self.dtype, mesh=self.mesh,
+                        fp8=F.resolve("MoEBlock", self.fp8, grouped=True))  # fmt: skip
         self.sow("intermediates", "aux_loss", r.aux_loss)
         self.sow("intermediates", "tokens_per_expert", r.tokens_per_expert)
         router.update(r.tokens_per_expert, self.expert_bias_update_rate, deterministic)
@@ -372,6 +409,7 @@ def collect_aux_loss(intermediates: Any) -> jax.Array:
 
 
 __all__ = [
+    "FP8_COLLECTION",
     "Dense",
     "DotProductAttention",
     "LayerNorm",
@@ -381,4 +419,7 @@ __all__ = [
     "Softmax",
     "TopKRouter",
     "collect_aux_loss",
+    "fp8_accumulate",
+    "fp8_update",
+    "fp8_value_and_grad",
 ]

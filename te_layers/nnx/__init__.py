@@ -12,6 +12,11 @@ dropout keys from a forked ``rngs.dropout`` stream, ``deterministic`` as an attr
 aux-loss-free expert bias is an :class:`ExpertBias` variable (not an ``nnx.Param``, so optimisers
 skip it) updated in place on training calls.
 
+FP8: ``Dense``, the ``MultiHeadAttention`` projections and the ``MoEBlock`` experts take ``fp8=`` (a
+``te_ops.fp8`` recipe, None = the :func:`te_layers.fp8_recipe` context, False = high precision).
+A Dense built with DelayedScaling holds an :class:`FP8State` variable, updated by
+:func:`fp8_value_and_grad` (``te_layers.nnx.fp8``).
+
 Configuration is checked in ``__init__`` and inputs when a module is called, with the same messages as
 the Linen and Equinox modules (``te_layers.<Layer>: ...``).
 """
@@ -26,7 +31,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from te_layers import _common as C
+from te_layers import _fp8 as F
 from te_layers import _validation as V
+from te_layers.nnx.fp8 import FP8State, fp8_accumulate, fp8_value_and_grad
 from te_layers.nnx.norm import LayerNorm, RMSNorm
 
 Initializer = Callable[..., jax.Array]
@@ -65,15 +72,24 @@ def _dropout_stream(rngs: nnx.Rngs | None, rate: float):
 
 
 class Dense(nnx.Module):
-    """``activation(x @ kernel + bias)`` on ``te_ops.dense``: kernel ``[in_features, out_features]``."""
+    """``activation(x @ kernel + bias)`` on ``te_ops.dense``: kernel ``[in_features, out_features]``.
+
+    ``fp8``: a ``te_ops.fp8`` recipe (the GEMM is ``te_ops.fp8.fp8_dense``), None (the recipe of the
+    :func:`te_layers.fp8_recipe` context when called) or False (high precision). With DelayedScaling
+    (argument, or the context at construction) the layer holds ``fp8_state``, an :class:`FP8State`.
+    """
 
     def __init__(self, in_features: int, out_features: int, *, use_bias: bool = True,
                  activation: str | Callable | None = None, dtype: Any = None, param_dtype: Any = jnp.float32,
                  kernel_init: Initializer = _lecun, bias_init: Initializer = _zeros, kernel_axes: Axes = None,
-                 bias_axes: Axes = None, rngs: nnx.Rngs):  # fmt: skip
+                 bias_axes: Axes = None, fp8: Any = None, rngs: nnx.Rngs):  # fmt: skip
         V.check_dense("Dense", sizes={"in_features": in_features, "out_features": out_features}, use_bias=use_bias,
                       activation_=activation, dtype=dtype, param_dtype=param_dtype, kernel_axes=kernel_axes,
                       bias_axes=bias_axes)  # fmt: skip
+        recipe = F.resolve("Dense", fp8)
+        self.fp8 = nnx.static(fp8)
+        delayed = isinstance(recipe, F.DelayedScaling)
+        self.fp8_state = FP8State(F.initial_state_tree(recipe)) if delayed else nnx.data(None)
         self.in_features, self.out_features = in_features, out_features
         self.activation, self.dtype = activation, dtype
         self.kernel = _param(rngs, kernel_init, (in_features, out_features), param_dtype, kernel_axes)
@@ -84,7 +100,13 @@ class Dense(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         x = V.dense_input("Dense", x, self.dtype, self.in_features)
         bias = None if self.bias is None else self.bias[...]
-        return C.dense_apply(x, self.kernel[...], bias, activation=self.activation, dtype=self.dtype)
+        recipe = F.resolve("Dense", self.fp8)
+        state = None
+        if isinstance(recipe, F.DelayedScaling):
+            state = None if self.fp8_state is None else self.fp8_state.get_value()
+            F.check_state_tree("Dense", state, recipe, "its FP8State variable (dense.fp8_state)")
+        return C.dense_apply(x, self.kernel[...], bias, activation=self.activation, dtype=self.dtype, fp8=recipe,
+                             fp8_state=state)  # fmt: skip
 
 
 class Softmax(nnx.Module):
@@ -152,7 +174,7 @@ class MultiHeadAttention(nnx.Module):
                  rope_theta: float = 10000.0, dropout_rate: float = 0.0, deterministic: bool = False,
                  dtype: Any = None, param_dtype: Any = jnp.float32, kernel_init: Initializer = _lecun,
                  bias_init: Initializer = _zeros, kernel_axes: Axes = ("embed", "heads"),
-                 out_kernel_axes: Axes = ("heads", "embed"), rngs: nnx.Rngs):  # fmt: skip
+                 out_kernel_axes: Axes = ("heads", "embed"), fp8: Any = None, rngs: nnx.Rngs):  # fmt: skip
         nkv = V.check_mha(
             "MultiHeadAttention", in_features=in_features, num_heads=num_heads, head_dim=head_dim,
             num_kv_heads=num_kv_heads, out_features=out_features, fused_qkv=fused_qkv, use_bias=use_bias,
@@ -161,6 +183,7 @@ class MultiHeadAttention(nnx.Module):
             out_kernel_axes=out_kernel_axes,
         )  # fmt: skip
         V.flag("MultiHeadAttention", "deterministic", deterministic)
+        F.check_recipe_arg("MultiHeadAttention", fp8)
         self.in_features, self.dtype = in_features, dtype
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, nkv, head_dim
         self.fused_qkv, self.mask_type, self.window_size = fused_qkv, mask_type, window_size
@@ -169,7 +192,7 @@ class MultiHeadAttention(nnx.Module):
 
         def proj(fin, n, axes):
             return Dense(fin, n, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init,
-                         bias_init=bias_init, kernel_axes=axes, rngs=rngs)  # fmt: skip
+                         bias_init=bias_init, kernel_axes=axes, fp8=fp8, rngs=rngs)  # fmt: skip
 
         d = head_dim
         if fused_qkv:
@@ -263,7 +286,8 @@ class MoEBlock(nnx.Module):
     Parameters: ``router.kernel [H, E]``, ``wi [E, H, 2F]`` (gated) or ``[E, H, F]``, ``wo [E, F, H]``.
     With ``expert_axis`` the experts are sharded over that mesh axis (``mesh`` or the mesh set with
     ``jax.set_mesh``) and tokens exchanged by all-to-all. Returns ``[..., H]``; the aux loss is sown
-    as :class:`AuxLoss` and the token counts as :class:`TokensPerExpert`.
+    as :class:`AuxLoss` and the token counts as :class:`TokensPerExpert`. ``fp8``: the experts'
+    recipe (CurrentScaling or BlockScaling), None (the context's) or False.
     """
 
     def __init__(self, in_features: int, num_experts: int, topk: int, ffn_dim: int, *, activation: str = "silu",
@@ -272,7 +296,7 @@ class MoEBlock(nnx.Module):
                  router_param_dtype: Any = jnp.float32, kernel_init: Initializer = _expert_init,
                  router_kernel_init: Initializer = _lecun, router_kernel_axes: Axes = ("embed", None),
                  wi_axes: Axes = ("expert", "embed", "mlp"), wo_axes: Axes = ("expert", "mlp", "embed"),
-                 deterministic: bool = False, rngs: nnx.Rngs, **router_options):  # fmt: skip
+                 deterministic: bool = False, fp8: Any = None, rngs: nnx.Rngs, **router_options):  # fmt: skip
         rc = C.router_config("MoEBlock", num_experts, topk, dict(router_options, aux_loss_coeff=aux_loss_coeff))
         self.cfg = nnx.static(C.MoEConfig(rc, ffn_dim, activation, gated, expert_axis, grouped_gemm))
         V.check_moe_params(
@@ -281,6 +305,8 @@ class MoEBlock(nnx.Module):
             router_kernel_axes=router_kernel_axes, wi_axes=wi_axes, wo_axes=wo_axes,
         )  # fmt: skip
         self.mesh = nnx.static(mesh)
+        F.check_recipe_arg("MoEBlock", fp8)
+        self.fp8 = nnx.static(fp8)
         self.in_features, self.dtype = in_features, dtype
         self.deterministic = V.flag("MoEBlock", "deterministic", deterministic)
         self.router = _RouterParams(in_features, num_experts, rc.use_expert_bias, router_param_dtype,
@@ -293,7 +319,8 @@ class MoEBlock(nnx.Module):
         x = V.token_input("MoEBlock", x, self.dtype, self.in_features)
         det = self.deterministic if deterministic is None else deterministic
         r = C.moe_apply(x, self.router.kernel[...], self.wi[...], self.wo[...], self.cfg, self.router.bias_value(),
-                        dtype=self.dtype, mesh=self.mesh)  # fmt: skip
+                        dtype=self.dtype, mesh=self.mesh,
+                        fp8=F.resolve("MoEBlock", self.fp8, grouped=True))  # fmt: skip
         self.sow(AuxLoss, "aux_loss", r.aux_loss)
         self.sow(TokensPerExpert, "tokens_per_expert", r.tokens_per_expert)
         self.router.update(self.cfg.router, r.tokens_per_expert, det)
@@ -317,6 +344,7 @@ __all__ = [
     "Dense",
     "DotProductAttention",
     "ExpertBias",
+    "FP8State",
     "LayerNorm",
     "MoEBlock",
     "MultiHeadAttention",
@@ -325,4 +353,6 @@ __all__ = [
     "TokensPerExpert",
     "TopKRouter",
     "collect_aux_loss",
+    "fp8_accumulate",
+    "fp8_value_and_grad",
 ]

@@ -1,0 +1,219 @@
+"""FP8 recipes in te_layers: the ``fp8=`` argument, the :func:`fp8_recipe` context, and the
+delayed-scaling state shared by the Linen, NNX and Equinox modules (framework-free).
+
+Which recipe a layer runs with is decided when the layer is called (traced): the layer's own
+``fp8=`` argument when it is a recipe, else the innermost :func:`fp8_recipe` context, else none
+(high precision). ``fp8=False`` keeps a layer in high precision even inside a context.
+
+Delayed scaling needs per-layer state (amax histories and scales of the layer's activation,
+kernel and output gradient). ``te_ops.fp8.fp8_dense`` returns the updated state as the
+*cotangent* of its ``state`` argument, so each framework differentiates its loss with respect to
+the state as well as the parameters and keeps that "gradient" as the next state (never handing it
+to an optimizer). The state of one Dense is stored, in every framework, as the plain dict::
+
+    {"x": {"amax_history": f32[L], "scale": f32[]}, "w": {...}, "g": {...}}
+
+(:func:`initial_state_tree`), which checkpoints like any other array tree.
+
+Two rules about the update (:func:`updated_tree`, :func:`accumulate_trees`):
+
+* A layer that took no part in the backward pass (its output did not reach the loss) gets a zero
+  cotangent; its state is kept, not zeroed (an updated state always has a scale > 0).
+* A layer's state must be used once per differentiated function: if the same state is used twice
+  (one layer called twice, or a scan that broadcasts the state over microbatches), JAX *sums* the
+  two cotangents, which is not a state. Run one ``value_and_grad`` per microbatch instead and combine
+  the updates with :func:`accumulate_trees`: every update of one starting state differs from the
+  others only in the amax just recorded (index 0 of the history) and the scale that follows from it,
+  so the combination (one step that saw every microbatch: the max of their amaxes) is, for each
+  tensor, the update with the largest recorded amax.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from te_layers._validation import err
+from te_ops.fp8 import BlockScaling, CurrentScaling, DelayedScaling, DenseScalingState, initial_dense_state
+from te_ops.fp8.reference import DelayedScalingState
+
+RECIPES = (CurrentScaling, DelayedScaling, BlockScaling)
+ROLES = ("x", "w", "g")
+STATE_COLLECTION = "fp8_state"  # the Linen variable collection
+
+_CONTEXT: contextvars.ContextVar[Any] = contextvars.ContextVar("te_layers_fp8_recipe", default=None)
+
+
+def _desc(v: Any) -> str:
+    return f"{v!r:.100} ({type(v).__name__})"
+
+
+def check_recipe_arg(layer: str, fp8: Any, name: str = "fp8") -> None:
+    """``fp8`` must be None (use the context), False (high precision) or a te_ops.fp8 recipe."""
+    if fp8 is None or fp8 is False or isinstance(fp8, RECIPES):
+        return
+    raise TypeError(
+        err(layer, f"{name} must be None (use the te_layers.fp8_recipe context), False (high precision) or a "
+                   f"te_ops.fp8 CurrentScaling, DelayedScaling or BlockScaling recipe, got {_desc(fp8)}.")
+    )  # fmt: skip
+
+
+@contextlib.contextmanager
+def fp8_recipe(recipe: CurrentScaling | DelayedScaling | BlockScaling | None) -> Iterator[Any]:
+    """Run every te_layers FP8-capable GEMM (Dense, the MultiHeadAttention projections, the MoEBlock
+    experts) inside the block with ``recipe``, unless a layer says otherwise with its own ``fp8=``.
+
+    Read when a layer is called (traced): wrap the ``init``/``apply`` (Linen), the construction and
+    the calls (NNX, Equinox: delayed scaling needs the state created at construction) or the jitted
+    step's body. Contexts nest; ``fp8_recipe(None)`` turns FP8 off inside an outer context.
+
+    Args:
+      recipe: a ``te_ops.fp8`` ``CurrentScaling``, ``DelayedScaling`` or ``BlockScaling``, or None.
+
+    Example::
+
+        with te_layers.fp8_recipe(te_ops.fp8.CurrentScaling()):
+            y = model.apply(variables, x)
+    """
+    if recipe is not None and not isinstance(recipe, RECIPES):
+        raise TypeError(
+            "te_layers.fp8_recipe: recipe must be None or a te_ops.fp8 CurrentScaling, DelayedScaling or "
+            f"BlockScaling, got {_desc(recipe)}."
+        )
+    token = _CONTEXT.set(recipe)
+    try:
+        yield recipe
+    finally:
+        _CONTEXT.reset(token)
+
+
+def current_fp8_recipe() -> CurrentScaling | DelayedScaling | BlockScaling | None:
+    """The recipe of the innermost :func:`fp8_recipe` context (None outside any)."""
+    return _CONTEXT.get()
+
+
+def resolve(layer: str, fp8: Any, *, grouped: bool = False, name: str = "fp8"):
+    """The recipe a layer runs with: its own ``fp8`` (a recipe; False = none), else the context's.
+
+    ``grouped``: the layer's GEMMs are ``te_ops.fp8.fp8_grouped_dense`` (MoE experts), which takes
+    CurrentScaling or BlockScaling with 1 x 128 / 128 x 128 blocks; anything else is refused here
+    with a message naming the argument or the context it came from. Dense GEMMs need square
+    BlockScaling weight blocks (the input gradient reuses them transposed).
+    """
+    check_recipe_arg(layer, fp8, name)
+    if fp8 is False:
+        return None
+    recipe = fp8 if fp8 is not None else _CONTEXT.get()
+    if recipe is None:
+        return None
+    source = f"{name}=" if fp8 is not None else "the te_layers.fp8_recipe context's recipe"
+    if grouped:
+        blocks = (getattr(recipe, "act_block", None), getattr(recipe, "weight_block", None))
+        block_ok = isinstance(recipe, BlockScaling) and blocks == ((1, 128), (128, 128))
+        if not (isinstance(recipe, CurrentScaling) or block_ok):
+            raise ValueError(
+                err(layer, f"{name} (the experts' recipe) must be CurrentScaling, or BlockScaling with act_block "
+                           "(1, 128) and weight_block (128, 128): te_ops.fp8.fp8_grouped_dense has no delayed scaling "
+                           f"or other blocks; got {recipe!r} from {source}. Pass {name}=CurrentScaling() or "
+                           f"BlockScaling() (or {name}=False for high precision) to this layer.")
+            )  # fmt: skip
+    elif isinstance(recipe, BlockScaling) and recipe.weight_block[0] != recipe.weight_block[1]:
+        raise ValueError(
+            err(layer, f"{name}: BlockScaling.weight_block must be square for a Dense GEMM (its input gradient reuses "
+                       f"the blocks transposed), got {recipe.weight_block} from {source}.")
+        )  # fmt: skip
+    return recipe
+
+
+# ----------------------------------------------------------------------------------------------
+# Delayed-scaling state as a plain dict tree
+# ----------------------------------------------------------------------------------------------
+
+
+def initial_state_tree(recipe: DelayedScaling) -> dict:
+    """Fresh state of one Dense GEMM (all-zero amax histories, scales 1) as a dict tree."""
+    return to_tree(initial_dense_state(recipe))
+
+
+def to_tree(state: DenseScalingState) -> dict:
+    return {r: {"amax_history": getattr(state, r).amax_history, "scale": getattr(state, r).scale} for r in ROLES}
+
+
+def from_tree(tree: dict) -> DenseScalingState:
+    return DenseScalingState(*(DelayedScalingState(tree[r]["amax_history"], tree[r]["scale"]) for r in ROLES))
+
+
+def check_state_tree(layer: str, tree: Any, recipe: DelayedScaling, where: str) -> None:
+    """A clear error when a layer's stored state does not fit ``recipe`` (missing or another history_len)."""
+    ok = isinstance(tree, dict) and set(tree) == set(ROLES)
+    if ok:
+        for r in ROLES:
+            t = tree[r]
+            ok = ok and isinstance(t, dict) and set(t) == {"amax_history", "scale"}
+            ok = ok and jnp.shape(t["amax_history"]) == (recipe.history_len,) and jnp.shape(t["scale"]) == ()
+    if not ok:
+        shapes = jax.tree.map(jnp.shape, tree) if tree is not None else None
+        raise ValueError(
+            err(layer, f"fp8 is {recipe!r}, which needs this layer's delayed-scaling state in {where} "
+                       f"({{'x', 'w', 'g'}} each with amax_history [{recipe.history_len}] and a scalar scale), got "
+                       f"{shapes!r:.200}. Create the layer (Linen: init) with the same recipe, by fp8= or inside "
+                       "te_layers.fp8_recipe(...).")
+        )  # fmt: skip
+
+
+def _is_tensor_state(node: Any) -> bool:
+    return isinstance(node, dict) and set(node) == {"amax_history", "scale"}
+
+
+def _keep_unused(old: dict, new: dict) -> dict:
+    used = jnp.asarray(new["scale"]) > 0  # an updated scale is always > 0; 0 = no backward pass reached it
+    return {k: jnp.where(used, jnp.asarray(new[k], jnp.float32), jnp.asarray(old[k], jnp.float32)) for k in old}
+
+
+def updated_tree(old: Any, cotangent: Any) -> Any:
+    """The next delayed-scaling state from the cotangent of the state (what ``value_and_grad`` with
+    respect to the state returned): the cotangent itself, except for tensors whose scale cotangent is
+    0 (their layer was not in the backward pass), which keep ``old``. Works on any tree holding the
+    per-tensor ``{"amax_history", "scale"}`` dicts (a whole collection / nnx.State / eqx State)."""
+    return jax.tree.map(
+        lambda o, c: _keep_unused(o, c) if _is_tensor_state(o) else c, old, cotangent, is_leaf=_is_tensor_state
+    )
+
+
+def _pick_larger(a: dict, b: dict) -> dict:
+    take_b = jnp.asarray(b["amax_history"])[0] > jnp.asarray(a["amax_history"])[0]
+    return {k: jnp.where(take_b, b[k], a[k]) for k in a}
+
+
+def accumulate_trees(first: Any, *others: Any) -> Any:
+    """Combine updated states that started from the same state (one per microbatch) into the state
+    after one step that saw every microbatch: per tensor, the update whose recorded amax (index 0 of
+    the history) is largest, i.e. the max of the microbatches' amaxes, never their sum."""
+    out = first
+    for o in others:
+        out = jax.tree.map(
+            lambda a, b: _pick_larger(a, b) if _is_tensor_state(a) else b, out, o, is_leaf=_is_tensor_state
+        )
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# The GEMMs
+# ----------------------------------------------------------------------------------------------
+
+
+def fp8_dense_apply(x, kernel, bias, recipe, *, activation=None, state_tree=None):
+    """``activation(x @ kernel + bias)`` through ``te_ops.fp8.fp8_dense`` (x, kernel, bias already in
+    the compute dtype); the activation is fused where fp8_dense takes it, else applied after."""
+    from te_layers._common import FUSED_ACTIVATIONS, activation_fn
+    from te_ops.fp8 import fp8_dense
+
+    state = from_tree(state_tree) if isinstance(recipe, DelayedScaling) else None
+    fused = activation is None or (isinstance(activation, str) and activation in FUSED_ACTIVATIONS)
+    y = fp8_dense(x, kernel, recipe, bias=bias, state=state, activation=activation if fused else None)
+    return y if fused else activation_fn(activation)(y)
