@@ -457,3 +457,137 @@ def test_three_front_ends_agree_with_fp8():
                 jax.tree.map(lambda a, b, p=path: assert_close(a, b, err_msg=f"nnx state {p}"), got_n, want)
                 jax.tree.map(lambda a, b, p=path: assert_close(a, b, err_msg=f"eqx state {p}"), got_e, want)
                 assert float(want["g"]["amax_history"][step]) > 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Context vs argument
+# ----------------------------------------------------------------------------------------------
+
+
+def _linen_dense(x, params, **kw):
+    return te_linen.Dense(KOUT, **kw).apply({"params": params}, x)
+
+
+def test_context_and_argument():
+    params, x = _dense_params(), _x(8)
+    cur, blk = RECIPES["current"], RECIPES["block"]
+    with_cur = fp8_dense(x, params["kernel"], cur, bias=params["bias"])
+    with_blk = fp8_dense(x, params["kernel"], blk, bias=params["bias"])
+    hp = _linen_dense(x, params)
+    assert te_layers.current_fp8_recipe() is None
+    with te_layers.fp8_recipe(cur):
+        assert te_layers.current_fp8_recipe() == cur
+        _exact(_linen_dense(x, params), with_cur, "context")
+        _exact(_linen_dense(x, params, fp8=blk), with_blk, "the argument wins over the context")
+        _exact(_linen_dense(x, params, fp8=False), hp, "fp8=False: high precision inside a context")
+        with te_layers.fp8_recipe(None):
+            _exact(_linen_dense(x, params), hp, "fp8_recipe(None) turns FP8 off")
+        _exact(_linen_dense(x, params), with_cur, "the outer context is back")
+    assert te_layers.current_fp8_recipe() is None
+    assert float(jnp.max(jnp.abs(hp - with_cur))) > 1e-3
+
+
+def test_context_is_read_at_call_time_nnx_eqx():
+    """NNX/Equinox modules built outside a context run in FP8 when called inside one (current
+    scaling needs no state); and a jitted function traced inside the context keeps its recipe."""
+    params, x = _dense_params(), _x(9)
+    cur = RECIPES["current"]
+    want = fp8_dense(x, params["kernel"], cur, bias=params["bias"])
+    nm = A.load_nnx(te_nnx.Dense(KIN, KOUT, rngs=nnx.Rngs(0)), params)
+    em = A.load_eqx(te_eqx.Dense(KIN, KOUT, key=jax.random.key(0)), params)
+    hp = nm(x)
+    with te_layers.fp8_recipe(cur):
+        _exact(nm(x), want, "nnx")
+        _exact(em(x), want, "eqx")
+    _exact(nm(x), hp, "nnx outside the context")
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors name the argument, the expected and the received value
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_bad_fp8_argument(framework):
+    def build(layer, bad):
+        if framework == "linen":
+            args = {"Dense": (8,), "MultiHeadAttention": (2, 8), "MoEBlock": (4, 2, 16)}[layer]
+            return getattr(te_linen, layer)(*args, fp8=bad)
+        args = {"Dense": (A.H, 8), "MultiHeadAttention": (A.H, 2, 8), "MoEBlock": (A.H, 4, 2, 16)}[layer]
+        extra = {"rngs": nnx.Rngs(0)} if framework == "nnx" else {"key": jax.random.key(0)}
+        mod = te_nnx if framework == "nnx" else te_eqx
+        return getattr(mod, layer)(*args, fp8=bad, **extra)
+
+    for layer in ("Dense", "MultiHeadAttention", "MoEBlock"):
+        for bad in ("current", True, 1):
+            with pytest.raises(TypeError, match=rf"te_layers.{layer}: fp8 must be None .*CurrentScaling.*got {bad!r}"):
+                build(layer, bad)
+
+
+def test_context_rejects_non_recipe():
+    with pytest.raises(TypeError, match=r"fp8_recipe: recipe must be None or a te_ops.fp8 .*got 'block' \(str\)"):
+        with te_layers.fp8_recipe("block"):
+            pass
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_moe_refuses_delayed_scaling(framework):
+    """fp8_grouped_dense has no delayed scaling: MoEBlock says so, naming fp8 (or the context)."""
+    x = _x(11, (A.B, A.S, A.H))
+
+    def call(fp8):
+        if framework == "linen":
+            m = te_linen.MoEBlock(A.E, A.K, A.F, fp8=fp8)
+            return m.init(jax.random.key(0), x)
+        if framework == "nnx":
+            return te_nnx.MoEBlock(A.H, A.E, A.K, A.F, fp8=fp8, rngs=nnx.Rngs(0))(x)
+        return te_eqx.MoEBlock(A.H, A.E, A.K, A.F, fp8=fp8, key=jax.random.key(0))(x)
+
+    with pytest.raises(ValueError, match=r"MoEBlock: fp8 \(the experts' recipe\) must be CurrentScaling.*"
+                                         r"got DelayedScaling\(.*\) from fp8="):  # fmt: skip
+        call(DelayedScaling())
+    with pytest.raises(ValueError, match=r"got BlockScaling\(.*act_block=\(1, 16\).* from fp8="):
+        call(RECIPES["block"])
+    with te_layers.fp8_recipe(DelayedScaling()):
+        with pytest.raises(ValueError, match=r"from the te_layers.fp8_recipe context's recipe\. Pass fp8="):
+            call(None)
+        call(CurrentScaling())  # its own fp8= wins over the context
+
+
+def test_dense_refuses_non_square_weight_blocks():
+    bad = BlockScaling(weight_block=(128, 64))
+    with pytest.raises(ValueError, match=r"Dense: fp8: BlockScaling.weight_block must be square.*got \(128, 64\)"):
+        te_linen.Dense(8, fp8=bad).init(jax.random.key(0), _x(0))
+
+
+def test_delayed_state_missing_or_mismatched():
+    x = _x(12)
+    r = RECIPES["delayed"]
+    m = te_linen.Dense(KOUT, fp8=r)
+    params = m.init(jax.random.key(0), x)["params"]
+    with pytest.raises(ValueError, match=r"Dense: fp8 is DelayedScaling\(.*\), which needs .*'fp8_state' collection"):
+        m.apply({"params": params}, x)
+    v = te_linen.Dense(KOUT, fp8=DelayedScaling(history_len=8)).init(jax.random.key(0), x)
+    with pytest.raises(ValueError, match=r"amax_history \[4\] and a scalar scale\), got .*8"):
+        m.apply(v, x)
+    # NNX: built without delayed scaling, called inside a delayed context
+    nm = te_nnx.Dense(KIN, KOUT, rngs=nnx.Rngs(0))
+    with te_layers.fp8_recipe(r), pytest.raises(ValueError, match=r"FP8State variable \(dense.fp8_state\) .*got None"):
+        nm(x)
+    # Equinox: no state passed
+    em, state = eqx.nn.make_with_state(te_eqx.Dense)(KIN, KOUT, fp8=r, key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"y, state = dense\(x, state\).*no state was passed"):
+        em(x)
+    y, state2 = em(x, state)
+    assert state2 is state and y.shape == (2, 8, KOUT)
+
+
+def test_helpers_reject_wrong_arguments():
+    with pytest.raises(TypeError, match=r"fp8_value_and_grad: the first argument must be the variables dict"):
+        te_linen.fp8_value_and_grad(lambda v: 0.0)([1, 2])
+    with pytest.raises(TypeError, match=r"must be the nnx.Module to differentiate, got dict"):
+        te_nnx.fp8_value_and_grad(lambda m: 0.0)({})
+    with pytest.raises(TypeError, match=r"second argument must be the eqx.nn.State .* got dict"):
+        te_eqx.fp8_value_and_grad(lambda m, s: 0.0)(None, {})
+    with pytest.raises(ValueError, match=r"needs at least one"):
+        te_linen.fp8_accumulate()
