@@ -170,9 +170,16 @@ def _is_tensor_state(node: Any) -> bool:
     return isinstance(node, dict) and set(node) == {"amax_history", "scale"}
 
 
+def _select(cond, a, b):
+    """``where(cond, a, b)`` with ``cond`` shaped like the scale (leading axes of stacked states, e.g.
+    under ``nn.scan``) broadcast over the history axis."""
+    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    return jnp.where(jnp.reshape(cond, cond.shape + (1,) * (a.ndim - cond.ndim)), a, b)
+
+
 def _keep_unused(old: dict, new: dict) -> dict:
     used = jnp.asarray(new["scale"]) > 0  # an updated scale is always > 0; 0 = no backward pass reached it
-    return {k: jnp.where(used, jnp.asarray(new[k], jnp.float32), jnp.asarray(old[k], jnp.float32)) for k in old}
+    return {k: _select(used, new[k], old[k]) for k in old}
 
 
 def updated_tree(old: Any, cotangent: Any) -> Any:
@@ -186,8 +193,8 @@ def updated_tree(old: Any, cotangent: Any) -> Any:
 
 
 def _pick_larger(a: dict, b: dict) -> dict:
-    take_b = jnp.asarray(b["amax_history"])[0] > jnp.asarray(a["amax_history"])[0]
-    return {k: jnp.where(take_b, b[k], a[k]) for k in a}
+    take_b = jnp.asarray(b["amax_history"])[..., 0] > jnp.asarray(a["amax_history"])[..., 0]
+    return {k: _select(take_b, b[k], a[k]) for k in a}
 
 
 def accumulate_trees(first: Any, *others: Any) -> Any:

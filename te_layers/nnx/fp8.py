@@ -54,7 +54,7 @@ def fp8_value_and_grad(fn: Callable, *, wrt: Any = nnx.Param, has_aux: bool = Fa
             )
         diff = nnx.DiffState(0, nnx.Any(wrt, FP8State))
         value, grads = nnx.value_and_grad(fn, argnums=diff, has_aux=has_aux)(model, *args, **kwargs)
-        param_grads, fp8_grads = grads.filter(wrt, FP8State)
+        param_grads, fp8_grads = nnx.filter_state(grads, wrt, FP8State)
         old = nnx.state(model, FP8State)
         if jax.tree.leaves(old):
             nnx.update(model, F.updated_tree(old, fp8_grads))
