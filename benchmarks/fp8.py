@@ -114,21 +114,23 @@ def main():
             ),  # fmt: skip
             "cast": jax.jit(lambda x: (x.astype(jnp.float8_e4m3fn), x.T.astype(jnp.float8_e4m3fn))),
         }
-        # the same kernel with 8 warps (compiled now, while the setting is 8; jit keeps that executable)
-        f8w = jax.jit(lambda x: tri.dual_quantize(x, 128, fp8.E4M3, power_of_2=True, trans_wide=False))
-        old_w, tri.QUANT_TILE_WARPS = tri.QUANT_TILE_WARPS, 8
+        # the persistent kernel with loads pipelined across tiles (compiled now, while the setting is on;
+        # jit keeps that executable)
+        fper = jax.jit(lambda x: tri.dual_quantize(x, 128, fp8.E4M3, power_of_2=True, trans_wide=False))
+        old_st, tri.DUAL_PERSISTENT_STAGES = tri.DUAL_PERSISTENT_STAGES, 2
         try:
-            jax.block_until_ready(f8w(sets[0][0]))
+            jax.block_until_ready(fper(sets[0][0]))
         finally:
-            tri.QUANT_TILE_WARPS = old_w
-        fns["triton (8 warps)"] = f8w
+            tri.DUAL_PERSISTENT_STAGES = old_st
+        fns["triton (persistent, 2 load stages)"] = fper
         times, _ = _timing.time_interleaved(fns, sets)
-        rows.append({"case": f"dual 1x128 (x and x^T), 8 warps (default {old_w})", "shape": f"{r}x{c}",
-                     "block": "1x128 + 128x1", "dtype": "bfloat16", "ours_ms": times["triton (8 warps)"],
+        tp = times["triton (persistent, 2 load stages)"]
+        rows.append({"case": "dual 1x128 (x and x^T), persistent, 2 load stages", "shape": f"{r}x{c}",
+                     "block": "1x128 + 128x1", "dtype": "bfloat16", "ours_ms": tp,
                      "xla_ms": times["xla"], "cast_ms": times["cast"],
-                     "ours_TBps": moved / times["triton (8 warps)"] / 1e9, "xla_TBps": moved / times["xla"] / 1e9,
-                     "speedup": times["xla"] / times["triton (8 warps)"], "bytes_equal_to_xla": None,
-                     "meets_target": False})  # fmt: skip
+                     "ours_TBps": moved / tp / 1e9, "xla_TBps": moved / times["xla"] / 1e9,
+                     "speedup": times["xla"] / tp, "bytes_equal_to_xla": None,
+                     "meets_target": moved / tp / 1e9 >= TARGET_TBPS})  # fmt: skip
         tw = times["triton (transpose the input tile)"]
         rows.append({"case": "dual 1x128 (x and x^T), input tile transposed", "shape": f"{r}x{c}",
                      "block": "1x128 + 128x1", "dtype": "bfloat16", "ours_ms": tw, "xla_ms": times["xla"],

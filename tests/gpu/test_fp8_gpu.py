@@ -76,13 +76,16 @@ def test_block_quantize_matches_reference_bytes(i):
 
 
 @needs_triton
-@pytest.mark.parametrize("wide,square", [(False, False), (True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("wide,square,stages", [(False, False, 0), (True, False, 0), (False, True, 0), (True, True, 0),
+                                                 (False, False, 2), (False, True, 2)])  # fmt: skip
 @pytest.mark.parametrize("shape,block", [((130, 200), 64), ((4096, 7168), 128), ((7168, 4096), 128)])
-def test_dual_quantize_matches_reference_bytes(shape, block, wide, square):
+def test_dual_quantize_matches_reference_bytes(shape, block, wide, square, stages, monkeypatch):
     """Row tiles of x and row tiles (or square blocks) of x^T from one read, each equal to the
-    reference of its own (both ways of transposing in the kernel)."""
+    reference of its own (both ways of transposing in the kernel; one program per tile and the
+    persistent kernel with pipelined loads)."""
     from te_ops.fp8 import triton as tri
 
+    monkeypatch.setattr(tri, "DUAL_PERSISTENT_STAGES", stages)
     x = _x(7, shape, jnp.bfloat16)
     tb = (block, block) if square else (1, block)
     with native.poisoned_outputs():

@@ -419,7 +419,11 @@ def _kernel_main() -> int:
         ok = True
         wide = bool(i % 2)  # both ways of transposing (the input tile or the FP8 bytes)
         sq = i >= 2  # x^T in 1 x block tiles or in block x block blocks
-        q, qt = tri.dual_quantize(x, block, fmt, power_of_2=pow2, trans_wide=wide, t_square=sq)
+        tri.DUAL_PERSISTENT_STAGES = 2 if i in (0, 3) else 0  # the persistent kernel, few programs
+        try:
+            q, qt = tri.dual_quantize(x, block, fmt, power_of_2=pow2, trans_wide=wide, t_square=sq)
+        finally:
+            tri.DUAL_PERSISTENT_STAGES = 0
         for got, want in ((q, ref.quantize_blocks(x, (1, block), fmt, power_of_2=pow2)),
                           (qt, ref.quantize_blocks(x.T, (block, block) if sq else (1, block), fmt,
                                                    power_of_2=pow2))):  # fmt: skip
@@ -430,6 +434,7 @@ def _kernel_main() -> int:
             ok = ok and np.array_equal(np.asarray(got.scale_inv), np.asarray(want.scale_inv))
         verdict = "ok" if ok else "MISMATCH"
         name = f"{shape} {jnp.dtype(dtype).name} 1x{block} {jnp.dtype(fmt).name} wide={wide} square={sq}"
+        name += " persistent" * (i in (0, 3))
         print(f"dual case {i} {name}: {verdict}")
         failures += not ok
     # the block-scaled GEMM: 1 x 128 activations @ (128 x 128 weights)^T, K and N with partial blocks
