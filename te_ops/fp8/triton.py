@@ -419,8 +419,9 @@ def _sharded_grouped_gemm(out_dtype, num_programs, config, partition):
 # multiple of 16, N a multiple of 8 (16-byte TMA rows), 128 x 128 tiles. "triton": always the Triton
 # kernel (GROUPED_GEMM_CONFIG). Timed side by side in benchmarks/fp8.py.
 GROUPED_GEMM_KERNEL = "gluon"
-# (STAGES, GROUP_M, producer registers, maxnreg) of the Gluon kernel
-GLUON_GEMM_CONFIG = (4, 8, 32, 168)  # 24 producer registers spill
+# (STAGES, GROUP_M, producer registers, maxnreg, split) of the Gluon kernel; split: the two consumer
+# warpgroups as two partitions on the tile's two 64-row halves (gluon_kernels.py says why)
+GLUON_GEMM_CONFIG = (4, 8, 32, 168, False)  # 24 producer registers spill
 
 
 def gluon_gemm_unavailable_reason(k: int | None = None, n: int | None = None, out_dtype=None) -> str | None:
@@ -450,11 +451,16 @@ def _gluon_grouped_gemm(a, sa_t, b, sb, gs, out_dtype, num_programs, gcfg, bias=
 
     m, k = a.shape
     g, n, _ = b.shape
-    stages, group_m, producer_regs, maxnreg = gcfg
+    stages, group_m, producer_regs, maxnreg, *split = gcfg
+    split = bool(split and split[0])
     bm = bn = 128
     grid = num_programs or max(1, min(gd.num_sms(), (-(-m // bm) + g + 1) * -(-n // bn)))
+    if split:  # the two consumer warpgroups as separate partitions (one 4-warp default + one 4-warp worker)
+        kernel, warps, extra = _gk().grouped_block_scaled_gemm_split_kernel, 4, {"CONSUMER_REGS": 256 - producer_regs}
+    else:
+        kernel, warps, extra = _gk().grouped_block_scaled_gemm_ws_kernel, 8, {"NUM_WARPS": 8}
     return tb.triton_call(
-        _gk().grouped_block_scaled_gemm_ws_kernel,
+        kernel,
         a,
         sa_t,
         b,
@@ -476,10 +482,10 @@ def _gluon_grouped_gemm(a, sa_t, b, sb, gs, out_dtype, num_programs, gcfg, bias=
             GROUP_M=group_m,
             BLOCK_G=max(16, 1 << max(0, (g - 1).bit_length())),
             HAS_BIAS=bias is not None,
-            NUM_WARPS=8,
             PRODUCER_REGS=producer_regs,
+            **extra,
         ),  # fmt: skip
-        num_warps=8,
+        num_warps=warps,
         num_stages=1,
         maxnreg=maxnreg,
         scratch_bytes_per_program=gd.TMA_SCRATCH_BYTES,
@@ -493,7 +499,7 @@ def _grouped_gemm_local(a, sa, b, sb, gs, out_dtype, num_programs, config, bias=
     m, k = a.shape
     g, n, _ = b.shape
     gcfg = GLUON_GEMM_CONFIG
-    if config[0] == "gluon":  # ("gluon", STAGES, GROUP_M, producer regs, maxnreg): this Gluon configuration
+    if config[0] == "gluon":  # ("gluon", *GLUON_GEMM_CONFIG's fields): this Gluon configuration
         kernel, gcfg, config = "gluon", tuple(config[1:]), GROUPED_GEMM_CONFIG
     kernel = kernel or _kernel_choice()[1]
     if m > 0 and n > 0 and kernel == "gluon" and gluon_gemm_unavailable_reason(k, n, out_dtype) is None:
