@@ -3,7 +3,7 @@
 
 from te_ops.fp8.api import dact_dbias_quantize, dequantize, initial_state, quantize
 from te_ops.fp8.dense import DenseScalingState, fp8_dense, initial_dense_state
-from te_ops.fp8.grouped import fp8_grouped_dense
+from te_ops.fp8.grouped import fp8_grouped_dense, initial_grouped_state
 from te_ops.fp8.recipes import E4M3, E5M2, BlockScaling, CurrentScaling, DelayedScaling, format_max
 from te_ops.fp8.reference import DelayedScalingState, QuantizedTensor
 
@@ -22,6 +22,7 @@ __all__ = [
     "fp8_grouped_dense",
     "format_max",
     "initial_dense_state",
+    "initial_grouped_state",
     "initial_state",
     "quantize",
 ]

@@ -20,6 +20,14 @@ forward pass (the FP8 copy is the residual, not x) and dy^T from dy, both from t
 tensor. With current scaling every operand has one scale (the kernels one per expert), and the
 transposed copies are the exact FP8 transposes. Every GEMM multiplies dequantized operands and sums
 in float32.
+
+Delayed scaling (``state=``, a :class:`~te_ops.fp8.DenseScalingState` from
+:func:`initial_grouped_state`): x and dy have one delayed scale each, the kernels one per expert
+(``state.w``: amax_history ``[G, history_len]``, scale ``[G]``), each quantized and recorded with
+:func:`te_ops.fp8.reference.quantize_delayed`'s rules; the updated state is the cotangent of
+``state``, as in ``fp8_dense``. Per expert because experts are trained on different tokens and
+their weight norms drift apart: one scale for all would be set by the largest expert and waste the
+range of the others (current scaling's per-expert kernel scales, for the same reason).
 """
 
 from __future__ import annotations
@@ -31,8 +39,9 @@ import jax.numpy as jnp
 
 from te_ops._core.validation import check_float, check_int_array, err, static_choice
 from te_ops.fp8 import reference as ref
-from te_ops.fp8.recipes import BlockScaling, CurrentScaling
-from te_ops.fp8.reference import QuantizedTensor
+from te_ops.fp8.dense import DenseScalingState
+from te_ops.fp8.recipes import BlockScaling, CurrentScaling, DelayedScaling
+from te_ops.fp8.reference import DelayedScalingState, QuantizedTensor
 from te_ops.fp8.select import resolve, staged
 from te_ops.grouped_dense import reference as gd_ref
 
@@ -85,6 +94,23 @@ def _wgrad_reference(qx_t: QuantizedTensor, qdy_t: QuantizedTensor, group_sizes,
     return dk.astype(out_dtype)
 
 
+def _gemms(implementation):
+    """(gemm, wgrad) of an implementation: the grouped block-scaled Triton kernels (per-tensor and
+    per-expert scales repeated per block by :func:`_as_blocks`) or the float32 reference."""
+    if implementation != "triton":
+        return _grouped_reference, _wgrad_reference
+    from te_ops.fp8 import triton as tri
+
+    def gemm(qa, qb_t, gs, dtype):
+        return tri.grouped_block_scaled_gemm(_as_blocks(qa, (1, 128)), _as_blocks(qb_t, (128, 128)), gs, dtype)
+
+    def wgrad(qx_t, qdy_t, gs, g, dtype):
+        qx_t, qdy_t = _as_blocks(qx_t, (1, 128)), _as_blocks(qdy_t, (128, 128))
+        return tri.grouped_block_scaled_wgrad(qx_t, qdy_t, gs, g, dtype)
+
+    return gemm, wgrad
+
+
 def _ops(recipe, implementation):
     """(quant_x, quant_w_t, quant_dy, gemm, wgrad) of an implementation.
 
@@ -124,13 +150,6 @@ def _ops(recipe, implementation):
             def quant_dy(dy):  # one read: 1 x 128 tiles of dy and 128 x 128 blocks of dy^T
                 return tri.dual_quantize(dy, 128, fg, power_of_2=p2, t_square=True)
 
-        def gemm(qa, qb_t, gs, dtype):
-            return tri.grouped_block_scaled_gemm(_as_blocks(qa, (1, 128)), _as_blocks(qb_t, (128, 128)), gs, dtype)
-
-        def wgrad(qx_t, qdy_t, gs, g, dtype):
-            qx_t, qdy_t = _as_blocks(qx_t, (1, 128)), _as_blocks(qdy_t, (128, 128))
-            return tri.grouped_block_scaled_wgrad(qx_t, qdy_t, gs, g, dtype)
-
     else:
 
         def q_ref(a, fmt, block):
@@ -153,9 +172,7 @@ def _ops(recipe, implementation):
             q = q_ref(dy, fg, (1, 128))
             return q, (_t2(q) if current else q_ref(dy.T, fg, (128, 128)))
 
-        gemm = _grouped_reference
-        wgrad = _wgrad_reference
-
+    gemm, wgrad = _gemms(implementation)
     return quant_x, quant_w_t, quant_dy, gemm, wgrad
 
 
@@ -193,8 +210,124 @@ def _bwd_impl(recipe, implementation, res, dy):
 _fp8_grouped.defvjp(_fwd, _bwd)
 
 
+# ----------------------------------------------------------------------------------------------
+# Delayed scaling: x, the kernels (one state per expert) and dy; updates out through the cotangent
+# ----------------------------------------------------------------------------------------------
+
+
+def initial_grouped_state(recipe: DelayedScaling, num_groups: int) -> DenseScalingState:
+    """Fresh delayed-scaling states for ``fp8_grouped_dense`` with ``num_groups`` experts.
+
+    The same three-role pytree as :func:`~te_ops.fp8.initial_dense_state` (``x``, ``w``, ``g``):
+    ``x`` and ``g`` one state each (amax_history ``[history_len]``, scalar scale), ``w`` one state
+    per expert (amax_history ``[num_groups, history_len]``, scale ``[num_groups]``). All-zero
+    histories and scales 1, so the first step quantizes with scale 1."""
+    if not isinstance(recipe, DelayedScaling):
+        raise TypeError(
+            err("initial_grouped_state", f"recipe must be a te_ops.fp8.DelayedScaling, got {recipe!r:.80}.")
+        )
+    if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 1:
+        raise ValueError(
+            err("initial_grouped_state", f"num_groups must be an int >= 1 (the G of kernels [G, K, N]), got "
+                                         f"{num_groups!r}.")
+        )  # fmt: skip
+    one = ref.initial_state(recipe)
+    w = DelayedScalingState(jnp.zeros((num_groups, recipe.history_len), F32), jnp.ones((num_groups,), F32))
+    return DenseScalingState(one, w, ref.initial_state(recipe))
+
+
+def _quant_delayed(a, st: DelayedScalingState, recipe: DelayedScaling, role: str, implementation: str,
+                   batched: bool = False):  # fmt: skip
+    """``a`` quantized with ``st.scale`` and the state after recording its amax
+    (:func:`te_ops.fp8.reference.quantize_delayed`). ``batched``: one state per slice of ``a``'s
+    leading axis (the experts). The Triton path casts with our per-tensor cast kernel, which takes a
+    device-side scale and returns the amax from the same read (current scaling's cast kernel); the
+    state update is the reference's."""
+    fmt = recipe.format(role)
+    dtype = jnp.dtype(a.dtype)
+    if implementation == "triton":
+        from te_ops.fp8 import triton as tri
+
+        if not batched:
+            q, a_amax, sinv = tri.tensor_cast(a, st.scale, fmt, with_amax=True)
+            return QuantizedTensor(q, sinv, None, dtype), ref.update_delayed_state(st, recipe, fmt, a_amax)
+        g = a.shape[0]
+        if g == 1:  # the batched kernel takes B > 1; one expert is one tensor
+            q, a_amax, sinv = tri.tensor_cast(a, st.scale[0], fmt, with_amax=True)
+            a_amax, sinv = jnp.reshape(a_amax, (1,)), jnp.reshape(sinv, (1,))
+        else:
+            q, a_amax, sinv = tri.tensor_cast(a, st.scale, fmt, with_amax=True, batch=g)
+        new = jax.vmap(lambda s, m: ref.update_delayed_state(s, recipe, fmt, m))(st, a_amax)
+        return QuantizedTensor(q, sinv, None, dtype), new
+    if not batched:
+        return ref.quantize_delayed(a, st, recipe, fmt)
+    return jax.vmap(lambda a, s: ref.quantize_delayed(a, s, recipe, fmt))(a, st)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _fp8_grouped_delayed(x, kernels, group_sizes, state, recipe, implementation):
+    return _dfwd(x, kernels, group_sizes, state, recipe, implementation)[0]
+
+
+def _dfwd(x, kernels, group_sizes, state, recipe, implementation):
+    fwd = staged(lambda name: lambda x, k, gs, st: _dfwd_impl(x, k, gs, st, recipe, name), implementation)
+    return fwd(x, kernels, group_sizes, state)
+
+
+def _dbwd(recipe, implementation, res, dy):
+    return staged(lambda name: functools.partial(_dbwd_impl, recipe, name), implementation)(res, dy)
+
+
+def _dfwd_impl(x, kernels, group_sizes, state, recipe, implementation):
+    qx, st_x = _quant_delayed(x, state.x, recipe, "x", implementation)  # amax over all M rows
+    qw, st_w = _quant_delayed(kernels, state.w, recipe, "w", implementation, batched=True)
+    qw_t = _t_blocks(qw)  # one scale per expert: the exact FP8 transpose
+    gemm, _ = _gemms(implementation)
+    y = gemm(qx, qw_t, group_sizes, x.dtype)
+    return y, (_t2(qx), qw_t, group_sizes, st_x, st_w, state.g, jnp.zeros((), kernels.dtype))
+
+
+def _dbwd_impl(recipe, implementation, res, dy):
+    qx_t, qw_t, group_sizes, st_x, st_w, st_g, w_proto = res
+    qdy, st_g = _quant_delayed(dy, st_g, recipe, "g", implementation)  # amax over all M rows
+    gemm, wgrad = _gemms(implementation)
+    dx = gemm(qdy, _t_blocks(qw_t), group_sizes, dy.dtype)
+    dk = wgrad(qx_t, _t2(qdy), group_sizes, qw_t.data.shape[0], w_proto.dtype)
+    return dx, dk, None, DenseScalingState(st_x, st_w, st_g)
+
+
+_fp8_grouped_delayed.defvjp(_dfwd, _dbwd)
+
+
+def _check_grouped_state(recipe: DelayedScaling, state, g: int) -> None:
+    fix = f"te_ops.fp8.initial_grouped_state(recipe, num_groups={g})"
+    if not isinstance(state, DenseScalingState):
+        raise TypeError(
+            err(OP, f"DelayedScaling needs state=DenseScalingState with one kernel state per expert ({fix}), got "
+                    f"{state!r:.80}.")
+        )  # fmt: skip
+    h = recipe.history_len
+    want = {"x": ((h,), ()), "w": ((g, h), (g,)), "g": ((h,), ())}
+    for name, (w_hist, w_scale) in want.items():
+        st = getattr(state, name)
+        hist, sc = jnp.shape(st.amax_history), jnp.shape(st.scale)
+        if (hist, sc) != (w_hist, w_scale):
+            per = " (one per expert of kernels [G, K, N])" if name == "w" else ""
+            raise ValueError(
+                err(OP, f"state.{name} must hold amax_history {list(w_hist)} and scale {list(w_scale)}{per} "
+                        f"(recipe.history_len={h}, G={g}), got amax_history {list(hist)} and scale {list(sc)}. "
+                        f"Create it with {fix}.")
+            )  # fmt: skip
+
+
 def fp8_grouped_dense(
-    x, kernels, group_sizes, recipe: BlockScaling | CurrentScaling | None = None, *, implementation=None
+    x,
+    kernels,
+    group_sizes,
+    recipe: BlockScaling | CurrentScaling | DelayedScaling | None = None,
+    *,
+    state: DenseScalingState | None = None,
+    implementation=None,
 ):
     """Grouped GEMM (MoE experts) with FP8 forward and input-gradient GEMMs.
 
@@ -209,7 +342,17 @@ def fp8_grouped_dense(
       recipe: :class:`~te_ops.fp8.BlockScaling` with act_block (1, 128) and weight_block (128, 128)
         (default: ``BlockScaling()``), or :class:`~te_ops.fp8.CurrentScaling`: one scale for x (its
         amax over all M rows, rows past the groups included), one for dy, and one per expert for
-        the kernels.
+        the kernels; or :class:`~te_ops.fp8.DelayedScaling` (with ``state``): one delayed scale
+        for x and one for dy (amaxes over all M rows, as with current scaling), one per expert for
+        the kernels. ``fast_accumulation`` has no effect here (the block-scaled kernels promote to
+        float32 every 128 of K).
+      state: with DelayedScaling (required), a :class:`~te_ops.fp8.DenseScalingState` from
+        :func:`initial_grouped_state` (``state.w`` per expert: amax_history [G, history_len],
+        scale [G]); else None. The updated state comes back as the **cotangent of** ``state``,
+        exactly as with :func:`~te_ops.fp8.fp8_dense`: differentiate with respect to ``state`` too
+        and keep that "gradient" as the next state (never give it to an optimizer). x and the
+        kernels are recorded in the forward pass, dy in the backward; a forward-only call updates
+        nothing.
       implementation: None (the Triton path on a CUDA GPU with FP8 tensor cores, staged with
         ``jax.lax.platform_dependent``; the reference elsewhere), "reference" (pure JAX) or
         "triton" (CUDA GPU: our quantize
@@ -224,11 +367,15 @@ def fp8_grouped_dense(
     kernels = check_float(OP, "kernels", kernels, DTYPES, rank=3, layout="[G, K, N]")
     group_sizes = check_int_array(OP, "group_sizes", group_sizes, shape=(kernels.shape[0],))
     block_ok = isinstance(recipe, BlockScaling) and recipe.act_block == (1, 128) and recipe.weight_block == (128, 128)
-    if not (block_ok or isinstance(recipe, CurrentScaling)):
+    if not (block_ok or isinstance(recipe, (CurrentScaling, DelayedScaling))):
         raise ValueError(
-            err(OP, "recipe must be CurrentScaling, or BlockScaling with act_block (1, 128) and weight_block "
-                    f"(128, 128), got {recipe!r}.")
+            err(OP, "recipe must be CurrentScaling, DelayedScaling, or BlockScaling with act_block (1, 128) and "
+                    f"weight_block (128, 128), got {recipe!r}.")
         )  # fmt: skip
+    if isinstance(recipe, DelayedScaling):
+        _check_grouped_state(recipe, state, kernels.shape[0])
+    elif state is not None:
+        raise ValueError(err(OP, f"state is only for DelayedScaling; {type(recipe).__name__} takes state=None."))
     if x.shape[1] != kernels.shape[1]:
         raise ValueError(err(OP, f"x's K = {x.shape[1]} must match kernels' K = {kernels.shape[1]} ([G, K, N])."))
     if x.dtype != kernels.dtype:
@@ -240,7 +387,10 @@ def fp8_grouped_dense(
             raise ValueError(err(OP, f"implementation='triton' cannot take this call: {why}."))
     if implementation is None and _triton_unsupported(x.shape[0], kernels.shape[0]):
         implementation = "reference"
-    return _fp8_grouped(x, kernels, group_sizes.astype(jnp.int32), recipe, resolve(implementation))
+    group_sizes = group_sizes.astype(jnp.int32)
+    if isinstance(recipe, DelayedScaling):
+        return _fp8_grouped_delayed(x, kernels, group_sizes, state, recipe, resolve(implementation))
+    return _fp8_grouped(x, kernels, group_sizes, recipe, resolve(implementation))
 
 
 def _triton_unsupported(m: int, g: int) -> str | None:

@@ -322,6 +322,41 @@ def test_fp8_grouped_dense_triton_path_matches_reference(recipe):
         np.testing.assert_allclose(a32, b32, rtol=0, atol=1e-2 * float(np.max(np.abs(b32))), err_msg=name)
 
 
+@needs_triton
+def test_fp8_grouped_dense_delayed_triton_path_matches_reference():
+    """Delayed-scaling MoE experts over two steps: the per-tensor cast kernel with the state's scales
+    (x, dy; one batched launch for the kernels, one scale per expert) and the grouped block-scaled
+    GEMM / wgrad kernels, vs the reference path on the CPU; the state updates too (amax histories
+    exact, the next scales within 1 ulp: XLA's float32 division on the GPU)."""
+    rng = np.random.default_rng(10)
+    m, k, n, g = 4096, 1024, 2048, 8
+    rec = fp8.DelayedScaling(history_len=4)
+    sizes = np.floor(rng.dirichlet(np.full(g, 0.7)) * m * 0.95).astype(np.int32)
+    sizes[3] = 0
+    s = jnp.asarray(sizes)
+
+    def fn(x, w, st, s, dy, impl):
+        y, vjp = jax.vjp(lambda x, w, st: fp8.fp8_grouped_dense(x, w, s, rec, state=st, implementation=impl), x, w, st)
+        return (y, *vjp(dy))
+
+    st = fp8.initial_grouped_state(rec, g)
+    for step in range(2):
+        x = jnp.asarray(rng.standard_normal((m, k)) * (1 + step), jnp.bfloat16)
+        w = jnp.asarray(rng.standard_normal((g, k, n)) / 32 * (1 + np.arange(g))[:, None, None], jnp.bfloat16)
+        dy = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
+        got = jax.jit(lambda *a: fn(*a, "triton"))(x, w, st, s, dy)
+        want = on_cpu(lambda *a: fn(*a, "reference"), x, w, st, s, dy)
+        for name, a, b in zip(("y", "dx", "dkernels"), got[:3], want[:3], strict=True):
+            a32, b32 = np.asarray(a, np.float32), np.asarray(b, np.float32)
+            assert not np.isnan(a32).any(), name
+            np.testing.assert_allclose(a32, b32, rtol=0, atol=1e-2 * float(np.max(np.abs(b32))), err_msg=name)
+        for name in ("x", "w", "g"):
+            sa, sb = getattr(got[3], name), getattr(want[3], name)
+            np.testing.assert_array_equal(np.asarray(sa.amax_history), np.asarray(sb.amax_history), err_msg=name)
+            np.testing.assert_allclose(np.asarray(sa.scale), np.asarray(sb.scale), rtol=2.0**-23, atol=0, err_msg=name)
+        st = got[3]
+
+
 def test_reference_rounds_on_the_gpu():
     """The jitted reference quantize -> dequantize must round to FP8 on the GPU as on the CPU (XLA:GPU
     once removed the round trip: te_ops.fp8.reference.cast_scaled)."""

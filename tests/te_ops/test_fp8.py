@@ -898,10 +898,10 @@ def test_fp8_grouped_dense_matches_per_group_numpy(rec):
         ),
         (
             lambda: fp8.fp8_grouped_dense(
-                jnp.ones((4, 8)), jnp.ones((2, 8, 3)), jnp.ones(2, jnp.int32), fp8.DelayedScaling()
+                jnp.ones((4, 8)), jnp.ones((2, 8, 3)), jnp.ones(2, jnp.int32), fp8.BlockScaling(act_block=(1, 64))
             ),
             ValueError,
-            "recipe must be CurrentScaling, or BlockScaling",
+            "recipe must be CurrentScaling, DelayedScaling, or BlockScaling with act_block",
         ),
         (lambda: fp8.fp8_grouped_dense(jnp.ones((4, 8)), jnp.ones((2, 8, 3)), jnp.ones(2)), TypeError, "integer"),
         (

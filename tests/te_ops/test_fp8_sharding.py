@@ -477,3 +477,75 @@ def test_fp8_grouped_dense_triton_backward_column_parallel(triton_on_cpu):
     T.assert_close(out[0], want[0], jnp.bfloat16)
     T.assert_close(out[1], want[1], jnp.bfloat16, scale=2.0)
     assert _nonzero(counts) == {"all-reduce": 1}, counts  # dx summed over the N shards (with the loss)
+
+
+def _scalar_reduce_axes(fn, args, specs, mesh):
+    """The mesh axes of every all-reduce of float32 scalars (the amaxes) in the compiled program."""
+    import re
+
+    shardings = tuple(jax.sharding.NamedSharding(mesh, s) for s in specs)
+    hlo = jax.jit(fn, in_shardings=shardings).lower(*args).compile().as_text()
+    axes = []
+    for line in hlo.splitlines():
+        m = re.match(r"\s*%\S+ = (\(?f32\[\](?:, f32\[\])*\)?) all-reduce\(", line)
+        if m:
+            axes.append(re.search(r"replica_groups=mesh\[[^\]]*\] \{([^}]*)\}", line).group(1))
+    return axes
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_fp8_grouped_dense_delayed_amax_reduced_over_the_row_axis(request, impl):
+    """Delayed-scaling experts with x's rows sharded over mesh axis "a" of an ("a", "b") mesh (the
+    kernels and the state replicated): the recorded amaxes of x and dy and the next scales are
+    bit-identical to the unsharded step's, the gradients agree, and the amaxes are max-reduced over
+    "a" only (one all-reduce of the two scalars). The Triton path gathers the rows for its grouped
+    GEMMs (group boundaries are global); the reference's dW is summed over the row shards."""
+    if impl == "triton":
+        request.getfixturevalue("triton_on_cpu")
+    recipe = fp8.DelayedScaling(history_len=4)
+    mesh = T.cpu_mesh((4, 2), ("a", "b"))
+    x, kernels = _x(30, (1024, 256), jnp.bfloat16), _x(31, (4, 256, 256), jnp.bfloat16) * 0.05
+    gs = jnp.asarray([300, 0, 400, 200], jnp.int32)  # 124 rows past the groups
+    st = fp8.initial_grouped_state(recipe, 4)  # non-trivial scales: 0.5
+    state = fp8.DenseScalingState(*(fp8.DelayedScalingState(s.amax_history, jnp.full_like(s.scale, 0.5))
+                                    for s in (st.x, st.w, st.g)))  # fmt: skip
+
+    def step(x, kernels, state):
+        def loss(x, kernels, state):
+            y = fp8.fp8_grouped_dense(x, kernels, gs, recipe, state=state, implementation=impl)
+            return jnp.sum(y.astype(F32) ** 2)
+
+        return jax.grad(loss, argnums=(0, 1, 2))(x, kernels, state)
+
+    specs = [P("a"), P(), P()]
+    out, want, counts = T.run_sharded(step, [x, kernels, state], specs, None, mesh=mesh)
+    _same_bits(out[2], want[2])
+    assert float(out[2].x.amax_history[0]) == float(jnp.max(jnp.abs(x.astype(F32))))
+    T.assert_close(out[0], want[0], jnp.bfloat16)
+    T.assert_close(out[1], want[1], jnp.bfloat16, scale=2.0)
+    expect = {"all-reduce": 1, "all-gather": 4} if impl == "triton" else {"all-reduce": 2}
+    assert _nonzero(counts) == expect, counts
+    assert _scalar_reduce_axes(step, [x, kernels, state], specs, mesh) == ["'a'"]
+
+
+def test_fp8_grouped_dense_delayed_expert_parallel_triton(triton_on_cpu):
+    """Expert parallel (the rows and the experts on mesh axis "b", two experts per shard): each
+    expert's kernel amax comes from its own shard, x's and dy's are max-reduced over "b"; the state
+    is bit-identical to the unsharded step's."""
+    recipe = fp8.DelayedScaling(history_len=3)
+    mesh = T.cpu_mesh((4, 2), ("a", "b"))
+    x, kernels = _x(32, (1024, 256), jnp.bfloat16), _x(33, (4, 256, 256), jnp.bfloat16) * 0.05
+    gs = jnp.asarray([256, 256, 256, 256], jnp.int32)  # each shard's rows are its experts' rows
+
+    def step(x, kernels, state):
+        def loss(x, kernels, state):
+            y = fp8.fp8_grouped_dense(x, kernels, gs, recipe, state=state, implementation="triton")
+            return jnp.sum(y.astype(F32) ** 2)
+
+        return jax.grad(loss, argnums=(0, 1, 2))(x, kernels, state)
+
+    specs = [P("b"), P("b"), P()]
+    out, want, _ = T.run_sharded(step, [x, kernels, fp8.initial_grouped_state(recipe, 4)], specs, None, mesh=mesh)
+    _same_bits(out[2], want[2])
+    T.assert_close(out[0], want[0], jnp.bfloat16)
+    T.assert_close(out[1], want[1], jnp.bfloat16, scale=2.0)
