@@ -1,6 +1,7 @@
 """Restore a checkpoint written by examples/train_moe.py and sample bytes from it.
 
-Rebuilds the model from ``<checkpoint>/config.json``, restores ``<checkpoint>/params`` with orbax onto
+Rebuilds the model from ``<checkpoint>/config.json`` (its FP8 recipe included), restores
+``<checkpoint>/params`` (and ``fp8_state``, the delayed-scaling state of an ``--fp8 delayed`` run) with orbax onto
 one device (CPU unless ``--platform`` says otherwise, so a checkpoint trained on a GPU, expert-parallel
 or not, samples on a laptop) and extends ``--prompt`` one byte at a time: softmax of the last
 position's logits divided by ``--temperature``, restricted to the ``--top-k`` most likely bytes
@@ -45,7 +46,8 @@ def parse_args(argv=None):
 
 
 def restore(ckpt_dir: str):
-    """``(model, params, meta)`` from a train_moe.py checkpoint directory, params on the default device."""
+    """``(model, variables, meta)`` from a train_moe.py checkpoint directory, on the default device:
+    ``variables`` holds ``"params"`` and, for a delayed-scaling FP8 model, ``"fp8_state"``."""
     import jax
     import jax.numpy as jnp
     import orbax.checkpoint as ocp
@@ -63,15 +65,18 @@ def restore(ckpt_dir: str):
     cfg = dict(meta["model"], dtype=jnp.dtype(meta["model"]["dtype"]))
     model = train_moe.MoELM(cfg)
     dummy = jnp.zeros((1, meta["seq"]), jnp.int32)
-    shapes = jax.eval_shape(lambda: train_moe.nn.meta.unbox(model.init(jax.random.key(0), dummy)["params"]))
+    shapes = jax.eval_shape(lambda: train_moe.nn.meta.unbox(model.init(jax.random.key(0), dummy)))
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), shapes)
+    variables = {}
     with ocp.StandardCheckpointer() as ckptr:
-        params = ckptr.restore(os.path.join(ckpt_dir, "params"), target)
-    return model, params, meta
+        for name in ("params", train_moe.tel.FP8_COLLECTION):
+            if name in shapes:
+                target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), shapes[name])
+                variables[name] = ckptr.restore(os.path.join(ckpt_dir, name), target)
+    return model, variables, meta
 
 
-def generate(model, params, prompt: bytes, n: int, seq: int, temperature: float = 0.8, top_k: int = 40,
+def generate(model, variables, prompt: bytes, n: int, seq: int, temperature: float = 0.8, top_k: int = 40,
              seed: int = 0) -> bytes:  # fmt: skip
     """``n`` bytes continuing ``prompt``, one forward pass over the last ``seq`` bytes per byte."""
     import jax
@@ -79,8 +84,8 @@ def generate(model, params, prompt: bytes, n: int, seq: int, temperature: float 
     import numpy as np
 
     @jax.jit
-    def next_logits(p, window, pos):
-        return model.apply({"params": p}, window)[0, pos]
+    def next_logits(v, window, pos):
+        return model.apply(v, window)[0, pos]
 
     rng = np.random.default_rng(seed)
     ctx = list(prompt)
@@ -88,7 +93,7 @@ def generate(model, params, prompt: bytes, n: int, seq: int, temperature: float 
         tail = ctx[-seq:]
         window = np.zeros((1, seq), np.int32)  # causal: the padding after ``tail`` does not reach it
         window[0, : len(tail)] = tail
-        logits = np.asarray(next_logits(params, jnp.asarray(window), len(tail) - 1), np.float64)
+        logits = np.asarray(next_logits(variables, jnp.asarray(window), len(tail) - 1), np.float64)
         if temperature == 0:
             nxt = int(np.argmax(logits))
         else:
@@ -105,14 +110,14 @@ def main(argv=None) -> bytes:
     args = parse_args(argv)
     if args.platform:
         os.environ["JAX_PLATFORMS"] = args.platform  # before jax is imported
-    model, params, meta = restore(args.checkpoint)
+    model, variables, meta = restore(args.checkpoint)
     import jax
 
     print(f"restored {args.checkpoint} (step {meta['step']}, validation loss {meta['val_loss']:.4f} nats/byte) "
           f"on {jax.devices()[0].platform}", file=sys.stderr)  # fmt: skip
     prompt = args.prompt.encode("utf-8")
     t0 = time.perf_counter()
-    out = generate(model, params, prompt, args.bytes, meta["seq"], args.temperature, args.top_k, args.seed)
+    out = generate(model, variables, prompt, args.bytes, meta["seq"], args.temperature, args.top_k, args.seed)
     dt = time.perf_counter() - t0
     sys.stdout.write((prompt + out).decode("utf-8", errors="replace") + "\n")
     sys.stdout.flush()

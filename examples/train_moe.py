@@ -10,10 +10,21 @@ experts on a grouped GEMM, token_combine). Reports the training loss per step an
 an orbax checkpoint with the model config (restore and sample with examples/sample.py) and
 summary.json into --out.
 
+``--fp8 {none,current,delayed,block}`` runs the GEMMs of the attention projections and the experts in
+FP8 (te_ops.fp8 recipes through the ``te_layers.fp8_recipe`` context; embeddings, router, norms and
+the attention core stay in high precision). ``delayed``: DelayedScaling for the attention projections
+(their amax histories and scales live in the Linen ``"fp8_state"`` collection, carried by the training
+step and checkpointed, never given to the optimizer) and CurrentScaling for the experts, since
+``fp8_grouped_dense`` has no delayed scaling. Checkpoints hold the params, the optimizer state and the
+FP8 state; ``--save-every K`` keeps one every K steps and ``--resume DIR`` continues a run from one,
+reproducing the uninterrupted run's losses.
+
     python examples/train_moe.py                      # default: 1-2 minutes on a 2-core CPU
     python examples/sample.py --prompt "The import statement"
     python examples/train_moe.py --steps 2000 --batch 64 --seq 256 --d-model 512 --layers 8 \
         --heads 8 --kv-heads 2 --experts 16 --topk 2 --ffn 1024 --dtype bfloat16   # GPU
+    python examples/train_moe.py --dtype bfloat16 --fp8 block --save-every 100     # FP8, checkpoints
+    python examples/train_moe.py --steps 300 --resume examples/out/train_moe/checkpoints/step_100
 
 benchmarks/train_moe.py times this model against the same architecture written in plain JAX (cuDNN
 attention with capacity-padded batched-einsum experts, and XLA attention with ``jax.lax.ragged_dot``
@@ -23,6 +34,7 @@ experts), in one process on the same batches.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import math
@@ -42,11 +54,29 @@ import flax.linen as nn  # noqa: E402
 import optax  # noqa: E402
 import python_docs_corpus  # noqa: E402
 
+import te_layers  # noqa: E402
 from te_layers import linen as tel  # noqa: E402
+from te_ops.fp8 import BlockScaling, CurrentScaling, DelayedScaling  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------
 # Model (te_layers)
 # ----------------------------------------------------------------------------------------------
+
+# --fp8: the recipe of the te_layers.fp8_recipe context around the whole model (te_ops.fp8 defaults).
+FP8_RECIPES = {"none": None, "current": CurrentScaling(), "delayed": DelayedScaling(), "block": BlockScaling()}
+
+
+def fp8_context(c: dict):
+    """The ``te_layers.fp8_recipe`` context of ``c["fp8"]`` (a key of FP8_RECIPES); a no-op without FP8, so
+    an outer context (if any) still applies."""
+    recipe = FP8_RECIPES[c.get("fp8") or "none"]
+    return te_layers.fp8_recipe(recipe) if recipe is not None else contextlib.nullcontext()
+
+
+def expert_fp8(c: dict):
+    """The MoEBlock experts' ``fp8=``: None (the context's recipe), except with ``delayed``, which the
+    experts' grouped GEMM (te_ops.fp8.fp8_grouped_dense) does not have: CurrentScaling there."""
+    return CurrentScaling() if c.get("fp8") == "delayed" else None
 
 
 def rms_norm(c: dict, name: str) -> nn.Module:
@@ -75,7 +105,7 @@ class Block(nn.Module):
             h, x = rms_norm(c, "ln2")(a, residual=x)
         return x + tel.MoEBlock(
             c["experts"], c["topk"], c["ffn"], aux_loss_coeff=c["aux_coeff"], dtype=c["dtype"],
-            expert_axis=c.get("expert_axis"), mesh=c.get("mesh"), name="moe",
+            expert_axis=c.get("expert_axis"), mesh=c.get("mesh"), fp8=expert_fp8(c), name="moe",
         )(h, deterministic=deterministic)  # fmt: skip
 
 
@@ -88,8 +118,9 @@ class MoELM(nn.Module):
         c = self.cfg
         embed = nn.Embed(256, c["d_model"], embedding_init=nn.initializers.normal(0.02), name="embed")
         x = embed(tokens).astype(c["dtype"])
-        for i in range(c["layers"]):
-            x = self.block(c, name=f"block{i}")(x, deterministic)
+        with fp8_context(c):  # read when each layer is called: init, training step, evaluation, sampling
+            for i in range(c["layers"]):
+                x = self.block(c, name=f"block{i}")(x, deterministic)
         x = rms_norm(c, "ln_f")(x)
         return embed.attend(x.astype(jnp.float32))  # tied output embedding, fp32 logits
 
@@ -136,15 +167,18 @@ def eval_windows(data: np.ndarray, batch: int, seq: int, max_tokens: int) -> np.
 
 
 def make_eval_fn(model, windows: np.ndarray):
-    """``evaluate(params) -> mean cross-entropy (nats/byte)`` over ``windows``, dropout off, no aux loss."""
+    """``evaluate(params, fp8_state=None) -> mean cross-entropy (nats/byte)`` over ``windows``, dropout off,
+    no aux loss; ``fp8_state``: the ``"fp8_state"`` collection of a delayed-scaling model (read, not updated:
+    no backward pass, so the amax histories do not move)."""
 
     @jax.jit
-    def batch_loss(params, w):
-        logits = model.apply({"params": params}, w[:, :-1])
+    def batch_loss(variables, w):
+        logits = model.apply(variables, w[:, :-1])
         return optax.softmax_cross_entropy_with_integer_labels(logits, w[:, 1:]).mean()
 
-    def evaluate(params):
-        return float(np.mean([float(batch_loss(params, w)) for w in windows]))
+    def evaluate(params, fp8_state=None):
+        variables = {"params": params} if fp8_state is None else {"params": params, tel.FP8_COLLECTION: fp8_state}
+        return float(np.mean([float(batch_loss(variables, w)) for w in windows]))
 
     return evaluate
 
@@ -157,19 +191,39 @@ def make_optimizer(lr: float, steps: int, warmup: int):
     return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, weight_decay=0.01))
 
 
-def make_train_step(model, tx, donate: bool = False):
+def make_train_step(model, tx, donate: bool = False, fp8_state: bool = False):
     """Jitted ``step(params, opt_state, x, y, rng) -> (params, opt_state, ce, aux)``; ``donate`` lets XLA
-    reuse the buffers of the old params and optimizer state (the caller must not touch them again)."""
-    def loss_fn(params, x, y, rng):
-        logits, st = model.apply({"params": params}, x, deterministic=False, mutable=["intermediates"],
+    reuse the buffers of the old params and optimizer state (the caller must not touch them again).
+
+    ``fp8_state=True`` (a model with delayed-scaling FP8 state): ``step(params, fp8_state, opt_state, x, y,
+    rng) -> (params, fp8_state, opt_state, ce, aux)``. ``tel.fp8_value_and_grad`` differentiates the loss
+    with respect to the ``"fp8_state"`` collection as well as the params; the state's "gradient" is the
+    next state (the amaxes of this step pushed into the histories, new scales). Only the params'
+    gradients reach the optimizer: the state never goes through clipping, Adam or weight decay.
+    """
+
+    def loss_fn(variables, x, y, rng):
+        logits, st = model.apply(variables, x, deterministic=False, mutable=["intermediates"],
                                  rngs={"dropout": rng})  # fmt: skip
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
         aux = tel.collect_aux_loss(st.get("intermediates", {}))
         return ce + aux, (ce, aux)
 
+    if fp8_state:
+
+        @functools.partial(jax.jit, donate_argnums=(0, 1, 2) if donate else ())
+        def fp8_step(params, state, opt_state, x, y, rng):
+            variables = {"params": params, tel.FP8_COLLECTION: state}
+            (_, (ce, aux)), grads, new = tel.fp8_value_and_grad(loss_fn, has_aux=True)(variables, x, y, rng)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), new[tel.FP8_COLLECTION], opt_state, ce, aux
+
+        return fp8_step
+
     @functools.partial(jax.jit, donate_argnums=(0, 1) if donate else ())
     def step(params, opt_state, x, y, rng):
-        (_, (ce, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, x, y, rng)
+        grad_fn = jax.value_and_grad(lambda p, *a: loss_fn({"params": p}, *a), has_aux=True)
+        (_, (ce, aux)), grads = grad_fn(params, x, y, rng)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, ce, aux
 
@@ -177,21 +231,38 @@ def make_train_step(model, tx, donate: bool = False):
 
 
 MODEL_KEYS = ("d_model", "layers", "heads", "kv_heads", "experts", "topk", "ffn", "aux_coeff", "dropout", "dtype",
-              "norm")
+              "norm", "fp8")
+MODEL_DEFAULTS = {"norm": "te", "fp8": "none"}  # keys that older checkpoints may lack
 
 
 def model_config(cfg: dict) -> dict:
     """The JSON-serialisable part of ``cfg`` that rebuilds the model (no mesh: restore picks its own)."""
-    return {k: (jnp.dtype(cfg[k]).name if k == "dtype" else cfg.get(k, "te" if k == "norm" else None))
-            for k in MODEL_KEYS}
+    return {k: (jnp.dtype(cfg[k]).name if k == "dtype" else cfg.get(k, MODEL_DEFAULTS.get(k))) for k in MODEL_KEYS}
 
 
-def save_checkpoint(ckpt_dir: str, params, meta: dict) -> str:
-    """Writes ``ckpt_dir/params`` (orbax, plain arrays) and ``ckpt_dir/config.json`` (``meta``); returns ckpt_dir.
+def describe_fp8(name: str) -> str:
+    """The run header's line for ``--fp8 name``: which recipe runs where."""
+    if name == "none":
+        return "fp8 none (every GEMM in the compute dtype)"
+    recipe = FP8_RECIPES[name]
+    if name == "delayed":
+        return (f"fp8 delayed: attention projections {recipe!r} (state in the {tel.FP8_COLLECTION!r} collection), "
+                f"experts {expert_fp8({'fp8': name})!r} (fp8_grouped_dense has no delayed scaling)")  # fmt: skip
+    return f"fp8 {name}: attention projections and experts {recipe!r}"
+
+
+CKPT_TREES = ("params", "opt_state", tel.FP8_COLLECTION)  # orbax sub-directories of a checkpoint
+
+
+def save_checkpoint(ckpt_dir: str, params, meta: dict, opt_state=None, fp8_state=None) -> str:
+    """Writes ``ckpt_dir/params`` (orbax, plain arrays), ``ckpt_dir/opt_state`` and ``ckpt_dir/fp8_state``
+    (when given) and ``ckpt_dir/config.json`` (``meta``); returns ckpt_dir.
 
     Orbax (a dependency of flax) writes each array as a tensorstore file without gathering sharded
     arrays onto one host; the logical-partitioning boxes are removed so the checkpoint is a plain
-    nested dict that examples/sample.py restores onto any device (CPU by default).
+    nested dict that examples/sample.py restores onto any device (CPU by default). The optimizer
+    state and the delayed-scaling FP8 state (amax histories and scales) are what :func:`restore_checkpoint`
+    needs to continue the run exactly where it stopped.
     """
     import shutil
 
@@ -201,23 +272,53 @@ def save_checkpoint(ckpt_dir: str, params, meta: dict) -> str:
     if os.path.exists(ckpt_dir):
         shutil.rmtree(ckpt_dir)
     os.makedirs(ckpt_dir)
+    trees = dict(zip(CKPT_TREES, (params, opt_state, fp8_state), strict=True))
     with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(os.path.join(ckpt_dir, "params"), nn.meta.unbox(params))
+        for name, tree in trees.items():
+            if tree is not None:
+                ckptr.save(os.path.join(ckpt_dir, name), nn.meta.unbox(tree))
         ckptr.wait_until_finished()
     with open(os.path.join(ckpt_dir, "config.json"), "w") as f:
         json.dump(meta, f, indent=2)
     return ckpt_dir
 
 
+def read_checkpoint_meta(ckpt_dir: str) -> dict:
+    path = os.path.join(os.path.abspath(ckpt_dir), "config.json")
+    if not os.path.exists(path):
+        raise SystemExit(f"train_moe: --resume must be a checkpoint directory written by train_moe.py (with "
+                         f"config.json, params/, opt_state/), got {ckpt_dir}")  # fmt: skip
+    with open(path) as f:
+        return json.load(f)
+
+
+def restore_checkpoint(ckpt_dir: str, like: dict) -> dict:
+    """The trees of ``ckpt_dir`` named in ``like`` (``{"params": ..., "opt_state": ..., "fp8_state": ...}``),
+    each restored into the structure, dtypes and shardings of the given tree (e.g. a fresh init)."""
+    import orbax.checkpoint as ocp
+
+    ckpt_dir = os.path.abspath(ckpt_dir)
+    out = {}
+    with ocp.StandardCheckpointer() as ckptr:
+        for name, tree in like.items():
+            path = os.path.join(ckpt_dir, name)
+            if not os.path.exists(path):
+                raise SystemExit(f"train_moe: checkpoint {ckpt_dir} has no {name}/ (written by an older "
+                                 "train_moe.py, or without it); cannot resume from it")  # fmt: skip
+            target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
+            out[name] = ckptr.restore(path, target)
+    return out
+
+
 class Progress:
     """tqdm when installed, else a plain line every few seconds; ``write`` prints above the bar."""
 
-    def __init__(self, total):
+    def __init__(self, total, initial=0):
         self.total, self.last = total, 0.0
         try:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, dynamic_ncols=True)
+            self.bar = tqdm(total=total, initial=initial, dynamic_ncols=True)
         except ImportError:
             self.bar = None
         self.val = None
@@ -302,12 +403,57 @@ def parse_args(argv=None):
                          "of valid.txt)")
     ap.add_argument("--expert-parallel", action="store_true",
                     help="shard the experts over all devices (mesh axis 'ep'); experts and tokens must divide")
+    ap.add_argument("--fp8", default="none", choices=list(FP8_RECIPES),
+                    help="FP8 GEMMs in the attention projections and the experts (te_ops.fp8 recipes with their "
+                         "defaults): current = per-tensor current scaling, delayed = per-tensor delayed scaling for "
+                         "the attention projections (state in the 'fp8_state' collection) with current scaling for "
+                         "the experts (fp8_grouped_dense has no delayed scaling), block = 1x128 / 128x128 block "
+                         "scaling. Embeddings, router, norms and the attention core stay in --dtype")
     ap.add_argument("--no-checkpoint", action="store_true")
+    ap.add_argument("--save-every", type=int, default=0,
+                    help="also write a checkpoint every this many steps into --out/checkpoints/step_<N> (0: never)")
+    ap.add_argument("--resume", default=None,
+                    help="checkpoint directory (checkpoint/ or checkpoints/step_<N>) to continue from: restores the "
+                         "params, the optimizer state and the FP8 state and runs its step + 1 .. --steps on the "
+                         "batches the uninterrupted run would have seen")
     args = ap.parse_args(argv)
     for name in ("steps", "batch", "seq", "eval_every", "eval_tokens"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.save_every < 0:
+        ap.error(f"--save-every must be >= 0 (0: no periodic checkpoints), got {args.save_every}")
     return args
+
+
+def resume_from(args, cfg: dict, trees: dict) -> tuple[int, dict]:
+    """``(step, trees)`` restored from ``--resume`` into the structure of ``trees`` (the fresh init): the
+    params and the optimizer state, and the FP8 state when both runs use delayed scaling (a run
+    switching to ``--fp8 delayed`` from a checkpoint without that state starts it fresh, and says so)."""
+    meta = read_checkpoint_meta(args.resume)
+    saved, now = dict(MODEL_DEFAULTS, **meta["model"]), model_config(cfg)
+    diff = {k: (saved.get(k), now[k]) for k in now if k != "fp8" and saved.get(k) != now[k]}
+    if diff:
+        raise SystemExit(f"train_moe: --resume {args.resume} holds another model; pass the flags it was trained with "
+                         f"(checkpoint vs now: {diff})")  # fmt: skip
+    step = int(meta["step"])
+    if step >= args.steps:
+        raise SystemExit(f"train_moe: --resume {args.resume} is at step {step}; --steps must be larger to train "
+                         f"on, got {args.steps}")  # fmt: skip
+    want = {k: v for k, v in trees.items() if v is not None}
+    has_state = os.path.exists(os.path.join(os.path.abspath(args.resume), tel.FP8_COLLECTION))
+    if tel.FP8_COLLECTION in want and not has_state:
+        print(f"resume: checkpoint trained with --fp8 {saved['fp8']} has no delayed-scaling state; starting it fresh")
+        del want[tel.FP8_COLLECTION]
+    out = dict(trees, **restore_checkpoint(args.resume, want))
+    # restored arrays are committed to their devices; commit the fresh ones too, so that the step compiles once
+    out = jax.tree.map(lambda a: jax.device_put(a, a.sharding), out)
+    train = meta.get("train", {})
+    changed = {k: (train[k], getattr(args, k)) for k in train if train[k] != getattr(args, k)}
+    if saved["fp8"] != cfg.get("fp8", "none"):
+        changed["fp8"] = (saved["fp8"], cfg.get("fp8", "none"))
+    print(f"resumed {os.path.abspath(args.resume)} at step {step}"
+          + (f"; changed since (checkpoint, now): {changed}" if changed else ""))  # fmt: skip
+    return step, out
 
 
 def main(argv=None):
@@ -315,7 +461,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     cfg = dict(d_model=args.d_model, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
                experts=args.experts, topk=args.topk, ffn=args.ffn, aux_coeff=args.aux_coeff, dropout=args.dropout,
-               dtype=jnp.dtype(args.dtype), norm=args.norm)  # fmt: skip
+               dtype=jnp.dtype(args.dtype), norm=args.norm, fp8=args.fp8)  # fmt: skip
     if args.expert_parallel:
         cfg["mesh"] = jax.sharding.Mesh(np.array(jax.devices()), ("ep",))
         cfg["expert_axis"] = "ep"
@@ -324,62 +470,87 @@ def main(argv=None):
     it = batches(train, args.batch, args.seq, args.seed + 1)
     windows = eval_windows(valid, args.batch, args.seq, args.eval_tokens)
     evaluate = make_eval_fn(model, windows)
-    params = jax.jit(model.init)(jax.random.key(args.seed), jnp.zeros((args.batch, args.seq), jnp.int32))["params"]
+    # unboxed (plain arrays, no partitioning metadata): the trees a checkpoint holds and restores into
+    variables = nn.meta.unbox(jax.jit(model.init)(jax.random.key(args.seed),
+                                                  jnp.zeros((args.batch, args.seq), jnp.int32)))  # fmt: skip
+    params = variables["params"]
+    fp8_state = variables.get(tel.FP8_COLLECTION)  # --fp8 delayed: amax histories and scales, not parameters
     n_params = sum(int(p.size) for p in jax.tree.leaves(params))
     tx = make_optimizer(args.lr, args.steps, args.warmup)
-    opt_state = tx.init(params)
-    step = make_train_step(model, tx)
+    opt_state = tx.init(params)  # the optimizer sees the params only
+    step = make_train_step(model, tx, fp8_state=fp8_state is not None)
     print(f"te_layers MoE LM: {n_params:,} parameters, {cfg['layers']} layers, {cfg['experts']} experts top-"
           f"{cfg['topk']}, batch {args.batch} x seq {args.seq}, {args.dtype}, backend {jax.default_backend()}")
+    print(describe_fp8(args.fp8))
     print(f"corpus {corpus['dir']}: {corpus['train_bytes']:,} train bytes, {corpus['valid_bytes']:,} held-out bytes "
           f"({windows.shape[0] * windows.shape[1] * args.seq:,} scored per validation)")
+    start = 0
+    if args.resume:
+        start, r = resume_from(args, cfg, {"params": params, "opt_state": opt_state, tel.FP8_COLLECTION: fp8_state})
+        params, opt_state, fp8_state = r["params"], r["opt_state"], r[tel.FP8_COLLECTION]
+        for _ in range(start):  # the batches the first `start` steps consumed
+            next(it)
 
-    losses, auxes = [], []
-    prog = Progress(args.steps)
+    def checkpoint_meta(n_done):
+        return dict(model=model_config(cfg), seq=args.seq, step=n_done, val_loss=val_curve[-1][1],
+                    val_step=val_curve[-1][0], corpus_dir=corpus["dir"],
+                    train={k: getattr(args, k) for k in ("steps", "batch", "lr", "warmup", "seed")})  # fmt: skip
+
+    losses, auxes, saved = [], [], []
+    prog = Progress(args.steps, start)
 
     def validate(n_done):
-        v = evaluate(params)
+        v = evaluate(params, fp8_state)
         val_curve.append((n_done, v))
         prog.val = v
         prog.write(f"step {n_done:5d}  validation loss {v:.4f} nats/byte ({v / math.log(2):.3f} bits/byte)")
 
     val_curve = []
-    validate(0)
+    validate(start)
     t_start = time.perf_counter()
-    t_steady, steady_tokens, eval_s = None, 0, 0.0
-    for i in range(args.steps):
+    t_steady, steady_tokens, paused_s = None, 0, 0.0  # paused: validation and checkpoints, not training
+    for i in range(start, args.steps):
         x, y = next(it)
-        params, opt_state, ce, aux = step(params, opt_state, x, y, jax.random.fold_in(jax.random.key(args.seed), i))
+        rng = jax.random.fold_in(jax.random.key(args.seed), i)
+        if fp8_state is None:
+            params, opt_state, ce, aux = step(params, opt_state, x, y, rng)
+        else:
+            params, fp8_state, opt_state, ce, aux = step(params, fp8_state, opt_state, x, y, rng)
         ce = float(ce)  # syncs: the bar shows real progress
         losses.append(ce)
         auxes.append(float(aux))
-        if i == 0:
+        if i == start:
             t_steady = time.perf_counter()  # exclude the compile step from tokens/s
         else:
             steady_tokens += args.batch * args.seq
+        t_pause = time.perf_counter()
         if (i + 1) % args.eval_every == 0 or i + 1 == args.steps:
-            t_eval = time.perf_counter()
             validate(i + 1)
-            eval_s += time.perf_counter() - t_eval
-        el = time.perf_counter() - t_steady - eval_s
+        if args.save_every and (i + 1) % args.save_every == 0:
+            d = os.path.join(args.out, "checkpoints", f"step_{i + 1}")
+            saved.append(save_checkpoint(d, params, checkpoint_meta(i + 1), opt_state, fp8_state))
+        paused_s += time.perf_counter() - t_pause
+        el = time.perf_counter() - t_steady - paused_s
         prog.update(i, ce, steady_tokens / el if el > 0 and steady_tokens else 0.0)
     prog.close()
     total = time.perf_counter() - t_start
-    tok_s = steady_tokens / max(time.perf_counter() - t_steady - eval_s, 1e-9)
+    tok_s = steady_tokens / max(time.perf_counter() - t_steady - paused_s, 1e-9)
 
     k = max(1, min(20, len(losses) // 5))
     first, last = float(np.mean(losses[:k])), float(np.mean(losses[-k:]))
     val_first, val_last = val_curve[0][1], val_curve[-1][1]
     png = os.path.join(args.out, "loss.png")
-    plot_losses(png, np.arange(1, len(losses) + 1), np.asarray(losses), val_curve, "te_layers MoE LM (byte level)")
+    title = "te_layers MoE LM (byte level)" + ("" if args.fp8 == "none" else f", fp8 {args.fp8}")
+    plot_losses(png, np.arange(start + 1, args.steps + 1), np.asarray(losses), val_curve, title)
     summary = dict(first_loss=first, last_loss=last, val_loss_initial=val_first, val_loss=val_last,
                    val_bits_per_byte=val_last / math.log(2), val_curve=val_curve, steps=args.steps,
-                   epochs=args.steps * args.batch * args.seq / corpus["train_bytes"], tokens_per_s=tok_s,
-                   seconds=total, params=n_params, corpus=corpus, loss_png=png, checkpoint=None)  # fmt: skip
+                   start_step=start, losses=losses, fp8=args.fp8,
+                   epochs=(args.steps - start) * args.batch * args.seq / corpus["train_bytes"], tokens_per_s=tok_s,
+                   seconds=total, params=n_params, corpus=corpus, loss_png=png, checkpoint=None,
+                   checkpoints=saved)  # fmt: skip
     if not args.no_checkpoint:
-        meta = dict(model=model_config(cfg), seq=args.seq, step=args.steps, val_loss=val_last,
-                    corpus_dir=corpus["dir"])  # fmt: skip
-        summary["checkpoint"] = save_checkpoint(os.path.join(args.out, "checkpoint"), params, meta)
+        summary["checkpoint"] = save_checkpoint(os.path.join(args.out, "checkpoint"), params,
+                                                checkpoint_meta(args.steps), opt_state, fp8_state)  # fmt: skip
 
     print(f"train loss {first:.4f} -> {last:.4f} (mean of first/last {k} steps); validation loss {val_first:.4f} -> "
           f"{val_last:.4f} nats/byte ({val_last / math.log(2):.3f} bits/byte) on held-out text; {total:.1f}s, "

@@ -25,6 +25,55 @@ def test_train_moe_loss_falls(tmp_path):
     assert "tokens/s" in proc.stdout
 
 
+def _restore_tree(path):
+    """An orbax tree (a checkpoint sub-directory) as ``{"a/b/c": numpy array}``."""
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as ckptr:
+        tree = ckptr.restore(str(path))
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {"/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in p): np.asarray(v) for p, v in flat}
+
+
+def test_train_moe_fp8_delayed_resume_reproduces_the_run(tmp_path):
+    """--fp8 delayed: a run resumed from its step-3 checkpoint gives the uninterrupted run's losses, and its final
+    params, optimizer state and FP8 state, bit for bit (CPU); the FP8 state is the restored one, not a fresh one."""
+    import numpy as np
+
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import train_moe
+
+    tiny = ["--steps", "6", "--batch", "4", "--seq", "32", "--d-model", "32", "--layers", "1", "--heads", "2",
+            "--kv-heads", "1", "--experts", "4", "--topk", "2", "--ffn", "32", "--lr", "1e-2", "--eval-every", "100",
+            "--eval-tokens", "128", "--fp8", "delayed"]  # fmt: skip
+    full = train_moe.main(tiny + ["--save-every", "3", "--out", str(tmp_path / "full")])
+    step3 = tmp_path / "full" / "checkpoints" / "step_3"
+    assert sorted(os.listdir(step3)) == ["config.json", "fp8_state", "opt_state", "params"]
+    resumed = train_moe.main(tiny + ["--resume", str(step3), "--out", str(tmp_path / "resumed")])
+    assert resumed["start_step"] == 3 and len(full["losses"]) == 6
+    assert resumed["losses"] == full["losses"][3:], (resumed["losses"], full["losses"])  # exact
+    assert resumed["val_curve"][-1] == full["val_curve"][-1]
+    for tree in ("params", "opt_state", "fp8_state"):
+        a = _restore_tree(tmp_path / "full" / "checkpoint" / tree)
+        b = _restore_tree(tmp_path / "resumed" / "checkpoint" / tree)
+        assert a.keys() == b.keys() and a, tree
+        bad = [k for k in a if not np.array_equal(a[k], b[k])]
+        assert not bad, (tree, bad)
+
+    # The state saved at step 3 is a real one (3 amaxes recorded per tensor, scales off 1) and the resumed run
+    # continued it: after step 6 every history holds 6 amaxes. A state started fresh at step 3 would hold 3.
+    st3, st6 = _restore_tree(step3 / "fp8_state"), _restore_tree(tmp_path / "resumed" / "checkpoint" / "fp8_state")
+    hist = [k for k in st3 if k.endswith("amax_history")]
+    assert len(hist) == 6, list(st3)  # the fused qkv and the out projection, each x, w, g
+    for k in hist:
+        assert (st3[k][:3] > 0).all() and (st3[k][3:] == 0).all(), (k, st3[k][:5])
+        assert (st6[k][:6] > 0).all() and (st6[k][6:] == 0).all(), (k, st6[k][:8])
+        np.testing.assert_array_equal(st6[k][3:6], st3[k][:3], err_msg=k)  # the step-3 history, shifted by 3
+    assert any(st3[k.replace("amax_history", "scale")] != 1 for k in hist)
+
+
 # ------------------------------------------------------------------------------------------------
 # benchmarks/train_moe.py: the strong plain-JAX baseline, the FLOP count, the profile classifier
 # ------------------------------------------------------------------------------------------------
