@@ -384,21 +384,30 @@ class MoEOutput(NamedTuple):
     tokens_per_expert: jax.Array  # int32 [E] (global)
 
 
-def expert_ffn(x, wi, wo, group_sizes, *, activation, gated, backend, fp8=None):
+def expert_ffn(x, wi, wo, group_sizes, *, activation, gated, backend, fp8=None, fp8_state=None):
     """Per-expert FFN on expert-major rows: ``act(x @ wi[g]) [* (x @ wi_lin[g])] @ wo[g]``.
 
-    ``fp8``: a resolved recipe (CurrentScaling or 1 x 128 / 128 x 128 BlockScaling) or None; with one,
-    both grouped GEMMs are ``te_ops.fp8.fp8_grouped_dense`` (``backend`` is then not used)."""
+    ``fp8``: a resolved recipe (CurrentScaling, DelayedScaling or 1 x 128 / 128 x 128 BlockScaling)
+    or None; with one, both grouped GEMMs are ``te_ops.fp8.fp8_grouped_dense`` (``backend`` is then
+    not used). ``fp8_state``: with DelayedScaling, ``{"wi": tree, "wo": tree}`` (the state of each
+    grouped GEMM as a dict tree, ``te_layers._fp8.initial_moe_state_tree``)."""
     if fp8 is not None:
-        from te_ops.fp8 import fp8_grouped_dense
+        from te_layers._fp8 import from_tree
+        from te_ops.fp8 import DelayedScaling, fp8_grouped_dense
 
-        def gemm(a, k, gs, backend):
-            return fp8_grouped_dense(a, k, gs.astype(jnp.int32), fp8)
+        delayed = isinstance(fp8, DelayedScaling)
+
+        def gemm(a, k, gs, backend, which):
+            st = from_tree(fp8_state[which]) if delayed else None
+            return fp8_grouped_dense(a, k, gs.astype(jnp.int32), fp8, state=st)
 
         grouped = gemm
     else:
-        grouped = grouped_dense
-    h = grouped(x, wi.astype(x.dtype), group_sizes, backend=backend)
+
+        def grouped(a, k, gs, backend, which):
+            return grouped_dense(a, k, gs, backend=backend)
+
+    h = grouped(x, wi.astype(x.dtype), group_sizes, backend, "wi")
     act = activation_fn(activation)
     if gated:
         f = h.shape[-1] // 2
@@ -406,10 +415,10 @@ def expert_ffn(x, wi, wo, group_sizes, *, activation, gated, backend, fp8=None):
         h = (act(hf[:, :f]) * hf[:, f:]).astype(x.dtype)
     else:
         h = act(h.astype(jnp.float32)).astype(x.dtype)
-    return grouped(h, wo.astype(x.dtype), group_sizes, backend=backend)
+    return grouped(h, wo.astype(x.dtype), group_sizes, backend, "wo")
 
 
-def _moe_local(x2d, router_kernel, expert_bias, wi, wo, cfg: MoEConfig, axis_name, fp8=None):
+def _moe_local(x2d, router_kernel, expert_bias, wi, wo, cfg: MoEConfig, axis_name, fp8=None, fp8_state=None):
     """MoE on the local tokens; with ``axis_name`` inside shard_map, experts are split over it."""
     rc = cfg.router
     logits = router_logits(x2d, router_kernel)
@@ -418,7 +427,8 @@ def _moe_local(x2d, router_kernel, expert_bias, wi, wo, cfg: MoEConfig, axis_nam
     n = t * rc.topk
     dispatched = token_dispatch(x2d, r.routing_map, n)
     rows, row_id_map, tpe_local = dispatched.out, dispatched.row_id_map, dispatched.tokens_per_expert
-    ffn = functools.partial(expert_ffn, activation=cfg.activation, gated=cfg.gated, backend=cfg.grouped_gemm, fp8=fp8)
+    ffn = functools.partial(expert_ffn, activation=cfg.activation, gated=cfg.gated, backend=cfg.grouped_gemm, fp8=fp8,
+                            fp8_state=fp8_state)  # fmt: skip
     if axis_name is None:
         y = ffn(rows, wi, wo, tpe_local)
     else:
@@ -483,13 +493,17 @@ def moe_apply(
     dtype: Any = None,
     mesh: Any = None,
     fp8: Any = None,
+    fp8_state: Any = None,
 ) -> MoEOutput:
     """MoE block: router -> token_dispatch -> grouped expert FFN -> token_combine.
 
     With ``cfg.expert_axis`` the experts (dimension 0 of wi/wo) and the tokens are split over that mesh
     axis inside ``shard_map``; tokens are exchanged with two all-to-alls. Zero tokens give an empty
     output of x's shape, aux loss 0 and no tokens per expert. ``fp8``: the experts' resolved recipe
-    (see :func:`expert_ffn`); the router, dispatch and combine stay in high precision.
+    (see :func:`expert_ffn`); the router, dispatch and combine stay in high precision. ``fp8_state``:
+    with DelayedScaling, the experts' state tree (:func:`expert_ffn`); under ``cfg.expert_axis``
+    the per-expert kernel states are split with the experts, and the activation and gradient
+    states are combined over the shards by max (:func:`te_layers._fp8.shard_replicated_state`).
     """
     layer = cfg.router.layer
     dt = compute_dtype(x, dtype)
@@ -500,7 +514,7 @@ def moe_apply(
         r = empty_route(cfg.router.num_experts)
         return MoEOutput(jnp.zeros(x.shape, dt), r.aux_loss, r.tokens_per_expert)
     if cfg.expert_axis is None:
-        out, aux, tpe = _moe_local(x2d, router_kernel, expert_bias, wi, wo, cfg, None, fp8)
+        out, aux, tpe = _moe_local(x2d, router_kernel, expert_bias, wi, wo, cfg, None, fp8, fp8_state)
     else:
         ax = cfg.expert_axis
         m = _current_mesh(layer, mesh)
@@ -512,15 +526,28 @@ def moe_apply(
                              f"({x2d.shape[0]} tokens).")
             )  # fmt: skip
         eb = expert_bias if expert_bias is not None else jnp.zeros((cfg.router.num_experts,), jnp.float32)
+        # delayed scaling: the kernels' states (one per expert) split with the experts; the x and g
+        # states copied to every shard (rows are split) and their updates combined by max
+        rep, per_expert = {}, {}
+        if fp8_state is not None:
+            from te_layers._fp8 import shard_replicated_state
 
-        def body(xs, rk, ebias, wis, wos):
-            return _moe_local(xs, rk, ebias if cfg.router.use_expert_bias else None, wis, wos, cfg, ax, fp8)
+            rep = shard_replicated_state({k: {r: t[r] for r in ("x", "g")} for k, t in fp8_state.items()}, m.shape[ax])
+            per_expert = {k: t["w"] for k, t in fp8_state.items()}
+
+        def body(xs, rk, ebias, wis, wos, rep, per_expert):
+            st = None
+            if fp8_state is not None:
+                st = {k: {"x": jax.tree.map(lambda a: a[0], rep[k]["x"]), "w": per_expert[k],
+                          "g": jax.tree.map(lambda a: a[0], rep[k]["g"])} for k in per_expert}  # fmt: skip
+            return _moe_local(xs, rk, ebias if cfg.router.use_expert_bias else None, wis, wos, cfg, ax, fp8, st)
 
         out, aux, tpe = jax.shard_map(
             body, mesh=m,
-            in_specs=(PartitionSpec(ax), PartitionSpec(), PartitionSpec(), PartitionSpec(ax), PartitionSpec(ax)),
+            in_specs=(PartitionSpec(ax), PartitionSpec(), PartitionSpec(), PartitionSpec(ax), PartitionSpec(ax),
+                      PartitionSpec(ax), PartitionSpec(ax)),
             out_specs=(PartitionSpec(ax), PartitionSpec(), PartitionSpec()),
-        )(x2d, router_kernel, eb, wi, wo)  # fmt: skip
+        )(x2d, router_kernel, eb, wi, wo, rep, per_expert)  # fmt: skip
     return MoEOutput(out.reshape(*lead, hdim), aux, tpe)
 
 

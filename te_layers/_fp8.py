@@ -13,7 +13,10 @@ to an optimizer). The state of one Dense is stored, in every framework, as the p
 
     {"x": {"amax_history": f32[L], "scale": f32[]}, "w": {...}, "g": {...}}
 
-(:func:`initial_state_tree`), which checkpoints like any other array tree.
+(:func:`initial_state_tree`), which checkpoints like any other array tree. A MoEBlock's experts
+keep ``{"wi": tree, "wo": tree}`` (:func:`initial_moe_state_tree`: one tree per grouped GEMM, the
+kernel entry ``w`` with one history and scale per expert, ``[E, L]`` and ``[E]``); the helpers
+below treat those entries expert by expert (they broadcast over leading axes).
 
 Two rules about the update (:func:`updated_tree`, :func:`accumulate_trees`):
 
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -39,7 +43,14 @@ import jax
 import jax.numpy as jnp
 
 from te_layers._validation import err
-from te_ops.fp8 import BlockScaling, CurrentScaling, DelayedScaling, DenseScalingState, initial_dense_state
+from te_ops.fp8 import (
+    BlockScaling,
+    CurrentScaling,
+    DelayedScaling,
+    DenseScalingState,
+    initial_dense_state,
+    initial_grouped_state,
+)
 from te_ops.fp8.reference import DelayedScalingState
 
 RECIPES = (CurrentScaling, DelayedScaling, BlockScaling)
@@ -101,7 +112,7 @@ def resolve(layer: str, fp8: Any, *, grouped: bool = False, name: str = "fp8"):
     """The recipe a layer runs with: its own ``fp8`` (a recipe; False = none), else the context's.
 
     ``grouped``: the layer's GEMMs are ``te_ops.fp8.fp8_grouped_dense`` (MoE experts), which takes
-    CurrentScaling or BlockScaling with 1 x 128 / 128 x 128 blocks; anything else is refused here
+    CurrentScaling, DelayedScaling or BlockScaling with 1 x 128 / 128 x 128 blocks; anything else is refused here
     with a message naming the argument or the context it came from. Dense GEMMs need square
     BlockScaling weight blocks (the input gradient reuses them transposed).
     """
@@ -115,12 +126,12 @@ def resolve(layer: str, fp8: Any, *, grouped: bool = False, name: str = "fp8"):
     if grouped:
         blocks = (getattr(recipe, "act_block", None), getattr(recipe, "weight_block", None))
         block_ok = isinstance(recipe, BlockScaling) and blocks == ((1, 128), (128, 128))
-        if not (isinstance(recipe, CurrentScaling) or block_ok):
+        if not (isinstance(recipe, (CurrentScaling, DelayedScaling)) or block_ok):
             raise ValueError(
-                err(layer, f"{name} (the experts' recipe) must be CurrentScaling, or BlockScaling with act_block "
-                           "(1, 128) and weight_block (128, 128): te_ops.fp8.fp8_grouped_dense has no delayed scaling "
-                           f"or other blocks; got {recipe!r} from {source}. Pass {name}=CurrentScaling() or "
-                           f"BlockScaling() (or {name}=False for high precision) to this layer.")
+                err(layer, f"{name} (the experts' recipe) must be CurrentScaling, DelayedScaling, or BlockScaling "
+                           "with act_block (1, 128) and weight_block (128, 128) (what te_ops.fp8.fp8_grouped_dense "
+                           f"takes); got {recipe!r} from {source}. Pass {name}=BlockScaling() (or another recipe it "
+                           f"takes, or {name}=False for high precision) to this layer.")
             )  # fmt: skip
     elif isinstance(recipe, BlockScaling) and recipe.weight_block[0] != recipe.weight_block[1]:
         raise ValueError(
@@ -166,6 +177,37 @@ def check_state_tree(layer: str, tree: Any, recipe: DelayedScaling, where: str) 
         )  # fmt: skip
 
 
+MOE_GEMMS = ("wi", "wo")  # the MoEBlock's two grouped GEMMs, each with its own state
+
+
+def initial_moe_state_tree(recipe: DelayedScaling, num_experts: int) -> dict:
+    """Fresh state of a MoEBlock's experts: ``{"wi": ..., "wo": ...}``, each the state of one
+    ``fp8_grouped_dense`` (x and g as for a Dense, w one per expert: amax_history
+    ``[num_experts, history_len]``, scale ``[num_experts]``)."""
+    return {k: to_tree(initial_grouped_state(recipe, num_experts)) for k in MOE_GEMMS}
+
+
+def check_moe_state_tree(layer: str, tree: Any, recipe: DelayedScaling, num_experts: int, where: str) -> None:
+    """A clear error when a MoEBlock's stored state does not fit ``recipe`` and its experts."""
+    h, e = recipe.history_len, num_experts
+    want = {"x": ((h,), ()), "w": ((e, h), (e,)), "g": ((h,), ())}
+    ok = isinstance(tree, dict) and set(tree) == set(MOE_GEMMS)
+    for k in MOE_GEMMS if ok else ():
+        t = tree[k]
+        ok = ok and isinstance(t, dict) and set(t) == set(ROLES)
+        for r in ROLES if ok else ():
+            ok = ok and isinstance(t[r], dict) and set(t[r]) == {"amax_history", "scale"}
+            ok = ok and (jnp.shape(t[r]["amax_history"]), jnp.shape(t[r]["scale"])) == want[r]
+    if not ok:
+        shapes = jax.tree.map(jnp.shape, tree) if tree is not None else None
+        raise ValueError(
+            err(layer, f"fp8 is {recipe!r}, which needs the experts' delayed-scaling state in {where} ({{'wi', 'wo'}}, "
+                       f"each {{'x', 'g'}} with amax_history [{h}] and a scalar scale and 'w' with amax_history "
+                       f"[{e}, {h}] and scale [{e}], one per expert), got {shapes!r:.300}. Create the layer (Linen: "
+                       "init) with the same recipe, by fp8= or inside te_layers.fp8_recipe(...).")
+        )  # fmt: skip
+
+
 def _is_tensor_state(node: Any) -> bool:
     return isinstance(node, dict) and set(node) == {"amax_history", "scale"}
 
@@ -207,6 +249,33 @@ def accumulate_trees(first: Any, *others: Any) -> Any:
             lambda a, b: _pick_larger(a, b) if _is_tensor_state(a) else b, out, o, is_leaf=_is_tensor_state
         )
     return out
+
+
+def _pick_largest_copy(node: dict) -> dict:
+    i = jnp.argmax(jnp.asarray(node["amax_history"])[:, 0])
+    return {k: jnp.asarray(v)[i] for k, v in node.items()}
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def shard_replicated_state(tree: Any, n: int) -> Any:
+    """``n`` copies of a state tree along a new leading axis, to hand one to each shard of a
+    ``shard_map`` (spec ``P(axis)``) where the tensor is split over the shards (the experts' input
+    rows under expert parallelism). The cotangent combines the shards' updates as
+    :func:`accumulate_trees` does: per tensor the copy with the largest recorded amax, which is the
+    update from the global amax. A replicated (``P()``) input would instead get the *sum* of the
+    shards' cotangents, which is not a state."""
+    return jax.tree.map(lambda a: jnp.broadcast_to(a, (n,) + jnp.shape(a)), tree)
+
+
+def _srs_fwd(tree, n):
+    return shard_replicated_state(tree, n), None
+
+
+def _srs_bwd(n, _, ct):
+    return (jax.tree.map(_pick_largest_copy, ct, is_leaf=_is_tensor_state),)
+
+
+shard_replicated_state.defvjp(_srs_fwd, _srs_bwd)
 
 
 # ----------------------------------------------------------------------------------------------

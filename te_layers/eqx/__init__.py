@@ -12,9 +12,9 @@ of ``PartitionSpec`` (logical names) shaped like the model.
 
 FP8: ``Dense``, the ``MultiHeadAttention`` projections and the ``MoEBlock`` experts take ``fp8=`` (a
 ``te_ops.fp8`` recipe, None = the :func:`te_layers.fp8_recipe` context, False = high precision). A
-Dense built with DelayedScaling holds an ``eqx.nn.StateIndex`` (``fp8_index``): call it as
-``y, state = dense(x, state)`` and update the state with :func:`fp8_value_and_grad`
-(``te_layers.eqx.fp8``).
+Dense or MoEBlock built with DelayedScaling holds an ``eqx.nn.StateIndex`` (``fp8_index``): call it
+as ``y, state = dense(x, state)`` (``(out, aux), state = moe(x, state)``) and update the state with
+:func:`fp8_value_and_grad` (``te_layers.eqx.fp8``).
 
 Configuration is checked in ``__init__`` (``__check_init__`` for the field-only modules) and inputs when a
 module is called, with the same messages as the Linen and NNX modules (``te_layers.<Layer>: ...``).
@@ -300,7 +300,11 @@ class MoEBlock(eqx.Module):
     With ``expert_axis`` the experts are sharded over that mesh axis (``mesh`` or the mesh set with
     ``jax.set_mesh``) and tokens exchanged by all-to-all. ``block(x)`` returns
     ``(out [..., H], MoEAux(aux_loss, tokens_per_expert))``. ``fp8``: the experts' recipe
-    (CurrentScaling or BlockScaling), None (the context's) or False.
+    (CurrentScaling, DelayedScaling or 1 x 128 / 128 x 128 BlockScaling), None (the context's) or
+    False. With DelayedScaling (argument, or the context at construction) the block holds
+    ``fp8_index`` (an ``eqx.nn.StateIndex`` with the state of both grouped GEMMs) and is called as
+    ``(out, aux), state = block(x, state)``; any MoEBlock called with a state returns
+    ``((out, aux), state)``, like the other stateful layers.
     """
 
     router: TopKRouter
@@ -311,6 +315,7 @@ class MoEBlock(eqx.Module):
     dtype: Any = eqx.field(static=True)
     param_axes: dict = eqx.field(static=True)
     fp8: Any = eqx.field(static=True)
+    fp8_index: eqx.nn.StateIndex | None
 
     def __init__(self, in_features: int, num_experts: int, topk: int, ffn_dim: int, *, activation: str = "silu",
                  gated: bool = True, aux_loss_coeff: float = 1e-2, expert_axis: str | None = None, mesh: Any = None,
@@ -328,6 +333,9 @@ class MoEBlock(eqx.Module):
         )  # fmt: skip
         F.check_recipe_arg("MoEBlock", fp8)
         self.fp8 = fp8
+        recipe = F.resolve("MoEBlock", fp8, grouped=True)
+        delayed = isinstance(recipe, F.DelayedScaling)
+        self.fp8_index = eqx.nn.StateIndex(F.initial_moe_state_tree(recipe, num_experts)) if delayed else None
         rk, ik, ok = jax.random.split(key, 3)  # (checked above, so errors name MoEBlock, not TopKRouter)
         self.router = TopKRouter(in_features, num_experts, topk, param_dtype=router_param_dtype,
                                  kernel_init=router_kernel_init, kernel_axes=router_kernel_axes, key=rk,
@@ -339,12 +347,26 @@ class MoEBlock(eqx.Module):
         self.mesh, self.dtype = mesh, dtype
         self.param_axes = {"wi": _axes(wi_axes), "wo": _axes(wo_axes)}
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEAux]:
+    def __call__(self, x: jax.Array, state: eqx.nn.State | None = None):
         x = V.token_input("MoEBlock", x, self.dtype, self.wi.shape[1])
         bias = None if self.router.expert_bias is None else jax.lax.stop_gradient(self.router.expert_bias)
+        recipe = F.resolve("MoEBlock", self.fp8, grouped=True)
+        tree = None
+        if isinstance(recipe, F.DelayedScaling):
+            if state is None or self.fp8_index is None:
+                what = "no state was passed" if state is None else "the layer was built without it"
+                raise ValueError(
+                    V.err("MoEBlock", f"fp8 is {recipe!r}, which needs the experts' delayed-scaling state: call "
+                                      "`(out, aux), state = moe(x, state)` with the eqx.nn.State of a model built "
+                                      "with the same recipe (fp8= or inside te_layers.fp8_recipe) by "
+                                      f"eqx.nn.make_with_state; {what}.")
+                )  # fmt: skip
+            tree = state.get(self.fp8_index)
+            F.check_moe_state_tree("MoEBlock", tree, recipe, self.wi.shape[0], "its eqx.nn.State entry (moe.fp8_index)")
         r = C.moe_apply(x, self.router.kernel, self.wi, self.wo, self.cfg, bias, dtype=self.dtype, mesh=self.mesh,
-                        fp8=F.resolve("MoEBlock", self.fp8, grouped=True))
-        return r.out, MoEAux(r.aux_loss, r.tokens_per_expert)
+                        fp8=recipe, fp8_state=tree)  # fmt: skip
+        out = (r.out, MoEAux(r.aux_loss, r.tokens_per_expert))
+        return out if state is None else (out, state)
 
     def update_expert_bias(self, tokens_per_expert: jax.Array) -> MoEBlock:
         """A copy with the router's aux-loss-free bias updated (no-op without use_expert_bias)."""

@@ -2,7 +2,9 @@
 
 A Dense created with ``DelayedScaling`` (its own ``fp8=`` or the ``te_layers.fp8_recipe`` context at
 construction) holds ``dense.fp8_index``, an ``eqx.nn.StateIndex`` whose value is
-``{"x"|"w"|"g": {"amax_history": f32[history_len], "scale": f32[]}}``. Build the model with
+``{"x"|"w"|"g": {"amax_history": f32[history_len], "scale": f32[]}}`` (a MoEBlock's ``moe.fp8_index``
+holds ``{"wi": ..., "wo": ...}`` of those, the kernels' ``w`` per expert; the block is called as
+``(out, aux), state = moe(x, state)``). Build the model with
 ``eqx.nn.make_with_state`` (or ``eqx.nn.State(model)``) and call FP8-capable layers with the state:
 ``y, state = dense(x, state)`` (the forward leaves it unchanged). The updated state is the gradient
 of the loss with respect to ``state``; :func:`fp8_value_and_grad` computes it with the model's

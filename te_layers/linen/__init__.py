@@ -10,8 +10,8 @@ and is updated when that collection is mutable and ``deterministic=False``.
 
 FP8: ``Dense``, the ``MultiHeadAttention`` projections and the ``MoEBlock`` experts take ``fp8=`` (a
 ``te_ops.fp8`` recipe, None = the :func:`te_layers.fp8_recipe` context, False = high precision).
-Delayed scaling keeps each Dense's state in the ``"fp8_state"`` collection; the training step
-differentiates with respect to it and keeps the "gradient" as the next state
+Delayed scaling keeps each Dense's (and each MoEBlock's experts') state in the ``"fp8_state"``
+collection; the training step differentiates with respect to it and keeps the "gradient" as the next state
 (:func:`fp8_value_and_grad`, :func:`fp8_update`, :func:`fp8_accumulate` in ``te_layers.linen.fp8``).
 
 Configuration is checked when a module is constructed (``__post_init__``) and inputs when it is called,
@@ -120,6 +120,20 @@ def _fp8_state(mod: nn.Module, recipe):
     fresh = F.initial_state_tree(recipe)
     tree = {r: mod.variable(FP8_COLLECTION, r, lambda r=r: fresh[r]).value for r in F.ROLES}
     F.check_state_tree(type(mod).__name__, tree, recipe, f"the {FP8_COLLECTION!r} collection")
+    return tree
+
+
+def _moe_fp8_state(mod: nn.Module, recipe):
+    """The MoEBlock experts' delayed-scaling state from ``"fp8_state"``: variables ``wi`` and ``wo``
+    (one per grouped GEMM), created by init."""
+    if not isinstance(recipe, F.DelayedScaling):
+        return None
+    where = f"the {FP8_COLLECTION!r} collection"
+    if not mod.is_initializing() and not all(mod.has_variable(FP8_COLLECTION, k) for k in F.MOE_GEMMS):
+        F.check_moe_state_tree("MoEBlock", None, recipe, mod.num_experts, f"{where} passed to apply")
+    fresh = F.initial_moe_state_tree(recipe, mod.num_experts)
+    tree = {k: mod.variable(FP8_COLLECTION, k, lambda k=k: fresh[k]).value for k in F.MOE_GEMMS}
+    F.check_moe_state_tree("MoEBlock", tree, recipe, mod.num_experts, where)
     return tree
 
 
@@ -334,8 +348,10 @@ class MoEBlock(nn.Module):
     (``mesh`` or the mesh set with ``jax.set_mesh``) and tokens exchanged by all-to-all. Returns the
     output ``[..., H]``; the aux loss is sown into ``"intermediates"``/``"aux_loss"`` and the
     tokens per expert into ``"intermediates"``/``"tokens_per_expert"``. ``fp8``: the experts' recipe
-    (CurrentScaling or BlockScaling; ``te_ops.fp8.fp8_grouped_dense`` has no delayed scaling), None
-    (the context's) or False; the router, dispatch and combine stay in high precision.
+    (CurrentScaling, DelayedScaling or BlockScaling with 1 x 128 / 128 x 128 blocks), None (the
+    context's) or False; the router, dispatch and combine stay in high precision. With
+    DelayedScaling the state of the two grouped GEMMs lives in ``"fp8_state"``/``wi`` and ``wo``
+    (each ``{"x", "w", "g"}``, ``w`` with one history and scale per expert; created by ``init``).
     """
 
     num_experts: int
@@ -390,8 +406,9 @@ class MoEBlock(nn.Module):
         wi = _param(self, "wi", self.kernel_init, (self.num_experts, hdim, f2), self.param_dtype, self.wi_axes)
         wo = _param(self, "wo", self.kernel_init, (self.num_experts, self.ffn_dim, hdim), self.param_dtype,
                     self.wo_axes)  # fmt: skip
-        r = C.moe_apply(x, rkernel, wi, wo, cfg, bias, dtype=self.dtype, mesh=self.mesh,
-                        fp8=F.resolve("MoEBlock", self.fp8, grouped=True))  # fmt: skip
+        recipe = F.resolve("MoEBlock", self.fp8, grouped=True)
+        r = C.moe_apply(x, rkernel, wi, wo, cfg, bias, dtype=self.dtype, mesh=self.mesh, fp8=recipe,
+                        fp8_state=_moe_fp8_state(self, recipe))  # fmt: skip
         self.sow("intermediates", "aux_loss", r.aux_loss)
         self.sow("intermediates", "tokens_per_expert", r.tokens_per_expert)
         router.update(r.tokens_per_expert, self.expert_bias_update_rate, deterministic)

@@ -3,7 +3,9 @@
 Every Dense that runs with ``DelayedScaling`` (its own ``fp8=`` or the ``te_layers.fp8_recipe``
 context) keeps, in the ``"fp8_state"`` collection at its own path, three variables ``x``, ``w``,
 ``g`` (activation, kernel and output gradient), each ``{"amax_history": f32[history_len],
-"scale": f32[]}``; ``init`` creates them. The updated state is what ``jax.value_and_grad`` returns
+"scale": f32[]}``; ``init`` creates them. A MoEBlock with ``DelayedScaling`` keeps two variables,
+``wi`` and ``wo`` (one per grouped GEMM), each ``{"x", "w", "g"}`` with the kernel's ``w`` per
+expert (``amax_history [E, history_len]``, ``scale [E]``). The updated state is what ``jax.value_and_grad`` returns
 for ``"fp8_state"`` when the loss is differentiated with respect to it: keep that as the next state
 and give only the ``"params"`` gradients to the optimizer::
 

@@ -14,7 +14,7 @@ skip it) updated in place on training calls.
 
 FP8: ``Dense``, the ``MultiHeadAttention`` projections and the ``MoEBlock`` experts take ``fp8=`` (a
 ``te_ops.fp8`` recipe, None = the :func:`te_layers.fp8_recipe` context, False = high precision).
-A Dense built with DelayedScaling holds an :class:`FP8State` variable, updated by
+A Dense or MoEBlock built with DelayedScaling holds an :class:`FP8State` variable, updated by
 :func:`fp8_value_and_grad` (``te_layers.nnx.fp8``).
 
 Configuration is checked in ``__init__`` and inputs when a module is called, with the same messages as
@@ -287,7 +287,10 @@ class MoEBlock(nnx.Module):
     With ``expert_axis`` the experts are sharded over that mesh axis (``mesh`` or the mesh set with
     ``jax.set_mesh``) and tokens exchanged by all-to-all. Returns ``[..., H]``; the aux loss is sown
     as :class:`AuxLoss` and the token counts as :class:`TokensPerExpert`. ``fp8``: the experts'
-    recipe (CurrentScaling or BlockScaling), None (the context's) or False.
+    recipe (CurrentScaling, DelayedScaling or 1 x 128 / 128 x 128 BlockScaling), None (the
+    context's) or False. With DelayedScaling (argument, or the context at construction) the block
+    holds ``fp8_state``, an :class:`FP8State` with the state of both grouped GEMMs
+    (``{"wi", "wo"}``, the kernels' amax histories and scales one per expert).
     """
 
     def __init__(self, in_features: int, num_experts: int, topk: int, ffn_dim: int, *, activation: str = "silu",
@@ -307,6 +310,9 @@ class MoEBlock(nnx.Module):
         self.mesh = nnx.static(mesh)
         F.check_recipe_arg("MoEBlock", fp8)
         self.fp8 = nnx.static(fp8)
+        recipe = F.resolve("MoEBlock", fp8, grouped=True)
+        delayed = isinstance(recipe, F.DelayedScaling)
+        self.fp8_state = FP8State(F.initial_moe_state_tree(recipe, num_experts)) if delayed else nnx.data(None)
         self.in_features, self.dtype = in_features, dtype
         self.deterministic = V.flag("MoEBlock", "deterministic", deterministic)
         self.router = _RouterParams(in_features, num_experts, rc.use_expert_bias, router_param_dtype,
@@ -318,9 +324,13 @@ class MoEBlock(nnx.Module):
     def __call__(self, x: jax.Array, *, deterministic: bool | None = None) -> jax.Array:
         x = V.token_input("MoEBlock", x, self.dtype, self.in_features)
         det = self.deterministic if deterministic is None else deterministic
+        recipe = F.resolve("MoEBlock", self.fp8, grouped=True)
+        state = None
+        if isinstance(recipe, F.DelayedScaling):
+            state = None if self.fp8_state is None else self.fp8_state.get_value()
+            F.check_moe_state_tree("MoEBlock", state, recipe, self.wi.shape[0], "its FP8State variable (moe.fp8_state)")
         r = C.moe_apply(x, self.router.kernel[...], self.wi[...], self.wo[...], self.cfg, self.router.bias_value(),
-                        dtype=self.dtype, mesh=self.mesh,
-                        fp8=F.resolve("MoEBlock", self.fp8, grouped=True))  # fmt: skip
+                        dtype=self.dtype, mesh=self.mesh, fp8=recipe, fp8_state=state)  # fmt: skip
         self.sow(AuxLoss, "aux_loss", r.aux_loss)
         self.sow(TokensPerExpert, "tokens_per_expert", r.tokens_per_expert)
         self.router.update(self.cfg.router, r.tokens_per_expert, det)

@@ -2,7 +2,8 @@
 
 A Dense created with ``DelayedScaling`` (its own ``fp8=`` or the ``te_layers.fp8_recipe`` context at
 construction) holds ``dense.fp8_state``, an :class:`FP8State` whose value is
-``{"x"|"w"|"g": {"amax_history": f32[history_len], "scale": f32[]}}``. ``FP8State`` is not an
+``{"x"|"w"|"g": {"amax_history": f32[history_len], "scale": f32[]}}`` (a MoEBlock's ``moe.fp8_state``
+holds ``{"wi": ..., "wo": ...}`` of those, the kernels' ``w`` per expert). ``FP8State`` is not an
 ``nnx.Param``, so ``nnx.Optimizer(model, tx, wrt=nnx.Param)`` never touches it, and
 ``nnx.state(model, FP8State)`` selects every layer's state (for checkpoints). The update is the
 "gradient" of the state, which :func:`fp8_value_and_grad` computes alongside the parameter

@@ -317,16 +317,17 @@ def test_nn_scan_over_layers_keeps_a_state_per_layer():
 MOE_RECIPES = {"current": CurrentScaling(), "block": BlockScaling()}
 
 
-def _moe_reference(x, rk, wi, wo, recipe):
-    """MoEBlock's forward written with the te_ops ops directly (softmax top-k, SwiGLU experts)."""
+def _moe_reference(x, rk, wi, wo, recipe, states=(None, None)):
+    """MoEBlock's forward written with the te_ops ops directly (softmax top-k, SwiGLU experts);
+    ``states``: the two grouped GEMMs' DenseScalingStates with delayed scaling."""
     x2 = x.reshape(-1, A.H)
     logits = te_dense(x2.astype(jnp.float32), rk.astype(jnp.float32))
     probs, rmap = fused_topk_with_score_function(logits, A.K, score_function="softmax")
     d = token_dispatch(x2, rmap, x2.shape[0] * A.K)
     gs = d.tokens_per_expert.astype(jnp.int32)
-    h = fp8_grouped_dense(d.out, wi, gs, recipe).astype(jnp.float32)
+    h = fp8_grouped_dense(d.out, wi, gs, recipe, state=states[0]).astype(jnp.float32)
     h = (jax.nn.silu(h[:, : A.F]) * h[:, A.F :]).astype(x.dtype)
-    y = fp8_grouped_dense(h, wo, gs, recipe)
+    y = fp8_grouped_dense(h, wo, gs, recipe, state=states[1])
     return token_combine(y, d.row_id_map, merging_probs=probs).reshape(x.shape)
 
 
@@ -350,6 +351,126 @@ def test_moe_experts_match_fp8_grouped_dense(recipe):
     jax.tree.map(lambda a, b: _exact(a, b, "gradients"), g, w)
     hp = te_linen.MoEBlock(A.E, A.K, A.F, aux_loss_coeff=0.0).apply({"params": params}, x)
     assert float(jnp.max(jnp.abs(hp - y))) > 1e-4  # the experts really ran in FP8
+
+
+MOE_DELAYED = DelayedScaling(history_len=3)
+
+
+def _moe_state_from_tree(tree):
+    from te_layers._fp8 import from_tree
+
+    return (from_tree(tree["wi"]), from_tree(tree["wo"]))
+
+
+def test_moe_delayed_matches_fp8_grouped_dense():
+    """Linen MoEBlock with DelayedScaling over two training steps: the output, the parameter gradients
+    and the updated "fp8_state" (wi and wo, the kernels' histories and scales per expert) are
+    bit-identical to fp8_grouped_dense called directly with the same states."""
+    m = te_linen.MoEBlock(A.E, A.K, A.F, aux_loss_coeff=0.0, fp8=MOE_DELAYED)
+    x0 = _x(40, (A.B, A.S, A.H))
+    variables = nn.meta.unbox(jax.jit(m.init)(jax.random.key(3), x0))
+    tree = variables["fp8_state"]
+    assert tree["wi"]["w"]["amax_history"].shape == (A.E, 3) and tree["wo"]["x"]["scale"].shape == ()
+    lvg = jax.jit(te_linen.fp8_value_and_grad(lambda v, x: _loss_of(m.apply(v, x))))
+
+    def ref_loss(p, sts, x):
+        return _loss_of(_moe_reference(x, p["router"]["kernel"], p["wi"], p["wo"], MOE_DELAYED, sts))
+
+    rvg = jax.jit(jax.value_and_grad(ref_loss, argnums=(0, 1)))
+    for step in range(2):
+        x = _x(41 + step, (A.B, A.S, A.H)) * (1 + step)
+        p, sts = variables["params"], _moe_state_from_tree(variables["fp8_state"])
+        _exact(m.apply(variables, x), _moe_reference(x, p["router"]["kernel"], p["wi"], p["wo"], MOE_DELAYED, sts),
+               f"forward, step {step}")  # fmt: skip
+        val, g, new_vars = lvg(variables, x)
+        want_val, (want_g, want_sts) = rvg(p, sts, x)
+        _exact(val, want_val, "loss")
+        jax.tree.map(lambda a, b: _exact(a, b, "gradients"), g, want_g)
+        got_sts = _moe_state_from_tree(new_vars["fp8_state"])
+        jax.tree.map(lambda a, b, s=step: _exact(a, b, f"state, step {s}"), got_sts, want_sts)
+        assert float(got_sts[0].w.amax_history[1, step]) > 0 and float(got_sts[1].g.amax_history[step]) > 0
+        variables = new_vars
+    assert len(set(np.asarray(variables["fp8_state"]["wo"]["w"]["scale"]).tolist())) == A.E  # one per expert
+
+
+def test_moe_delayed_three_front_ends_agree():
+    """MoEBlock experts with DelayedScaling from the fp8_recipe context: Linen ("fp8_state"), NNX
+    (FP8State) and Equinox (StateIndex) give the same outputs, gradients and states over two steps
+    through their own fp8_value_and_grad."""
+    with te_layers.fp8_recipe(MOE_DELAYED):
+        lm = te_linen.MoEBlock(A.E, A.K, A.F, aux_loss_coeff=0.0)
+        x0 = _x(50, (A.B, A.S, A.H))
+        variables = nn.meta.unbox(jax.jit(lm.init)(jax.random.key(0), x0))
+        nm = A.load_nnx(te_nnx.MoEBlock(A.H, A.E, A.K, A.F, aux_loss_coeff=0.0, rngs=nnx.Rngs(1)), variables["params"])
+        em, estate = eqx.nn.make_with_state(te_eqx.MoEBlock)(A.H, A.E, A.K, A.F, aux_loss_coeff=0.0,
+                                                              key=jax.random.key(2))  # fmt: skip
+        em = A.load_eqx(em, variables["params"])
+        assert isinstance(nm.fp8_state, te_nnx.FP8State) and em.fp8_index is not None
+        lvg = te_linen.fp8_value_and_grad(lambda v, x: _loss_of(lm.apply(v, x)))
+        nvg = te_nnx.fp8_value_and_grad(lambda m, x: _loss_of(m(x)))
+        evg = te_eqx.fp8_value_and_grad(lambda m, s, x: _loss_of(m(x, s)[0][0]))
+        for step in range(2):
+            x = _x(51 + step, (A.B, A.S, A.H))
+            ly = lm.apply(variables, x)
+            _exact(nm(x), ly, f"nnx output, step {step}")
+            (ey, _), same = em(x, estate)
+            assert same is estate
+            _exact(ey, ly, f"eqx output, step {step}")
+            _, lg, variables = lvg(variables, x)
+            _, ng = nvg(nm, x)
+            _, eg, estate = evg(em, estate, x)
+            for path in (("wi",), ("wo",), ("router", "kernel")):
+                want = _get(lg, path)
+                _exact(_get(ng, path)[...], want, f"nnx grad {path}")
+                _exact(_get(eg, path), want, f"eqx grad {path}")
+            want = variables["fp8_state"]
+            jax.tree.map(lambda a, b: _exact(a, b, "nnx state"), nm.fp8_state.get_value(), want)
+            jax.tree.map(lambda a, b: _exact(a, b, "eqx state"), estate.get(em.fp8_index), want)
+            assert float(want["wi"]["g"]["amax_history"][step]) > 0
+
+
+def test_moe_delayed_expert_parallel_state_matches_unsharded():
+    """Experts split over 8 CPU devices: each expert's kernel state comes from its own shard, and the
+    x / g states (rows split over the shards) are combined by max, so the updated state is
+    bit-identical to the unsharded block's; outputs and gradients agree."""
+    from jax.sharding import Mesh
+
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 devices (tests/conftest.py sets 8 virtual CPU devices)")
+    mesh = Mesh(np.array(jax.devices()[:8]), ("ep",))
+    e, h = 16, 32
+    common = dict(num_experts=e, topk=2, ffn_dim=16, aux_loss_coeff=0.0, fp8=MOE_DELAYED)
+    ref, ep = te_linen.MoEBlock(**common), te_linen.MoEBlock(**common, expert_axis="ep", mesh=mesh)
+    x = _x(60, (4, 16, h))  # 64 tokens, 8 per shard; 2 experts per shard
+    variables = nn.meta.unbox(jax.jit(ref.init)(jax.random.key(4), x))
+    outs = []
+    for mod in (ref, ep):
+        vg = jax.jit(te_linen.fp8_value_and_grad(lambda v, x, mod=mod: _loss_of(mod.apply(v, x))))
+        outs.append(vg(variables, x))
+    (v0, g0, n0), (v1, g1, n1) = outs
+    jax.tree.map(lambda a, b: _exact(a, b, "state"), n1["fp8_state"], n0["fp8_state"])
+    np.testing.assert_allclose(float(v1), float(v0), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+def test_moe_delayed_state_missing_or_mismatched():
+    x = _x(13, (A.B, A.S, A.H))
+    m = te_linen.MoEBlock(A.E, A.K, A.F, fp8=MOE_DELAYED)
+    v = m.init(jax.random.key(0), x)
+    want = r"MoEBlock: fp8 is DelayedScaling\(.*\), which needs the experts' delayed-scaling state in the 'fp8_state'"
+    with pytest.raises(ValueError, match=want + " collection passed to apply"):
+        m.apply({"params": v["params"]}, x)
+    other = te_linen.MoEBlock(A.E + 4, A.K, A.F, fp8=MOE_DELAYED).init(jax.random.key(0), x)["fp8_state"]
+    with pytest.raises(ValueError, match=r"'w' with amax_history \[4, 3\] and scale \[4\], one per expert\), got "
+                                         r".*'amax_history': \(8, 3\)"):  # fmt: skip
+        m.apply({"params": v["params"], "fp8_state": other}, x)
+    nm = te_nnx.MoEBlock(A.H, A.E, A.K, A.F, rngs=nnx.Rngs(0))  # built without delayed scaling
+    with te_layers.fp8_recipe(MOE_DELAYED), pytest.raises(ValueError, match=r"FP8State variable \(moe.fp8_state\)"):
+        nm(x)
+    em, state = eqx.nn.make_with_state(te_eqx.MoEBlock)(A.H, A.E, A.K, A.F, fp8=MOE_DELAYED, key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"\(out, aux\), state = moe\(x, state\).*no state was passed"):
+        em(x)
 
 
 def test_mha_projections_are_fp8_dense():
@@ -531,8 +652,8 @@ def test_context_rejects_non_recipe():
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
-def test_moe_refuses_delayed_scaling(framework):
-    """fp8_grouped_dense has no delayed scaling: MoEBlock says so, naming fp8 (or the context)."""
+def test_moe_refuses_recipes_fp8_grouped_dense_cannot_take(framework):
+    """Blocks other than 1 x 128 / 128 x 128: MoEBlock says so, naming fp8 (or the context)."""
     x = _x(11, (A.B, A.S, A.H))
 
     def call(fp8):
@@ -543,12 +664,11 @@ def test_moe_refuses_delayed_scaling(framework):
             return te_nnx.MoEBlock(A.H, A.E, A.K, A.F, fp8=fp8, rngs=nnx.Rngs(0))(x)
         return te_eqx.MoEBlock(A.H, A.E, A.K, A.F, fp8=fp8, key=jax.random.key(0))(x)
 
-    with pytest.raises(ValueError, match=r"MoEBlock: fp8 \(the experts' recipe\) must be CurrentScaling.*"
-                                         r"got DelayedScaling\(.*\) from fp8="):  # fmt: skip
-        call(DelayedScaling())
-    with pytest.raises(ValueError, match=r"got BlockScaling\(.*act_block=\(1, 16\).* from fp8="):
+    with pytest.raises(ValueError, match=r"MoEBlock: fp8 \(the experts' recipe\) must be CurrentScaling, "
+                                         r"DelayedScaling, or BlockScaling with act_block \(1, 128\).*"
+                                         r"got BlockScaling\(.*act_block=\(1, 16\).* from fp8="):  # fmt: skip
         call(RECIPES["block"])
-    with te_layers.fp8_recipe(DelayedScaling()):
+    with te_layers.fp8_recipe(RECIPES["block"]):
         with pytest.raises(ValueError, match=r"from the te_layers.fp8_recipe context's recipe\. Pass fp8="):
             call(None)
         call(CurrentScaling())  # its own fp8= wins over the context
