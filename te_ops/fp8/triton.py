@@ -608,14 +608,17 @@ def tensor_amax(x: jax.Array, batch: int = 1) -> jax.Array:
 
 @functools.cache
 def _sharded_amax(batched, partition):
-    local = (lambda x: _amax_local(x, x.shape[0])) if batched else (lambda x: _amax_local(x, 1))
+    # batched: one amax per slice [B] even where a shard holds one slice (expert parallelism with one
+    # expert per shard), so the shards' results concatenate
+    local = (lambda x: _amax_local(x, x.shape[0], vector=True)) if batched else (lambda x: _amax_local(x, 1))
     return sharding.amax(local, batched=batched) if partition else local
 
 
-def _amax_local(x, batch):
+def _amax_local(x, batch, vector=False):
     n = x.size // batch
+    vector = vector or batch != 1
     if n == 0:
-        return jnp.zeros(() if batch == 1 else (batch,), jnp.float32)
+        return jnp.zeros((batch,) if vector else (), jnp.float32)
     (bits,) = tb.triton_call(
         _k().amax_kernel,
         x.reshape(batch, n),
@@ -628,7 +631,7 @@ def _amax_local(x, batch):
         name="te_fp8_amax",
     )
     amax = jax.lax.bitcast_convert_type(bits, jnp.float32)
-    return amax[0] if batch == 1 else amax
+    return amax if vector else amax[0]
 
 
 def tensor_cast(
@@ -663,16 +666,16 @@ def tensor_cast(
 def _sharded_cast(fmt, with_amax, from_amax, margin, power_of_2, batched, partition):
     def local(x, s):
         q, amax, sinv = _tensor_cast_local(x, s, fmt, with_amax, from_amax, margin, power_of_2,
-                                           x.shape[0] if batched else 1)  # fmt: skip
+                                           x.shape[0] if batched else 1, vector=batched)  # fmt: skip
         return (q, amax, sinv) if with_amax else (q, sinv)
 
     return sharding.tensor_cast(local, with_amax=with_amax, batched=batched) if partition else local
 
 
-def _tensor_cast_local(x, scale, fmt, with_amax, from_amax, margin, power_of_2, batch):
+def _tensor_cast_local(x, scale, fmt, with_amax, from_amax, margin, power_of_2, batch, vector=False):
     n = x.size // batch
     mbits, emin = FORMAT_BITS[fmt]
-    vec = () if batch == 1 else (batch,)
+    vec = (batch,) if vector or batch != 1 else ()
     if n == 0:
         from te_ops.fp8 import reference as ref
 

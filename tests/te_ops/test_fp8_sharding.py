@@ -60,18 +60,18 @@ def _nonzero(counts):
 # ----------------------------------------------------------------------------------------------
 
 
-def ref_amax_local(x, batch):
-    return ref.amax(x) if batch == 1 else jax.vmap(ref.amax)(x.reshape(batch, -1))
+def ref_amax_local(x, batch, vector=False):
+    return ref.amax(x) if batch == 1 and not vector else jax.vmap(ref.amax)(x.reshape(batch, -1))
 
 
-def ref_cast_local(x, scale, fmt, with_amax, from_amax, margin, power_of_2, batch):
+def ref_cast_local(x, scale, fmt, with_amax, from_amax, margin, power_of_2, batch, vector=False):
     xb = x.reshape(batch, -1)
     s = jnp.asarray(scale, F32).reshape(batch)
     if from_amax:
         s = ref.compute_scale(s, format_max(fmt), margin, power_of_2)
     q = jax.vmap(lambda a, sc: ref.cast_scaled(a, sc, fmt))(xb, s).reshape(x.shape)
     amax = jax.vmap(ref.amax)(xb) if with_amax else None
-    vec = () if batch == 1 else (batch,)
+    vec = () if batch == 1 and not vector else (batch,)
     return q, (None if amax is None else amax.reshape(vec)), (1.0 / s).astype(F32).reshape(vec)
 
 
@@ -528,12 +528,14 @@ def test_fp8_grouped_dense_delayed_amax_reduced_over_the_row_axis(request, impl)
     assert _scalar_reduce_axes(step, [x, kernels, state], specs, mesh) == ["'a'"]
 
 
-def test_fp8_grouped_dense_delayed_expert_parallel_triton(triton_on_cpu):
-    """Expert parallel (the rows and the experts on mesh axis "b", two experts per shard): each
-    expert's kernel amax comes from its own shard, x's and dy's are max-reduced over "b"; the state
-    is bit-identical to the unsharded step's."""
+@pytest.mark.parametrize("mesh_shape", [(4, 2), (2, 4)], ids=["two-experts-per-shard", "one-expert-per-shard"])
+def test_fp8_grouped_dense_delayed_expert_parallel_triton(triton_on_cpu, mesh_shape):
+    """Expert parallel (the rows and the experts on mesh axis "b", two experts or one per shard):
+    each expert's kernel amax comes from its own shard, x's and dy's are max-reduced over "b"; the
+    state is bit-identical to the unsharded step's. (One expert per shard: each shard's batched
+    per-expert cast still returns [1]-shaped amaxes and scales, which concatenate.)"""
     recipe = fp8.DelayedScaling(history_len=3)
-    mesh = T.cpu_mesh((4, 2), ("a", "b"))
+    mesh = T.cpu_mesh(mesh_shape, ("a", "b"))
     x, kernels = _x(32, (1024, 256), jnp.bfloat16), _x(33, (4, 256, 256), jnp.bfloat16) * 0.05
     gs = jnp.asarray([256, 256, 256, 256], jnp.int32)  # each shard's rows are its experts' rows
 
