@@ -15,7 +15,7 @@ FP8 (te_ops.fp8 recipes through the ``te_layers.fp8_recipe`` context; embeddings
 the attention core stay in high precision). ``delayed``: DelayedScaling for the attention projections
 (their amax histories and scales live in the Linen ``"fp8_state"`` collection, carried by the training
 step and checkpointed, never given to the optimizer) and CurrentScaling for the experts, since
-``fp8_grouped_dense`` has no delayed scaling. Checkpoints hold the params, the optimizer state and the
+te_layers' MoEBlock takes no delayed scaling (yet). Checkpoints hold the params, the optimizer state and the
 FP8 state; ``--save-every K`` keeps one every K steps and ``--resume DIR`` continues a run from one,
 reproducing the uninterrupted run's losses.
 
@@ -75,7 +75,7 @@ def fp8_context(c: dict):
 
 def expert_fp8(c: dict):
     """The MoEBlock experts' ``fp8=``: None (the context's recipe), except with ``delayed``, which the
-    experts' grouped GEMM (te_ops.fp8.fp8_grouped_dense) does not have: CurrentScaling there."""
+    MoEBlock does not take (its experts run CurrentScaling or BlockScaling): CurrentScaling there."""
     return CurrentScaling() if c.get("fp8") == "delayed" else None
 
 
@@ -247,7 +247,7 @@ def describe_fp8(name: str) -> str:
     recipe = FP8_RECIPES[name]
     if name == "delayed":
         return (f"fp8 delayed: attention projections {recipe!r} (state in the {tel.FP8_COLLECTION!r} collection), "
-                f"experts {expert_fp8({'fp8': name})!r} (fp8_grouped_dense has no delayed scaling)")  # fmt: skip
+                f"experts {expert_fp8({'fp8': name})!r} (MoEBlock takes no delayed scaling)")  # fmt: skip
     return f"fp8 {name}: attention projections and experts {recipe!r}"
 
 
@@ -407,7 +407,7 @@ def parse_args(argv=None):
                     help="FP8 GEMMs in the attention projections and the experts (te_ops.fp8 recipes with their "
                          "defaults): current = per-tensor current scaling, delayed = per-tensor delayed scaling for "
                          "the attention projections (state in the 'fp8_state' collection) with current scaling for "
-                         "the experts (fp8_grouped_dense has no delayed scaling), block = 1x128 / 128x128 block "
+                         "the experts (te_layers' MoEBlock takes no delayed scaling), block = 1x128 / 128x128 block "
                          "scaling. Embeddings, router, norms and the attention core stay in --dtype")
     ap.add_argument("--no-checkpoint", action="store_true")
     ap.add_argument("--save-every", type=int, default=0,
