@@ -13,9 +13,9 @@ summary.json into --out.
 ``--fp8 {none,current,delayed,block}`` runs the GEMMs of the attention projections and the experts in
 FP8 (te_ops.fp8 recipes through the ``te_layers.fp8_recipe`` context; embeddings, router, norms and
 the attention core stay in high precision). ``delayed``: DelayedScaling for the attention projections
-(their amax histories and scales live in the Linen ``"fp8_state"`` collection, carried by the training
-step and checkpointed, never given to the optimizer) and CurrentScaling for the experts, since
-te_layers' MoEBlock takes no delayed scaling (yet). Checkpoints hold the params, the optimizer state and the
+and the experts (per-expert kernel scales); the amax histories and scales live in the Linen
+``"fp8_state"`` collection, carried by the training step and checkpointed, never given to the
+optimizer. Checkpoints hold the params, the optimizer state and the
 FP8 state; ``--save-every K`` keeps one every K steps and ``--resume DIR`` continues a run from one,
 reproducing the uninterrupted run's losses.
 
@@ -73,12 +73,6 @@ def fp8_context(c: dict):
     return te_layers.fp8_recipe(recipe) if recipe is not None else contextlib.nullcontext()
 
 
-def expert_fp8(c: dict):
-    """The MoEBlock experts' ``fp8=``: None (the context's recipe), except with ``delayed``, which the
-    MoEBlock does not take (its experts run CurrentScaling or BlockScaling): CurrentScaling there."""
-    return CurrentScaling() if c.get("fp8") == "delayed" else None
-
-
 def rms_norm(c: dict, name: str) -> nn.Module:
     """The model's RMSNorm: te_layers' fused one (``norm="te"``, the default) or flax's (``"flax"``).
     Both hold one ``scale`` parameter [d_model], so checkpoints work with either."""
@@ -105,7 +99,7 @@ class Block(nn.Module):
             h, x = rms_norm(c, "ln2")(a, residual=x)
         return x + tel.MoEBlock(
             c["experts"], c["topk"], c["ffn"], aux_loss_coeff=c["aux_coeff"], dtype=c["dtype"],
-            expert_axis=c.get("expert_axis"), mesh=c.get("mesh"), fp8=expert_fp8(c), name="moe",
+            expert_axis=c.get("expert_axis"), mesh=c.get("mesh"), name="moe",
         )(h, deterministic=deterministic)  # fmt: skip
 
 
@@ -245,10 +239,8 @@ def describe_fp8(name: str) -> str:
     if name == "none":
         return "fp8 none (every GEMM in the compute dtype)"
     recipe = FP8_RECIPES[name]
-    if name == "delayed":
-        return (f"fp8 delayed: attention projections {recipe!r} (state in the {tel.FP8_COLLECTION!r} collection), "
-                f"experts {expert_fp8({'fp8': name})!r} (MoEBlock takes no delayed scaling)")  # fmt: skip
-    return f"fp8 {name}: attention projections and experts {recipe!r}"
+    where = f" (state in the {tel.FP8_COLLECTION!r} collection)" if name == "delayed" else ""
+    return f"fp8 {name}: attention projections and experts {recipe!r}{where}"
 
 
 CKPT_TREES = ("params", "opt_state", tel.FP8_COLLECTION)  # orbax sub-directories of a checkpoint
@@ -405,10 +397,9 @@ def parse_args(argv=None):
                     help="shard the experts over all devices (mesh axis 'ep'); experts and tokens must divide")
     ap.add_argument("--fp8", default="none", choices=list(FP8_RECIPES),
                     help="FP8 GEMMs in the attention projections and the experts (te_ops.fp8 recipes with their "
-                         "defaults): current = per-tensor current scaling, delayed = per-tensor delayed scaling for "
-                         "the attention projections (state in the 'fp8_state' collection) with current scaling for "
-                         "the experts (te_layers' MoEBlock takes no delayed scaling), block = 1x128 / 128x128 block "
-                         "scaling. Embeddings, router, norms and the attention core stay in --dtype")
+                         "defaults): current = per-tensor current scaling, delayed = per-tensor delayed scaling (per "
+                         "expert for the expert kernels; state in the 'fp8_state' collection), block = 1x128 / "
+                         "128x128 block scaling. Embeddings, router, norms and the attention core stay in --dtype")
     ap.add_argument("--no-checkpoint", action="store_true")
     ap.add_argument("--save-every", type=int, default=0,
                     help="also write a checkpoint every this many steps into --out/checkpoints/step_<N> (0: never)")

@@ -66,12 +66,13 @@ def test_train_moe_fp8_delayed_resume_reproduces_the_run(tmp_path):
     # continued it: after step 6 every history holds 6 amaxes. A state started fresh at step 3 would hold 3.
     st3, st6 = _restore_tree(step3 / "fp8_state"), _restore_tree(tmp_path / "resumed" / "checkpoint" / "fp8_state")
     hist = [k for k in st3 if k.endswith("amax_history")]
-    assert len(hist) == 6, list(st3)  # the fused qkv and the out projection, each x, w, g
+    # attn/{qkv,out} and moe/{wi,wo}, each x, w, g (the expert kernels' w: one history per expert)
+    assert len(hist) == 12 and st3["block0/moe/wi/w/amax_history"].shape == (4, 1024), list(st3)
     for k in hist:
-        assert (st3[k][:3] > 0).all() and (st3[k][3:] == 0).all(), (k, st3[k][:5])
-        assert (st6[k][:6] > 0).all() and (st6[k][6:] == 0).all(), (k, st6[k][:8])
-        np.testing.assert_array_equal(st6[k][3:6], st3[k][:3], err_msg=k)  # the step-3 history, shifted by 3
-    assert any(st3[k.replace("amax_history", "scale")] != 1 for k in hist)
+        assert (st3[k][..., :3] > 0).all() and (st3[k][..., 3:] == 0).all(), (k, st3[k][..., :5])
+        assert (st6[k][..., :6] > 0).all() and (st6[k][..., 6:] == 0).all(), (k, st6[k][..., :8])
+        np.testing.assert_array_equal(st6[k][..., 3:6], st3[k][..., :3], err_msg=k)  # step 3's, shifted by 3
+    assert all((st3[k.replace("amax_history", "scale")] != 1).any() for k in hist)
 
 
 # ------------------------------------------------------------------------------------------------
