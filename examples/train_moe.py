@@ -436,8 +436,6 @@ def resume_from(args, cfg: dict, trees: dict) -> tuple[int, dict]:
         print(f"resume: checkpoint trained with --fp8 {saved['fp8']} has no delayed-scaling state; starting it fresh")
         del want[tel.FP8_COLLECTION]
     out = dict(trees, **restore_checkpoint(args.resume, want))
-    # restored arrays are committed to their devices; commit the fresh ones too, so that the step compiles once
-    out = jax.tree.map(lambda a: jax.device_put(a, a.sharding), out)
     train = meta.get("train", {})
     changed = {k: (train[k], getattr(args, k)) for k in train if train[k] != getattr(args, k)}
     if saved["fp8"] != cfg.get("fp8", "none"):
@@ -461,14 +459,20 @@ def main(argv=None):
     it = batches(train, args.batch, args.seq, args.seed + 1)
     windows = eval_windows(valid, args.batch, args.seq, args.eval_tokens)
     evaluate = make_eval_fn(model, windows)
-    # unboxed (plain arrays, no partitioning metadata): the trees a checkpoint holds and restores into
+    # Unboxed (plain arrays, no partitioning metadata): the trees a checkpoint holds and restores into. Placed
+    # explicitly (one device, or replicated over the expert-parallel mesh), so that restored arrays land where
+    # fresh ones do.
+    place = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    if args.expert_parallel:
+        place = jax.sharding.NamedSharding(cfg["mesh"], jax.sharding.PartitionSpec())
     variables = nn.meta.unbox(jax.jit(model.init)(jax.random.key(args.seed),
                                                   jnp.zeros((args.batch, args.seq), jnp.int32)))  # fmt: skip
+    variables = jax.device_put(variables, place)
     params = variables["params"]
     fp8_state = variables.get(tel.FP8_COLLECTION)  # --fp8 delayed: amax histories and scales, not parameters
     n_params = sum(int(p.size) for p in jax.tree.leaves(params))
     tx = make_optimizer(args.lr, args.steps, args.warmup)
-    opt_state = tx.init(params)  # the optimizer sees the params only
+    opt_state = jax.device_put(tx.init(params), place)  # the optimizer sees the params only
     step = make_train_step(model, tx, fp8_state=fp8_state is not None)
     print(f"te_layers MoE LM: {n_params:,} parameters, {cfg['layers']} layers, {cfg['experts']} experts top-"
           f"{cfg['topk']}, batch {args.batch} x seq {args.seq}, {args.dtype}, backend {jax.default_backend()}")
