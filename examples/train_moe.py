@@ -24,7 +24,7 @@ reproducing the uninterrupted run's losses.
     python examples/train_moe.py --steps 2000 --batch 64 --seq 256 --d-model 512 --layers 8 \
         --heads 8 --kv-heads 2 --experts 16 --topk 2 --ffn 1024 --dtype bfloat16   # GPU
     python examples/train_moe.py --dtype bfloat16 --fp8 block --save-every 100     # FP8, checkpoints
-    python examples/train_moe.py --steps 300 --resume examples/out/train_moe/checkpoints/step_100
+    python examples/train_moe.py --dtype bfloat16 --fp8 block --resume examples/out/train_moe/checkpoints/step_100
 
 benchmarks/train_moe.py times this model against the same architecture written in plain JAX (cuDNN
 attention with capacity-padded batched-einsum experts, and XLA attention with ``jax.lax.ragged_dot``
@@ -306,7 +306,7 @@ class Progress:
     """tqdm when installed, else a plain line every few seconds; ``write`` prints above the bar."""
 
     def __init__(self, total, initial=0):
-        self.total, self.last = total, 0.0
+        self.total, self.last, self.first = total, 0.0, initial
         try:
             from tqdm import tqdm
 
@@ -322,7 +322,7 @@ class Progress:
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(post)
-        elif i == self.total - 1 or time.perf_counter() - self.last > 5 or i < 1:
+        elif i == self.total - 1 or time.perf_counter() - self.last > 5 or i <= self.first:
             self.last = time.perf_counter()
             print(f"step {i + 1:5d}/{self.total}  loss {loss:.4f}  {tok_s:,.0f} tokens/s", flush=True)
 
