@@ -299,11 +299,11 @@ def _dbwd_impl(recipe, implementation, res, dy):
 _fp8_grouped_delayed.defvjp(_dfwd, _dbwd)
 
 
-def _check_grouped_state(recipe: DelayedScaling, state, g: int) -> None:
+def _check_grouped_state(recipe: DelayedScaling, state, g: int, op: str = OP) -> None:
     fix = f"te_ops.fp8.initial_grouped_state(recipe, num_groups={g})"
     if not isinstance(state, DenseScalingState):
         raise TypeError(
-            err(OP, f"DelayedScaling needs state=DenseScalingState with one kernel state per expert ({fix}), got "
+            err(op, f"DelayedScaling needs state=DenseScalingState with one kernel state per expert ({fix}), got "
                     f"{state!r:.80}.")
         )  # fmt: skip
     h = recipe.history_len
@@ -314,7 +314,7 @@ def _check_grouped_state(recipe: DelayedScaling, state, g: int) -> None:
         if (hist, sc) != (w_hist, w_scale):
             per = " (one per expert of kernels [G, K, N])" if name == "w" else ""
             raise ValueError(
-                err(OP, f"state.{name} must hold amax_history {list(w_hist)} and scale {list(w_scale)}{per} "
+                err(op, f"state.{name} must hold amax_history {list(w_hist)} and scale {list(w_scale)}{per} "
                         f"(recipe.history_len={h}, G={g}), got amax_history {list(hist)} and scale {list(sc)}. "
                         f"Create it with {fix}.")
             )  # fmt: skip
