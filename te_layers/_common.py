@@ -370,18 +370,48 @@ class MoEConfig:
     gated: bool = True
     expert_axis: str | None = None  # mesh axis the experts (and tokens) are split over
     grouped_gemm: str = "auto"
+    fp8_dispatch: bool = True  # with FP8 experts (no expert_axis): dispatch FP8 rows (moe_apply)
 
     def __post_init__(self):
         if not isinstance(self.router, RouterConfig):
             raise TypeError(f"te_layers.MoEConfig: router must be a RouterConfig, got {type(self.router).__name__}.")
         V.check_moe_ffn(self.router.layer, ffn_dim=self.ffn_dim, activation_=self.activation, gated=self.gated,
-                        expert_axis=self.expert_axis, grouped_gemm=self.grouped_gemm)  # fmt: skip
+                        expert_axis=self.expert_axis, grouped_gemm=self.grouped_gemm,
+                        fp8_dispatch=self.fp8_dispatch)  # fmt: skip
 
 
 class MoEOutput(NamedTuple):
     out: jax.Array  # [..., H]
     aux_loss: jax.Array  # scalar float32
     tokens_per_expert: jax.Array  # int32 [E] (global)
+
+
+def _grouped_gemm(fp8, fp8_state):
+    """``grouped(a, kernels, group_sizes, backend, which)``: ``te_ops.fp8.fp8_grouped_dense`` with a
+    recipe (``which``: "wi" or "wo", the state tree entry with DelayedScaling), else
+    :func:`grouped_dense`."""
+    if fp8 is None:
+        return lambda a, k, gs, backend, which: grouped_dense(a, k, gs, backend=backend)
+    from te_layers._fp8 import from_tree
+    from te_ops.fp8 import DelayedScaling, fp8_grouped_dense
+
+    delayed = isinstance(fp8, DelayedScaling)
+
+    def gemm(a, k, gs, backend, which):
+        st = from_tree(fp8_state[which]) if delayed else None
+        return fp8_grouped_dense(a, k, gs.astype(jnp.int32), fp8, state=st)
+
+    return gemm
+
+
+def _ffn_activation(h, activation, gated, dtype):
+    """``act(h)`` or, gated, ``act(h[:, :F]) * h[:, F:]``, in float32, rounded to ``dtype``."""
+    act = activation_fn(activation)
+    hf = h.astype(jnp.float32)
+    if gated:
+        f = h.shape[-1] // 2
+        return (act(hf[:, :f]) * hf[:, f:]).astype(dtype)
+    return act(hf).astype(dtype)
 
 
 def expert_ffn(x, wi, wo, group_sizes, *, activation, gated, backend, fp8=None, fp8_state=None):
@@ -391,31 +421,24 @@ def expert_ffn(x, wi, wo, group_sizes, *, activation, gated, backend, fp8=None, 
     or None; with one, both grouped GEMMs are ``te_ops.fp8.fp8_grouped_dense`` (``backend`` is then
     not used). ``fp8_state``: with DelayedScaling, ``{"wi": tree, "wo": tree}`` (the state of each
     grouped GEMM as a dict tree, ``te_layers._fp8.initial_moe_state_tree``)."""
-    if fp8 is not None:
-        from te_layers._fp8 import from_tree
-        from te_ops.fp8 import DelayedScaling, fp8_grouped_dense
-
-        delayed = isinstance(fp8, DelayedScaling)
-
-        def gemm(a, k, gs, backend, which):
-            st = from_tree(fp8_state[which]) if delayed else None
-            return fp8_grouped_dense(a, k, gs.astype(jnp.int32), fp8, state=st)
-
-        grouped = gemm
-    else:
-
-        def grouped(a, k, gs, backend, which):
-            return grouped_dense(a, k, gs, backend=backend)
-
+    grouped = _grouped_gemm(fp8, fp8_state)
     h = grouped(x, wi.astype(x.dtype), group_sizes, backend, "wi")
-    act = activation_fn(activation)
-    if gated:
-        f = h.shape[-1] // 2
-        hf = h.astype(jnp.float32)
-        h = (act(hf[:, :f]) * hf[:, f:]).astype(x.dtype)
-    else:
-        h = act(h.astype(jnp.float32)).astype(x.dtype)
+    h = _ffn_activation(h, activation, gated, x.dtype)
     return grouped(h, wo.astype(x.dtype), group_sizes, backend, "wo")
+
+
+def _fp8_dispatch_ffn(x2d, routing_map, n, wi, wo, cfg: MoEConfig, fp8, fp8_state):
+    """FP8 token dispatch: ``te_ops.fp8.fp8_dispatch_grouped_dense`` (tokens quantized once, FP8
+    rows dispatched, the wi GEMM on them), then the activation and the wo GEMM as in
+    :func:`expert_ffn`. Returns (y [N, H], row_id_map)."""
+    from te_layers._fp8 import from_tree
+    from te_ops.fp8 import DelayedScaling, fp8_dispatch_grouped_dense
+
+    st = from_tree(fp8_state["wi"]) if isinstance(fp8, DelayedScaling) else None
+    d = fp8_dispatch_grouped_dense(x2d, routing_map, n, wi.astype(x2d.dtype), fp8, state=st)
+    h = _ffn_activation(d.out, cfg.activation, cfg.gated, x2d.dtype)
+    y = _grouped_gemm(fp8, fp8_state)(h, wo.astype(x2d.dtype), d.tokens_per_expert, cfg.grouped_gemm, "wo")
+    return y, d.row_id_map
 
 
 def _moe_local(x2d, router_kernel, expert_bias, wi, wo, cfg: MoEConfig, axis_name, fp8=None, fp8_state=None):
@@ -425,6 +448,10 @@ def _moe_local(x2d, router_kernel, expert_bias, wi, wo, cfg: MoEConfig, axis_nam
     r = route(logits, rc, expert_bias, axis_name=axis_name)
     t = x2d.shape[0]
     n = t * rc.topk
+    if fp8 is not None and cfg.fp8_dispatch and axis_name is None:
+        y, row_id_map = _fp8_dispatch_ffn(x2d, r.routing_map, n, wi, wo, cfg, fp8, fp8_state)
+        out = token_combine(y, row_id_map, merging_probs=r.probs)
+        return out, r.aux_loss, r.tokens_per_expert
     dispatched = token_dispatch(x2d, r.routing_map, n)
     rows, row_id_map, tpe_local = dispatched.out, dispatched.row_id_map, dispatched.tokens_per_expert
     ffn = functools.partial(expert_ffn, activation=cfg.activation, gated=cfg.gated, backend=cfg.grouped_gemm, fp8=fp8,
@@ -500,7 +527,11 @@ def moe_apply(
     With ``cfg.expert_axis`` the experts (dimension 0 of wi/wo) and the tokens are split over that mesh
     axis inside ``shard_map``; tokens are exchanged with two all-to-alls. Zero tokens give an empty
     output of x's shape, aux loss 0 and no tokens per expert. ``fp8``: the experts' resolved recipe
-    (see :func:`expert_ffn`); the router, dispatch and combine stay in high precision. ``fp8_state``:
+    (see :func:`expert_ffn`); the router and the combine stay in high precision. With
+    ``cfg.fp8_dispatch`` (default) and no ``cfg.expert_axis`` the tokens are quantized once and the
+    FP8 rows dispatched (:func:`_fp8_dispatch_ffn`); under ``cfg.expert_axis``, or with
+    ``fp8_dispatch=False``, the dispatch (and the all-to-all) moves high-precision rows and each
+    expert GEMM quantizes its own input. ``fp8_state``:
     with DelayedScaling, the experts' state tree (:func:`expert_ffn`); under ``cfg.expert_axis``
     the per-expert kernel states are split with the experts, and the activation and gradient
     states are combined over the shards by max (:func:`te_layers._fp8.shard_replicated_state`).

@@ -304,10 +304,11 @@ def check_router_params(layer: str, *, in_features: Any = ABSENT, param_dtype: A
 
 
 def check_moe_ffn(layer: str, *, ffn_dim: Any, activation_: Any, gated: Any, expert_axis: Any,
-                  grouped_gemm: Any) -> None:  # fmt: skip
+                  grouped_gemm: Any, fp8_dispatch: Any = True) -> None:  # fmt: skip
     positive_int(layer, "ffn_dim", ffn_dim)
     activation(layer, "activation", activation_, allow_none=False)
     flag(layer, "gated", gated)
+    flag(layer, "fp8_dispatch", fp8_dispatch)
     if expert_axis is not None and not isinstance(expert_axis, str):
         raise TypeError(err(layer, f"expert_axis must be None or a mesh axis name (str), got {_desc(expert_axis)}."))
     one_of(layer, "grouped_gemm", grouped_gemm, GROUPED_GEMM_BACKENDS)

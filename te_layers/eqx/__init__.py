@@ -301,7 +301,10 @@ class MoEBlock(eqx.Module):
     ``jax.set_mesh``) and tokens exchanged by all-to-all. ``block(x)`` returns
     ``(out [..., H], MoEAux(aux_loss, tokens_per_expert))``. ``fp8``: the experts' recipe
     (CurrentScaling, DelayedScaling or 1 x 128 / 128 x 128 BlockScaling), None (the context's) or
-    False. With DelayedScaling (argument, or the context at construction) the block holds
+    False. ``fp8_dispatch`` (default True): with FP8 experts and no ``expert_axis``,
+    quantize the tokens once and dispatch the FP8 rows (``te_ops.fp8.fp8_dispatch_grouped_dense``);
+    False dispatches high-precision rows. With DelayedScaling (argument, or the context at
+    construction) the block holds
     ``fp8_index`` (an ``eqx.nn.StateIndex`` with the state of both grouped GEMMs) and is called as
     ``(out, aux), state = block(x, state)``; any MoEBlock called with a state returns
     ``((out, aux), state)``, like the other stateful layers.
@@ -323,9 +326,9 @@ class MoEBlock(eqx.Module):
                  router_param_dtype: Any = jnp.float32, kernel_init: Initializer = _expert_init,
                  router_kernel_init: Initializer = _lecun, router_kernel_axes: Axes = ("embed", None),
                  wi_axes: Axes = ("expert", "embed", "mlp"), wo_axes: Axes = ("expert", "mlp", "embed"),
-                 fp8: Any = None, key: jax.Array, **router_options):  # fmt: skip
+                 fp8: Any = None, fp8_dispatch: bool = True, key: jax.Array, **router_options):  # fmt: skip
         rc = C.router_config("MoEBlock", num_experts, topk, dict(router_options, aux_loss_coeff=aux_loss_coeff))
-        cfg = C.MoEConfig(rc, ffn_dim, activation, gated, expert_axis, grouped_gemm)
+        cfg = C.MoEConfig(rc, ffn_dim, activation, gated, expert_axis, grouped_gemm, fp8_dispatch)
         V.check_moe_params(
             "MoEBlock", in_features=in_features, num_experts=num_experts, expert_axis=expert_axis, mesh=mesh,
             dtype=dtype, param_dtype=param_dtype, router_param_dtype=router_param_dtype,

@@ -349,7 +349,9 @@ class MoEBlock(nn.Module):
     output ``[..., H]``; the aux loss is sown into ``"intermediates"``/``"aux_loss"`` and the
     tokens per expert into ``"intermediates"``/``"tokens_per_expert"``. ``fp8``: the experts' recipe
     (CurrentScaling, DelayedScaling or BlockScaling with 1 x 128 / 128 x 128 blocks), None (the
-    context's) or False; the router, dispatch and combine stay in high precision. With
+    context's) or False; the router and combine stay in high precision. ``fp8_dispatch`` (default
+    True): with FP8 experts and no ``expert_axis``, quantize the tokens once and dispatch the FP8
+    rows (``te_ops.fp8.fp8_dispatch_grouped_dense``); False dispatches high-precision rows. With
     DelayedScaling the state of the two grouped GEMMs lives in ``"fp8_state"``/``wi`` and ``wo``
     (each ``{"x", "w", "g"}``, ``w`` with one history and scale per expert; created by ``init``).
     """
@@ -379,6 +381,7 @@ class MoEBlock(nn.Module):
     wi_axes: Axes = ("expert", "embed", "mlp")
     wo_axes: Axes = ("expert", "mlp", "embed")
     fp8: Any = None
+    fp8_dispatch: bool = True
 
     def __post_init__(self):
         self._config()
@@ -392,7 +395,7 @@ class MoEBlock(nn.Module):
 
     def _config(self) -> C.MoEConfig:
         return C.MoEConfig(_router_config(self, "MoEBlock"), self.ffn_dim, self.activation, self.gated,
-                           self.expert_axis, self.grouped_gemm)  # fmt: skip
+                           self.expert_axis, self.grouped_gemm, self.fp8_dispatch)  # fmt: skip
 
     @nn.compact
     def __call__(self, x: jax.Array, *, deterministic: bool = True) -> jax.Array:

@@ -288,7 +288,10 @@ class MoEBlock(nnx.Module):
     ``jax.set_mesh``) and tokens exchanged by all-to-all. Returns ``[..., H]``; the aux loss is sown
     as :class:`AuxLoss` and the token counts as :class:`TokensPerExpert`. ``fp8``: the experts'
     recipe (CurrentScaling, DelayedScaling or 1 x 128 / 128 x 128 BlockScaling), None (the
-    context's) or False. With DelayedScaling (argument, or the context at construction) the block
+    context's) or False. ``fp8_dispatch`` (default True): with FP8 experts and no ``expert_axis``,
+    quantize the tokens once and dispatch the FP8 rows (``te_ops.fp8.fp8_dispatch_grouped_dense``);
+    False dispatches high-precision rows. With DelayedScaling (argument, or the context at
+    construction) the block
     holds ``fp8_state``, an :class:`FP8State` with the state of both grouped GEMMs
     (``{"wi", "wo"}``, the kernels' amax histories and scales one per expert).
     """
@@ -299,9 +302,10 @@ class MoEBlock(nnx.Module):
                  router_param_dtype: Any = jnp.float32, kernel_init: Initializer = _expert_init,
                  router_kernel_init: Initializer = _lecun, router_kernel_axes: Axes = ("embed", None),
                  wi_axes: Axes = ("expert", "embed", "mlp"), wo_axes: Axes = ("expert", "mlp", "embed"),
-                 deterministic: bool = False, fp8: Any = None, rngs: nnx.Rngs, **router_options):  # fmt: skip
+                 deterministic: bool = False, fp8: Any = None, fp8_dispatch: bool = True, rngs: nnx.Rngs,
+                 **router_options):  # fmt: skip
         rc = C.router_config("MoEBlock", num_experts, topk, dict(router_options, aux_loss_coeff=aux_loss_coeff))
-        self.cfg = nnx.static(C.MoEConfig(rc, ffn_dim, activation, gated, expert_axis, grouped_gemm))
+        self.cfg = nnx.static(C.MoEConfig(rc, ffn_dim, activation, gated, expert_axis, grouped_gemm, fp8_dispatch))
         V.check_moe_params(
             "MoEBlock", in_features=in_features, num_experts=num_experts, expert_axis=expert_axis, mesh=mesh,
             dtype=dtype, param_dtype=param_dtype, router_param_dtype=router_param_dtype,
