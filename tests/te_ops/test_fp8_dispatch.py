@@ -387,3 +387,35 @@ def test_errors_name_the_argument(call, exc, match):
     with pytest.raises(exc, match=match) as e:
         call()
     assert "te_ops.fp8" in str(e.value)
+
+
+@pytest.mark.parametrize("recipe", [RECIPES[0], RECIPES[2], DREC], ids=["block", "current", "delayed"])
+def test_default_implementation_is_staged_per_platform(monkeypatch, recipe):
+    """Where the Triton FP8 path can run, ``implementation=None`` lowers Triton kernels for CUDA and
+    only the reference for the CPU in one jitted function (forward and backward, the states passed
+    through the staged calls); the CPU result is the reference's."""
+    from te_ops._core import native
+    from te_ops._core import triton_bridge as tb
+    from te_ops.fp8 import select
+
+    if tb.triton_unavailable_reason() is not None:
+        pytest.skip(f"needs Triton: {tb.triton_unavailable_reason()}")
+    monkeypatch.setattr(select, "triton_fp8_unavailable_reason", lambda: None)
+    monkeypatch.setattr(native, "cuda_device_unavailable_reason", lambda: None)
+    monkeypatch.setattr(tb, "launcher_unavailable_reason", lambda: None)
+    monkeypatch.setattr(tb, "_launcher_call", lambda params, compiled, grid, platform, name: b"x")
+    x, rm, w = _inputs(16, t=128, h=256, n=128)
+    st = _state(recipe, 4)
+
+    def loss(x, w, st, impl=None):
+        r = fp8.fp8_dispatch_grouped_dense(x, rm, 256, w, recipe, state=st, implementation=impl)
+        return jnp.sum(r.out.astype(F32) ** 2)
+
+    grad = jax.jit(jax.value_and_grad(loss, (0, 1, 2)))
+    with tb.target_override(("cuda", 90, 32)):
+        cuda_hlo = grad.trace(x, w, st).lower(lowering_platforms=("cuda",)).as_text()
+    assert cuda_hlo.count(tb.FFI_TARGET) >= 4
+    assert tb.FFI_TARGET not in grad.lower(x, w, st).as_text()
+    got = grad(x, w, st)
+    want = jax.jit(jax.value_and_grad(lambda x, w, st: loss(x, w, st, "reference"), (0, 1, 2)))(x, w, st)
+    _same(got, want)
