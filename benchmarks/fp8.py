@@ -26,7 +26,8 @@ from te_ops._core import triton_bridge as tb  # noqa: E402
 from te_ops.fp8 import reference as ref  # noqa: E402
 
 TARGET_TBPS = 3.8
-# FP8_BENCH_SECTIONS=dense,grouped_fb,quant,gemm,grouped,torch (default all): run only these sections
+# FP8_BENCH_SECTIONS=dense,grouped_fb,quant,gemm,grouped,torch (default all): run only these sections;
+# FP8_DENSE_MATCH=<substring>,...: only the fp8_dense variants whose name contains one of them
 ALL_SECTIONS = "dense,grouped_fb,quant,gemm,grouped,torch"
 # the block-scaled dense GEMM routes timed in fp8_dense fwd+bwd (te_ops.fp8.triton.GEMM_KERNEL)
 BLOCK_DENSE_KERNELS = {"tiled": "Triton tiled GEMM", "gluon": "Gluon warp-specialized GEMM"}
@@ -352,6 +353,9 @@ def dense_fwd_bwd(summary):
     blk = fb(lambda x, w: fp8.fp8_dense(x, w, fp8.BlockScaling(), implementation="triton"))
     for kern, label in BLOCK_DENSE_KERNELS.items():
         variants[f"fp8 block 1x128/128x128, ours ({label})"] = (blk, None, kern)
+    match = [t for t in os.environ.get("FP8_DENSE_MATCH", "").split(",") if t]  # e.g. "bf16 te_ops,block"
+    if match:
+        variants = {nm: v for nm, v in variants.items() if any(t in nm for t in match)}
     fns, calls = {}, {}
     for name, (f, form, *kern) in variants.items():
         try:

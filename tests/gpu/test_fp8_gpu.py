@@ -44,6 +44,7 @@ def _x(i, shape, dtype):
 
 
 CPU = jax.devices("cpu")[0]
+GPU = (jax.devices("gpu") or [None])[0] if jax.default_backend() == "gpu" else None
 
 
 def on_cpu(fn, *args):
@@ -222,8 +223,11 @@ def test_grouped_block_scaled_gemm_matches_reference(m, k, n, g, kernel, out_dty
     sizes[1] = 0
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     w_t = jnp.asarray(rng.standard_normal((g, n, k)) / np.sqrt(k), jnp.bfloat16)
-    qa = ref.quantize_blocks(x, (1, 128), fp8.E4M3, power_of_2=True)
-    qb = ref.quantize_blocks(w_t, (128, 128), fp8.E4M3, power_of_2=True)
+    # quantized on the CPU (the reference's float32 blocks of the experts' weights take GBs: with four
+    # test workers on one GPU they ran it out of memory on 2026-12-06), then moved to the GPU
+    qa = jax.device_put(on_cpu(lambda x: ref.quantize_blocks(x, (1, 128), fp8.E4M3, power_of_2=True), x), GPU)
+    qb = jax.device_put(on_cpu(lambda w: ref.quantize_blocks(w, (128, 128), fp8.E4M3, power_of_2=True), w_t), GPU)
+    del w_t
     with native.poisoned_outputs(), tri.kernel_override(grouped="triton" if kernel == "triton" else "gluon"):
         got = jax.jit(lambda a, b, s: tri.grouped_block_scaled_gemm(a, b, s, out_dtype, config=cfg))(qa, qb, sizes)
     got = np.asarray(got, np.float32)
