@@ -1097,7 +1097,7 @@ def test_fp8_kernels_compile_for_sm90_without_spills(monkeypatch):
     m, k, n, g = 4096, 1024, 2048, 8
     calls = [
         (lambda a, b: tri.block_scaled_gemm(a, b, jnp.bfloat16), qt((m, k), (1, 128), (m, 8)),
-         qt((n, k), (128, 128), (16, 8))),
+         qt((n, k), (128, 128), (16, 8))),  # the Gluon kernel with one group (the default route)
         (lambda a, b, s: tri.grouped_block_scaled_gemm(a, b, s, jnp.bfloat16), qt((m, k), (1, 128), (m, 8)),
          qt((g, n, k), (128, 128), (g, 16, 8)), S((g,), jnp.int32)),  # the Gluon warp-specialized kernel
         (lambda a, b, s: tri.grouped_block_scaled_gemm(a, b, s, jnp.bfloat16, config=tri.GROUPED_GEMM_CONFIG),
@@ -1110,12 +1110,16 @@ def test_fp8_kernels_compile_for_sm90_without_spills(monkeypatch):
          jnp.bfloat16), S((1024, 1152), jnp.bfloat16)),
         (lambda x: tri.block_quantize(x, (1, 128), fp8.E4M3, power_of_2=True), S((1024, 1152), jnp.bfloat16)),
     ]  # fmt: skip
+    calls.append((lambda a, b: tri.block_scaled_gemm(a, b, jnp.bfloat16), *calls[0][1:]))  # Triton tiled kernel
     with tb.target_override(("cuda", 90, 32)):
         for i, (fn, *args) in enumerate(calls):
-            with tri.kernel_override(grouped="triton" if i == 2 else None):
+            last = i == len(calls) - 1
+            with tri.kernel_override(grouped="triton" if i == 2 else None, dense="tiled" if last else None):
                 jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     assert len(launches) == len(calls)
-    assert [nm for nm, _ in launches[1:3]] == ["te_fp8_grouped_block_gemm_ws", "te_fp8_grouped_block_gemm"]
+    names = [nm for nm, _ in launches]
+    assert names[:3] == ["te_fp8_grouped_block_gemm_ws"] * 2 + ["te_fp8_grouped_block_gemm"], names
+    assert names[-1] == "te_fp8_block_gemm", names
     with tempfile.TemporaryDirectory() as d:
         for i, (name, compiled) in enumerate(launches):
             src = os.path.join(d, f"k{i}.ptx")
