@@ -47,6 +47,7 @@ class Row:
     alternative: str
     alternative_ms: float | None
     headline: bool
+    run: str | None = None  # "<date> <time> UTC <commit>" of a row merged from another run (summary "run")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -174,7 +175,8 @@ READERS: dict[str, Callable[[dict], Iterator[Row]]] = {
 
 def _summary(op: str, d: dict) -> Iterator[Row]:
     for r in d["summary"]:
-        yield Row(op, r["workload"], r["ours_ms"], r["alternative"], r.get("alternative_ms"), bool(r.get("headline")))
+        yield Row(op, r["workload"], r["ours_ms"], r["alternative"], r.get("alternative_ms"), bool(r.get("headline")),
+                  r.get("run"))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -244,7 +246,8 @@ def table(results: list[Result], *, headline_only: bool) -> str:
                 continue
             lines.append(
                 f"| {r.op} | {r.workload} | {_ms(r.ours_ms)} | {r.alternative} | {_ms(r.alternative_ms)} | "
-                f"{_speedup(r)} | {_date(res.data)} | `{res.data.get('commit') or '-'}` |"
+                f"{_speedup(r)} | {_date(res.data) if not r.run else r.run.split(' ')[0]} | "
+                f"`{res.data.get('commit') or '-' if not r.run else r.run.split(' ')[-1]}` |"
             )
     return "\n".join(lines)
 
