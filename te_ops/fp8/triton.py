@@ -332,25 +332,28 @@ def block_scaled_gemm(
     if qa.block != (1, 128) or qb_t.block != (128, 128):
         raise ValueError(f"block_scaled_gemm takes 1x128 x 128x128 blocks, got {qa.block} and {qb_t.block}")
     config = tuple(config or GEMM_CONFIG)
-    gemm = _sharded_block_gemm(jnp.dtype(out_dtype), config, bias is not None, PARTITION)
+    # the kernel choice is read here, at trace time, and is part of the cached callable's key: the
+    # sharded callable's local function is traced once per callable (a later kernel_override would
+    # otherwise reuse the first trace's kernel)
+    gemm = _sharded_block_gemm(jnp.dtype(out_dtype), config, bias is not None, PARTITION, _kernel_choice())
     args = (qa.data, qa.scale_inv, qb_t.data, qb_t.scale_inv) + (() if bias is None else (bias.astype(jnp.float32),))
     return gemm(*args)
 
 
 @functools.cache
-def _sharded_block_gemm(out_dtype, config, has_bias, partition):
+def _sharded_block_gemm(out_dtype, config, has_bias, partition, kernels=None):
     def local(a, sa, b, sb, *bias, dtype):
-        return _block_gemm_local(a, sa, b, sb, dtype, config, bias[0] if bias else None)
+        return _block_gemm_local(a, sa, b, sb, dtype, config, bias[0] if bias else None, kernels)
 
     if not partition:
         return functools.partial(local, dtype=out_dtype)
     return sharding.block_scaled_gemm(local, out_dtype, has_bias=has_bias)
 
 
-def _block_gemm_local(a, sa, b, sb, out_dtype, config, bias=None):
+def _block_gemm_local(a, sa, b, sb, out_dtype, config, bias=None, kernels=None):
     m, k = a.shape
     n = b.shape[0]
-    route = _kernel_choice()[0]
+    route = (kernels or _kernel_choice())[0]
     if route == "gluon" and (m == 0 or gluon_gemm_unavailable_reason(k, n, out_dtype) is not None):
         route = "tiled"
     if route in ("persistent", "gluon") and m > 0:  # the grouped kernel with one group of all M rows
@@ -401,15 +404,16 @@ def grouped_block_scaled_gemm(
     if qa.block != (1, 128) or qb_t.block != (128, 128):
         raise ValueError(f"grouped_block_scaled_gemm takes 1x128 x 128x128 blocks, got {qa.block} and {qb_t.block}")
     config = tuple(config or GROUPED_GEMM_CONFIG)
-    return _sharded_grouped_gemm(jnp.dtype(out_dtype), num_programs, config, PARTITION)(
+    kernel = "gluon" if config[0] == "gluon" else _kernel_choice()[1]  # read at trace time: part of the key
+    return _sharded_grouped_gemm(jnp.dtype(out_dtype), num_programs, config, PARTITION, kernel)(
         qa.data, qa.scale_inv, qb_t.data, qb_t.scale_inv, group_sizes.astype(jnp.int32)
     )
 
 
 @functools.cache
-def _sharded_grouped_gemm(out_dtype, num_programs, config, partition):
+def _sharded_grouped_gemm(out_dtype, num_programs, config, partition, kernel=None):
     def local(a, sa, b, sb, gs, dtype):
-        return _grouped_gemm_local(a, sa, b, sb, gs, dtype, num_programs, config)
+        return _grouped_gemm_local(a, sa, b, sb, gs, dtype, num_programs, config, kernel=kernel)
 
     if not partition:
         return lambda a, sa, b, sb, gs: local(a, sa, b, sb, gs, out_dtype)

@@ -1131,6 +1131,55 @@ def test_fp8_kernels_compile_for_sm90_without_spills(monkeypatch):
             assert "0 bytes spill stores" in r.stderr, (name, r.stderr[-2000:])
 
 
+def test_gemm_kernel_choice_is_read_at_each_trace(monkeypatch):
+    """kernel_override (and GEMM_KERNEL) pick the block-scaled GEMM kernel for every trace inside it,
+    also after another choice traced the same op with the same shapes: the sharded callables are
+    cached per kernel choice. (They were cached without it, so on 2026-12-06 a benchmark's second
+    variant silently reused the first variant's kernels.) Lowered for sm_90 with the launcher
+    stubbed; the launched kernels' names are compared."""
+    from te_ops._core import native
+    from te_ops._core import triton_bridge as tb
+
+    if tb.triton_unavailable_reason() is not None:
+        pytest.skip(f"needs Triton: {tb.triton_unavailable_reason()}")
+    from te_ops.fp8 import triton as tri
+
+    launches = []
+    monkeypatch.setattr(native, "cuda_device_unavailable_reason", lambda: None)
+    monkeypatch.setattr(tb, "launcher_unavailable_reason", lambda: None)
+    monkeypatch.setattr(
+        tb, "_launcher_call", lambda params, compiled, grid, platform, name: launches.append(name) or b"x"
+    )
+    S = jax.ShapeDtypeStruct
+    m, k, n, g = 1024, 512, 768, 4
+
+    def fb(f):
+        def run(x, w, dy):
+            y, vjp = jax.vjp(f, x, w)
+            return (y, *vjp(dy))
+
+        return run
+
+    sizes = jnp.full((g,), m // g, jnp.int32)
+    # a fresh function per case: jax.jit caches its own trace of one function (kernels included)
+    dense = lambda: fb(lambda x, w: fp8.fp8_dense(x, w, fp8.BlockScaling(), implementation="triton"))  # noqa: E731
+    grouped = lambda: fb(  # noqa: E731
+        lambda x, w: fp8.fp8_grouped_dense(x, w, sizes, fp8.BlockScaling(), implementation="triton"))
+    ws, tr = "te_fp8_grouped_block_gemm_ws", "te_fp8_grouped_block_gemm"
+    cases = [(dense, {"dense": "tiled"}, "te_fp8_block_gemm"), (dense, {"dense": "gluon"}, ws),
+             (dense, {"dense": "persistent"}, tr), (grouped, {"grouped": "gluon"}, ws),
+             (grouped, {"grouped": "triton"}, tr)]  # fmt: skip
+    with tb.target_override(("cuda", 90, 32)):
+        for make, override, want in cases:
+            launches.clear()
+            w = S((g, k, n) if make is grouped else (k, n), jnp.bfloat16)
+            with tri.kernel_override(**override):
+                traced = jax.jit(make()).trace(S((m, k), jnp.bfloat16), w, S((m, n), jnp.bfloat16))
+                traced.lower(lowering_platforms=("cuda",))
+            gemms = [nm for nm in launches if "gemm" in nm]
+            assert gemms == [want] * (3 if make is dense else 2), (override, launches)
+
+
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu", "silu"])
 @pytest.mark.parametrize("recipe", [fp8.BlockScaling(), fp8.CurrentScaling(), fp8.DelayedScaling(history_len=4)],
                          ids=lambda r: type(r).__name__)  # fmt: skip
