@@ -121,6 +121,7 @@ def test_block_scaled_gemm_matches_reference(m, k, n, fmt, kernel, monkeypatch):
         pytest.skip("the Gluon kernel needs K % 16 == 0 and N % 8 == 0 (16-byte TMA rows)")
     _needs_gluon(kernel, k, n, jnp.float32)
     monkeypatch.setattr(tri, "GEMM_KERNEL", kernel)
+    monkeypatch.setattr(tri, "GLUON_UNTESTED_OK", True)  # bias and E5M2 through the Gluon kernel too
     rng = np.random.default_rng(m + k + n)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     w_t = jnp.asarray(rng.standard_normal((n, k)) / np.sqrt(k), jnp.bfloat16)
@@ -176,13 +177,14 @@ def test_fp8_dense_triton_path_matches_reference(recipe):
 
 @needs_triton
 @pytest.mark.parametrize("dense_kernel", ["gluon", "persistent"])
-def test_fp8_dense_block_gemm_routes_match_reference(dense_kernel):
+def test_fp8_dense_block_gemm_routes_match_reference(dense_kernel, monkeypatch):
     """fp8_dense forward and both gradients with block scaling and a bias, the three GEMMs through
     the Gluon warp-specialized kernel (or the Triton grouped kernel) with one group, vs the
     reference path on the CPU."""
     from te_ops.fp8 import triton as tri
 
     _needs_gluon(dense_kernel, 1024, 768, jnp.bfloat16)
+    monkeypatch.setattr(tri, "GLUON_UNTESTED_OK", True)  # the bias epilogue through the Gluon kernel too
     k = jax.random.split(jax.random.key(9), 4)
     x = jax.random.normal(k[0], (1000, 1024), jnp.bfloat16)
     w = (jax.random.normal(k[1], (1024, 768), jnp.float32) / 32).astype(jnp.bfloat16)
