@@ -11,6 +11,7 @@ import glob
 import os
 import re
 import tempfile
+import time
 
 import jax
 
@@ -36,6 +37,48 @@ def kernel_events(trace_dir: str) -> list[tuple[str, float, float]]:
     return out
 
 
+def host_events(trace_dir: str) -> list[tuple[str, float, float]]:
+    """(event name, start ns, duration ns) of every TraceMe event on the host threads of the trace
+    (XLA's thunk execution, the PJRT client, kernel launches)."""
+    paths = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+    data = jax.profiler.ProfileData.from_file(paths[0])
+    out = []
+    for plane in data.planes:
+        if not plane.name.startswith("/host:"):
+            continue
+        for line in plane.lines:
+            for ev in line.events:
+                out.append((ev.name, float(ev.start_ns), float(ev.duration_ns)))
+    return out
+
+
+def _gaps(events, steps: int, top: int = 8) -> list[dict]:
+    """The GPU's idle intervals between consecutive kernels, summed per (kernel before, kernel after)
+    pair: where the span exceeds the busy time."""
+    evs = sorted(events, key=lambda e: e[1])
+    per = collections.defaultdict(lambda: [0, 0.0])
+    end, prev = None, None
+    for name, s, d in evs:
+        if end is not None and s > end:
+            per[(prev, name)][0] += 1
+            per[(prev, name)][1] += s - end
+        if end is None or s + d >= end:
+            end, prev = s + d, name
+    rows = [{"before": a[:80], "after": b[:80], "gaps_per_step": c / steps, "idle_ms_per_step": t / steps / 1e6}
+            for (a, b), (c, t) in per.items()]
+    return sorted(rows, key=lambda r: -r["idle_ms_per_step"])[:top]
+
+
+def _host_top(events, steps: int, top: int = 12) -> list[dict]:
+    per = collections.defaultdict(lambda: [0, 0.0])
+    for name, _, d in events:
+        key = name[:100]
+        per[key][0] += 1
+        per[key][1] += d
+    rows = [{"event": k, "calls_per_step": c / steps, "ms_per_step": t / steps / 1e6} for k, (c, t) in per.items()]
+    return sorted(rows, key=lambda r: -r["ms_per_step"])[:top]
+
+
 def profile(fn, args, steps: int, arg_sets=None) -> dict:
     """Traces ``steps`` back-to-back calls of ``fn`` (after 3 untimed ones): each kernel's mean ms per
     step, the busy time (sum of kernel durations) and the span (first start to last end) per step;
@@ -47,10 +90,14 @@ def profile(fn, args, steps: int, arg_sets=None) -> dict:
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
             out = None
+            t_start = time.perf_counter()
             for i in range(steps):
                 out = fn(*sets[i % len(sets)])
+            t_dispatch = time.perf_counter() - t_start
             jax.block_until_ready(out)
+            t_total = time.perf_counter() - t_start
         events = kernel_events(d)
+        hosts = host_events(d)
     if not events:
         return {"kernels": [], "busy_ms": None, "span_ms": None}
     per = collections.defaultdict(lambda: [0, 0.0])
@@ -72,7 +119,16 @@ def profile(fn, args, steps: int, arg_sets=None) -> dict:
         key=lambda r: -r["ms_per_step"],
     )
     busy = sum(d for _, _, d in events) / steps / 1e6
-    return {"kernels": kernels, "busy_ms": busy, "span_ms": (t1 - t0) / steps / 1e6}
+    return {
+        "kernels": kernels,
+        "busy_ms": busy,
+        "span_ms": (t1 - t0) / steps / 1e6,
+        # host: wall ms per step of the calls alone (dispatch) and until the results were ready
+        "host_dispatch_ms": t_dispatch / steps * 1e3,
+        "host_total_ms": t_total / steps * 1e3,
+        "gaps": _gaps(events, steps),
+        "host_events": _host_top(hosts, steps),
+    }
 
 
 def print_profile(title: str, r: dict) -> None:
@@ -81,6 +137,14 @@ def print_profile(title: str, r: dict) -> None:
     print(f"\n== {title}: kernels busy {busy} ms/step, span {span} ms/step ==")
     for kr in r["kernels"]:
         print(f"  {kr['ms_per_step']:8.3f} ms  x{kr['calls_per_step']:.1f}  {kr['kernel'][:150]}")
+    if r.get("gaps"):
+        print(f"  host: {r['host_dispatch_ms']:.3f} ms/step dispatching, {r['host_total_ms']:.3f} ms/step until ready")
+        print("  largest GPU idle gaps (per step):")
+        for g in r["gaps"]:
+            print(f"    {g['idle_ms_per_step']:8.3f} ms  x{g['gaps_per_step']:.1f}  {g['before'][:60]} -> {g['after'][:60]}")
+        print("  host events (per step):")
+        for h in r["host_events"]:
+            print(f"    {h['ms_per_step']:8.3f} ms  x{h['calls_per_step']:.1f}  {h['event']}")
 
 
 # ------------------------------------------------------------------------------------------------

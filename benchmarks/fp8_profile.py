@@ -42,29 +42,52 @@ def _fb(f):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--cases", default="dense,dense_fwd,gemm,bf16_dense,grouped",
+                    help="comma-separated subset of dense, dense_fwd, gemm, bf16_dense, grouped")  # fmt: skip
     args = ap.parse_args()
+    cases = set(args.cases.split(","))
     rec = fp8.BlockScaling()
     results = {}
+
+    def run(name, fn, fargs):
+        r = profile(fn, fargs, args.steps)
+        print_profile(name, r)
+        results[name] = r
+
     m, k, n = 16384, 4096, 14336
     ks = jax.random.split(jax.random.key(2), 3)
     x = jax.random.normal(ks[0], (m, k), jnp.bfloat16)
     w = (jax.random.normal(ks[1], (k, n), jnp.float32) / k**0.5).astype(jnp.bfloat16)
     dy = jax.random.normal(ks[2], (m, n), jnp.bfloat16)
-    fn = _fb(lambda x, w: fp8.fp8_dense(x, w, rec, implementation="triton"))
-    r = profile(fn, (x, w, dy), args.steps)
-    print_profile(f"fp8_dense fwd+bwd block {m}x{k}x{n}", r)
-    results["fp8_dense block fwd+bwd"] = r
+    impl = "triton" if jax.default_backend() == "gpu" else "reference"
+    if "dense" in cases:
+        fn = _fb(lambda x, w: fp8.fp8_dense(x, w, rec, implementation=impl))
+        run(f"fp8_dense block fwd+bwd {m}x{k}x{n}", fn, (x, w, dy))
+    if "dense_fwd" in cases:
+        fn = jax.jit(lambda x, w: fp8.fp8_dense(x, w, rec, implementation=impl))
+        run(f"fp8_dense block forward {m}x{k}x{n}", fn, (x, w))
+    if "gemm" in cases and impl == "triton":  # the block-scaled GEMM alone on quantized operands
+        from te_ops.fp8 import triton as fp8_triton
+
+        qa = fp8.quantize(x, rec, "x", implementation=impl)
+        qb = fp8.quantize(w.T, rec, "w", implementation=impl)
+        fn = jax.jit(lambda a, b: fp8_triton.block_scaled_gemm(a, b, jnp.bfloat16))
+        run(f"block_scaled_gemm alone {m}x{k}x{n}", fn, (qa, qb))
+    if "bf16_dense" in cases:
+        from te_ops import dense
+
+        fn = _fb(lambda x, w: dense.dense(x, w))
+        run(f"bf16 te_ops.dense fwd+bwd {m}x{k}x{n}", fn, (x, w, dy))
     del x, w, dy
-    mg, g, kg, ng = 65536, 32, 7168, 4096
-    rng = np.random.default_rng(7)
-    sizes = jnp.asarray(np.full(g, mg // g, np.int32))
-    x = jnp.asarray(rng.standard_normal((mg, kg), np.float32), jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((g, kg, ng), np.float32) / kg**0.5, jnp.bfloat16)
-    dy = jnp.asarray(rng.standard_normal((mg, ng), np.float32), jnp.bfloat16)
-    fn = _fb(lambda x, w: fp8.fp8_grouped_dense(x, w, sizes, rec, implementation="triton"))
-    r = profile(fn, (x, w, dy), args.steps)
-    print_profile(f"fp8_grouped_dense fwd+bwd block K{kg} N{ng} G{g} M{mg}", r)
-    results["fp8_grouped_dense block fwd+bwd"] = r
+    if "grouped" in cases:
+        mg, g, kg, ng = 65536, 32, 7168, 4096
+        rng = np.random.default_rng(7)
+        sizes = jnp.asarray(np.full(g, mg // g, np.int32))
+        x = jnp.asarray(rng.standard_normal((mg, kg), np.float32), jnp.bfloat16)
+        w = jnp.asarray(rng.standard_normal((g, kg, ng), np.float32) / kg**0.5, jnp.bfloat16)
+        dy = jnp.asarray(rng.standard_normal((mg, ng), np.float32), jnp.bfloat16)
+        fn = _fb(lambda x, w: fp8.fp8_grouped_dense(x, w, sizes, rec, implementation=impl))
+        run(f"fp8_grouped_dense block fwd+bwd K{kg} N{ng} G{g} M{mg}", fn, (x, w, dy))
     _timing.write_json("fp8_profile", {"cases": results})
 
 

@@ -433,10 +433,11 @@ GROUPED_GEMM_KERNEL = "gluon"
 GLUON_GEMM_CONFIG = (4, 8, 32, 168, True)
 
 
-# What the GPU tests have run through the Gluon kernel (H100, 2026-12-06): E4M3 x E4M3 operands,
-# no bias. E5M2 operands (the HYBRID recipe's gradients) and the bias epilogue compile (sm_90a) but
-# have not run on a GPU: until they have, those calls take the Triton kernels.
-GLUON_UNTESTED_OK = False
+# The Gluon kernel takes every call it can since the GPU tests ran its bias epilogue and E5M2
+# operands (H100, 2026-12-06, commit 984acb7: test_block_scaled_gemm_matches_reference[gluon-*] with
+# a bias and E5M2, test_fp8_dense_block_gemm_routes_match_reference[gluon]). False: calls with a
+# bias or E5M2 operands take the Triton kernels (kept as a switch for bisecting).
+GLUON_UNTESTED_OK = True
 
 
 def gluon_gemm_unavailable_reason(
