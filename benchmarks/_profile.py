@@ -64,12 +64,14 @@ def _gaps(events, steps: int, top: int = 8) -> list[dict]:
             per[(prev, name)][1] += s - end
         if end is None or s + d >= end:
             end, prev = s + d, name
-    rows = [{"before": a[:80], "after": b[:80], "gaps_per_step": c / steps, "idle_ms_per_step": t / steps / 1e6}
-            for (a, b), (c, t) in per.items()]
+    rows = [
+        {"before": a[:80], "after": b[:80], "gaps_per_step": c / steps, "idle_ms_per_step": t / steps / 1e6}
+        for (a, b), (c, t) in per.items()
+    ]
     return sorted(rows, key=lambda r: -r["idle_ms_per_step"])[:top]
 
 
-def _host_top(events, steps: int, top: int = 12) -> list[dict]:
+def _host_top(events, steps: int, top: int = 16) -> list[dict]:
     per = collections.defaultdict(lambda: [0, 0.0])
     for name, _, d in events:
         key = name[:100]
@@ -141,7 +143,8 @@ def print_profile(title: str, r: dict) -> None:
         print(f"  host: {r['host_dispatch_ms']:.3f} ms/step dispatching, {r['host_total_ms']:.3f} ms/step until ready")
         print("  largest GPU idle gaps (per step):")
         for g in r["gaps"]:
-            print(f"    {g['idle_ms_per_step']:8.3f} ms  x{g['gaps_per_step']:.1f}  {g['before'][:60]} -> {g['after'][:60]}")
+            pair = f"{g['before'][:60]} -> {g['after'][:60]}"
+            print(f"    {g['idle_ms_per_step']:8.3f} ms  x{g['gaps_per_step']:.1f}  {pair}")
         print("  host events (per step):")
         for h in r["host_events"]:
             print(f"    {h['ms_per_step']:8.3f} ms  x{h['calls_per_step']:.1f}  {h['event']}")
