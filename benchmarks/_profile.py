@@ -81,6 +81,16 @@ def _host_top(events, steps: int, top: int = 16) -> list[dict]:
     return sorted(rows, key=lambda r: -r["ms_per_step"])[:top]
 
 
+def _memory_stats() -> dict:
+    """The device allocator's figures (GiB) after the traced steps: in use, peak, limit."""
+    try:
+        st = jax.devices()[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001 - not every backend has them
+        return {}
+    keys = ("bytes_in_use", "peak_bytes_in_use", "bytes_limit", "bytes_reserved", "largest_alloc_size")
+    return {k: round(st[k] / 2**30, 3) for k in keys if k in st}
+
+
 def profile(fn, args, steps: int, arg_sets=None) -> dict:
     """Traces ``steps`` back-to-back calls of ``fn`` (after 3 untimed ones): each kernel's mean ms per
     step, the busy time (sum of kernel durations) and the span (first start to last end) per step;
@@ -129,6 +139,7 @@ def profile(fn, args, steps: int, arg_sets=None) -> dict:
         "host_dispatch_ms": t_dispatch / steps * 1e3,
         "host_total_ms": t_total / steps * 1e3,
         "gaps": _gaps(events, steps),
+        "memory": _memory_stats(),
         "host_events": _host_top(hosts, steps),
     }
 
@@ -141,6 +152,7 @@ def print_profile(title: str, r: dict) -> None:
         print(f"  {kr['ms_per_step']:8.3f} ms  x{kr['calls_per_step']:.1f}  {kr['kernel'][:150]}")
     if r.get("gaps"):
         print(f"  host: {r['host_dispatch_ms']:.3f} ms/step dispatching, {r['host_total_ms']:.3f} ms/step until ready")
+        print(f"  memory (GiB): {r.get('memory')}")
         print("  largest GPU idle gaps (per step):")
         for g in r["gaps"]:
             pair = f"{g['before'][:60]} -> {g['after'][:60]}"

@@ -74,9 +74,9 @@ def main():
         fn = jax.jit(lambda a, b: fp8_triton.block_scaled_gemm(a, b, jnp.bfloat16))
         run(f"block_scaled_gemm alone {m}x{k}x{n}", fn, (qa, qb))
     if "bf16_dense" in cases:
-        from te_ops import dense
+        from te_ops.dense import dense
 
-        fn = _fb(lambda x, w: dense.dense(x, w))
+        fn = _fb(lambda x, w: dense(x, w))
         run(f"bf16 te_ops.dense fwd+bwd {m}x{k}x{n}", fn, (x, w, dy))
     del x, w, dy
     if "grouped" in cases:
