@@ -351,8 +351,10 @@ def dense_fwd_bwd(summary):
         "fp8 delayed, ours, fast accumulation": (fb_delayed("triton", dly_fast), "f32"),
         "fp8 delayed, XLA's own path, fast accumulation": (fb_delayed("xla", dly_fast), "f32"),
     }  # fmt: skip
-    blk = fb(lambda x, w: fp8.fp8_dense(x, w, fp8.BlockScaling(), implementation="triton"))
     for kern, label in BLOCK_DENSE_KERNELS.items():
+        # a fresh function per kernel: jax caches the trace of one function object, kernels included
+        # (one shared function made both rows of runs dd45dd3 and 984acb7 the Triton tiled kernels)
+        blk = fb(lambda x, w: fp8.fp8_dense(x, w, fp8.BlockScaling(), implementation="triton"))
         variants[f"fp8 block 1x128/128x128, ours ({label})"] = (blk, None, kern)
     match = [t for t in os.environ.get("FP8_DENSE_MATCH", "").split(",") if t]  # e.g. "bf16 te_ops,block"
     if match:

@@ -73,6 +73,13 @@ def build_models(cfg: dict, names: list[str]) -> dict[str, tuple]:
         elif name in GROUPED_GEMM_VARIANTS:  # te_layers with another grouped GEMM kernel configuration
             out[name] = (ex.MoELM(dict(cfg, norm="te")), f"te_layers, {GROUPED_GEMM_VARIANTS[name]} grouped GEMM",
                          {"grouped_gemm": name.removeprefix("te_layers_")})  # fmt: skip
+        elif name.startswith("te_layers_fp8_"):  # te_layers with FP8 projections and experts (stateless recipes)
+            recipe = name.removeprefix("te_layers_fp8_")
+            if recipe not in ("current", "block"):
+                raise SystemExit(f"train_moe benchmark: {name!r}: the FP8 models are te_layers_fp8_current "
+                                 "and te_layers_fp8_block (delayed scaling's state is not threaded here)")  # fmt: skip
+            out[name] = (ex.MoELM(dict(cfg, norm="te", fp8=recipe)), f"te_layers, FP8 {recipe} scaling "
+                         "(attention projections and experts)", {"fp8": recipe})  # fmt: skip
         elif name == "te_layers_flax_norm":  # the same with flax.linen.RMSNorm: what the fused norms bring
             out[name] = (ex.MoELM(dict(cfg, norm="flax")), "te_layers with flax RMSNorm", {})
         elif name == "ragged_dot":
@@ -86,7 +93,8 @@ def build_models(cfg: dict, names: list[str]) -> dict[str, tuple]:
                          {"attention": impl, "capacity_factor": cf})  # fmt: skip
         else:
             raise SystemExit(f"train_moe benchmark: unknown model {name!r} in --models; known: te_layers, "
-                             "te_layers_flax_norm, te_layers_ws, te_layers_pp, te_layers_tma, ragged_dot, "
+                             "te_layers_flax_norm, te_layers_ws, te_layers_pp, te_layers_tma, te_layers_fp8_current, "
+                             "te_layers_fp8_block, ragged_dot, "
                              "strong_cf<factor>")  # fmt: skip
     return out
 
@@ -165,7 +173,8 @@ def parse_args(argv=None):
         default=None,
         help="comma-separated subset of te_layers, strong_cf<f> (one per --capacity-factors), ragged_dot; "
         "also te_layers_flax_norm (te_layers with flax.linen.RMSNorm) and te_layers_ws (the Gluon "
-        "warp-specialized grouped GEMM), not in the default set",
+        "warp-specialized grouped GEMM), te_layers_fp8_current / te_layers_fp8_block (FP8 attention "
+        "projections and experts), not in the default set",
     )
     ap.add_argument("--capacity-factors", default="1.25,1.0")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per model after the compile step")
