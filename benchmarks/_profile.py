@@ -172,7 +172,8 @@ def print_profile(title: str, r: dict) -> None:
 # are spans with "ts"/"dur" in microseconds and "args" (the XLA op and its name scope where the
 # profiler records them). Reading that needs nothing but the standard library.
 
-CATEGORIES = ("GEMM", "grouped GEMM", "attention", "permutation", "router", "norms", "optimizer/elementwise", "other")
+CATEGORIES = ("GEMM", "grouped GEMM", "fp8 quantize", "attention", "permutation", "router", "norms",
+              "optimizer/elementwise", "other")  # fmt: skip
 _TE_OPS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "te_ops")
 
 
@@ -198,6 +199,11 @@ def _jit_kernel_names(*rel_paths: str) -> frozenset[str]:
 GROUPED_GEMM_KERNELS = _jit_kernel_names("grouped_dense/triton_kernels.py", "grouped_dense/gluon_kernels.py")
 PERMUTATION_KERNELS = _jit_kernel_names("permutation/triton_kernels.py", "permutation/gluon_kernels.py")
 NORM_KERNELS = _jit_kernel_names("normalization/triton_kernels.py")
+# te_ops.fp8: the block-scaled GEMMs count as (grouped) GEMM, every other kernel (quantize, amax, cast,
+# fused activation backward + quantize) as "fp8 quantize"
+_FP8_KERNELS = _jit_kernel_names("fp8/triton_kernels.py", "fp8/gluon_kernels.py")
+FP8_GEMM_KERNELS = frozenset(k for k in _FP8_KERNELS if "gemm" in k or "wgrad" in k)
+FP8_QUANTIZE_KERNELS = _FP8_KERNELS - FP8_GEMM_KERNELS
 
 _RE = dict(
     # cuDNN fused attention (jax's cudnn path and te_ops.fused_attention: "cudnn_generated_..._sdpa_..."),
@@ -247,8 +253,12 @@ def classify_kernel(name: str, scope: str = "") -> str:
     path = _scope_path(scope)
     if _RE["attention"].search(name):
         return "attention"
-    if base in GROUPED_GEMM_KERNELS:
+    if base in GROUPED_GEMM_KERNELS or (base in FP8_GEMM_KERNELS and base.startswith("grouped")):
         return "grouped GEMM"
+    if base in FP8_GEMM_KERNELS:
+        return "GEMM"
+    if base in FP8_QUANTIZE_KERNELS:
+        return "fp8 quantize"
     if base in PERMUTATION_KERNELS:
         return "permutation"
     if _RE["router"].search(name):
