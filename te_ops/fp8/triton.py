@@ -149,7 +149,10 @@ def dual_quantize(
     wide = DUAL_TRANS_WIDE if trans_wide is None else bool(trans_wide)
     if x.size == 0:
         return _dual_quantize_local(x, block, fmt, power_of_2, margin, wide, bool(t_square))
-    q, s, qt, st = _sharded_dual_quantize(block, fmt, bool(power_of_2), margin, PARTITION, wide, bool(t_square))(x)
+    # the kernel settings are read when the sharded callable traces: part of its cache key
+    tuning = (QUANT_TILE_WARPS, DUAL_PERSISTENT_STAGES, DUAL_PROGRAMS_PER_SM)
+    q, s, qt, st = _sharded_dual_quantize(block, fmt, bool(power_of_2), margin, PARTITION, wide, bool(t_square),
+                                          tuning)(x)  # fmt: skip
     return (
         QuantizedTensor(q, s, (1, block), jnp.dtype(x.dtype)),
         QuantizedTensor(qt, st, (block, block) if t_square else (1, block), jnp.dtype(x.dtype)),
@@ -157,7 +160,7 @@ def dual_quantize(
 
 
 @functools.cache
-def _sharded_dual_quantize(block, fmt, power_of_2, margin, partition, wide=False, t_square=False):
+def _sharded_dual_quantize(block, fmt, power_of_2, margin, partition, wide=False, t_square=False, tuning=None):
     def local(x):
         a, b = _dual_quantize_local(x, block, fmt, power_of_2, margin, wide, t_square)
         return a.data, a.scale_inv, b.data, b.scale_inv
