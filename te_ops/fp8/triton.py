@@ -118,8 +118,13 @@ def _block_quantize_local(x, block, fmt, power_of_2, margin) -> QuantizedTensor:
     return QuantizedTensor(q.reshape(shape), sinv.reshape(shape[:-2] + (nrb, ncb)), tuple(block), jnp.dtype(x.dtype))
 
 
-# warps of the 128 x 128-tile quantize kernels (dual_quantize, dact_dbias_quantize); timed in benchmarks/fp8.py
+# warps of the 128 x 128-tile fused activation-backward quantize kernel (dact_dbias_quantize)
 QUANT_TILE_WARPS = 16
+# warps of the 128 x 128-tile dual quantize kernel. Fewer warps, more programs per SM, more loads in
+# flight: H100, 2026-12-06 (benchmarks/fp8.py quant, 16384x7168 bf16, commit 71c09b3): 4 warps
+# 0.389 ms (1.23 TB/s), 8 warps 0.577 ms, 16 warps 0.646 ms (0.74 TB/s); the persistent variants
+# 0.74-1.18 ms.
+DUAL_TILE_WARPS = 4
 # where the transposed output is transposed: the input tile (16-bit lanes) or the FP8 bytes; timed in
 # benchmarks/fp8.py
 DUAL_TRANS_WIDE = False
@@ -150,7 +155,7 @@ def dual_quantize(
     if x.size == 0:
         return _dual_quantize_local(x, block, fmt, power_of_2, margin, wide, bool(t_square))
     # the kernel settings are read when the sharded callable traces: part of its cache key
-    tuning = (QUANT_TILE_WARPS, DUAL_PERSISTENT_STAGES, DUAL_PROGRAMS_PER_SM)
+    tuning = (DUAL_TILE_WARPS, DUAL_PERSISTENT_STAGES, DUAL_PROGRAMS_PER_SM)
     q, s, qt, st = _sharded_dual_quantize(block, fmt, bool(power_of_2), margin, PARTITION, wide, bool(t_square),
                                           tuning)(x)  # fmt: skip
     return (
@@ -212,7 +217,7 @@ def _dual_quantize_local(x, block, fmt, power_of_2, margin, wide=False, t_square
             T_SQUARE=bool(t_square),
             **extra,
         ),
-        num_warps=QUANT_TILE_WARPS,
+        num_warps=DUAL_TILE_WARPS,
         divisible_by_16=tuple(n for n, v in (("R", r), ("C", c)) if v % 16 == 0),
         name="te_fp8_dual_quantize",
     )
