@@ -240,7 +240,7 @@ def dact_dbias_quantize(
     added up in float32; in dy's dtype). Equal to ``reference.dact_dbias_quantize`` up to the
     activation derivative's last-ulp rounding (bit for bit for ReLU and None)."""
     fmt = jnp.dtype(fmt)
-    local = _sharded_dact(_ACT_CODES[activation], block, fmt, bool(power_of_2), PARTITION)
+    local = _sharded_dact(_ACT_CODES[activation], block, fmt, bool(power_of_2), PARTITION, QUANT_TILE_WARPS)
     q, s, qt, st, dbp = local(dy, z)
     dt = jnp.dtype(dy.dtype)
     return (
@@ -251,7 +251,7 @@ def dact_dbias_quantize(
 
 
 @functools.cache
-def _sharded_dact(act, block, fmt, power_of_2, partition):
+def _sharded_dact(act, block, fmt, power_of_2, partition, warps=None):  # warps: read at trace time, keyed
     def local(dy, z):
         return _dact_local(dy, z, act, block, fmt, power_of_2)
 

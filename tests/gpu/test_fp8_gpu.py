@@ -403,11 +403,19 @@ def test_default_implementation_runs_the_triton_path():
 @needs_triton
 @pytest.mark.parametrize("act", [None, "gelu", "gelu_tanh", "relu", "silu"], ids=str)
 @pytest.mark.parametrize("shape", [(300, 200), (4096, 14336)])
-def test_dact_dbias_quantize_matches_reference(act, shape):
+@pytest.mark.parametrize("warps", [None, 4, 8], ids=lambda w: f"warps{w or 'default'}")
+def test_dact_dbias_quantize_matches_reference(act, shape, warps, monkeypatch):
     """The fused activation backward on the GPU vs the reference on the CPU: bytes and scales of
     dz (1 x 128) and dz^T (128 x 128) equal for ReLU / None and all but a few last-ulp roundings of
     act' for GELU / SiLU (libdevice vs XLA's CPU math); dbias within bf16 rounding; NaN / Inf /
-    zero blocks in dy; outputs NaN-poisoned."""
+    zero blocks in dy; outputs NaN-poisoned. ``warps``: the kernel's warps per tile
+    (QUANT_TILE_WARPS, timed in benchmarks/fp8.py), GELU and ReLU only."""
+    if warps is not None:
+        if act not in ("gelu", "relu"):
+            pytest.skip("other warps per tile are checked with GELU and ReLU only")
+        from te_ops.fp8 import triton as tri
+
+        monkeypatch.setattr(tri, "QUANT_TILE_WARPS", warps)
     dy = _x(31, shape, jnp.bfloat16)
     z = jnp.asarray(np.random.default_rng(32).standard_normal(shape) * 2.0, jnp.bfloat16)
     rec = fp8.BlockScaling()
