@@ -28,6 +28,8 @@ ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu", "tanh", "sigmoid")
 SOFTMAX_VARIANTS = ("scaled", "masked", "causal")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 GROUPED_GEMM_BACKENDS = ("auto", "te_ops", "ragged_dot")
+NORM_KINDS = ("rms", "layer")  # NormDense(norm=...): RMSNorm or LayerNorm
+DEFAULT_EPSILON = {"rms": 1e-6, "layer": 1e-5}  # as RMSNorm / LayerNorm
 ROUTER_OPTIONS = (
     "score_function", "use_pre_softmax", "num_groups", "group_topk", "scaling_factor", "aux_loss_coeff",
     "use_expert_bias", "expert_bias_update_rate",
@@ -543,6 +545,28 @@ def check_norm(layer: str, *, sizes: dict[str, Any], epsilon: Any, zero_centered
     axes(layer, "scale_axes", scale_axes, 1)
     if bias_axes is not ABSENT:
         axes(layer, "bias_axes", bias_axes, 1)
+
+
+def check_norm_dense(layer: str, *, sizes: dict[str, Any], norm: Any, epsilon: Any, zero_centered_gamma: Any,
+                     use_bias: Any, activation_: Any, return_normed: Any, dtype: Any, param_dtype: Any,
+                     scale_axes: Any, norm_bias_axes: Any, kernel_axes: Any, bias_axes: Any) -> float:  # fmt: skip
+    """NormDense: ``norm`` ("rms" or "layer"), epsilon > 0 (None: the norm's default), the Dense
+    arguments, flags and axes. Returns the epsilon to use."""
+    one_of(layer, "norm", norm, NORM_KINDS)
+    if epsilon is None:
+        epsilon = DEFAULT_EPSILON[norm]
+    fix = "It keeps 1 / sqrt(var + epsilon) finite, e.g. 1e-6 (None: 1e-6 for 'rms', 1e-5 for 'layer')."
+    real(layer, "epsilon", epsilon, lo=0.0, lo_open=True, fix=fix)
+    flag(layer, "zero_centered_gamma", zero_centered_gamma)
+    flag(layer, "return_normed", return_normed)
+    check_dense(layer, sizes=sizes, use_bias=use_bias, activation_=activation_, dtype=dtype, param_dtype=param_dtype,
+                kernel_axes=kernel_axes, bias_axes=bias_axes)  # fmt: skip
+    axes(layer, "scale_axes", scale_axes, 1)
+    axes(layer, "norm_bias_axes", norm_bias_axes, 1)
+    if norm == "rms" and norm_bias_axes is not None:
+        raise ValueError(err(layer, f"norm_bias_axes is only used with norm='layer' (RMSNorm has no bias), got "
+                                    f"norm_bias_axes={norm_bias_axes!r} with norm='rms'."))  # fmt: skip
+    return float(epsilon)
 
 
 def norm_inputs(layer: str, x: Any, residual: Any, dtype: Any, in_features: int | None):

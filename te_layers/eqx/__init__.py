@@ -1,5 +1,5 @@
 """Equinox modules on te_ops: Dense, Softmax, DotProductAttention, MultiHeadAttention, TopKRouter,
-MoEBlock, RMSNorm, LayerNorm (in ``norm.py``).
+MoEBlock, NormDense (RMSNorm or LayerNorm, then Dense); RMSNorm, LayerNorm (in ``norm.py``).
 
 Conventions: input sizes at construction and a keyword-only ``key`` (``jax.random`` key) for the
 initialisers; configuration in static fields, parameters as array fields (stored in
@@ -33,7 +33,9 @@ from jax.sharding import PartitionSpec
 
 from te_layers import _common as C
 from te_layers import _fp8 as F
+from te_layers import _norm
 from te_layers import _validation as V
+from te_layers._norm import NormDenseOutput
 from te_layers.eqx.fp8 import fp8_accumulate, fp8_update, fp8_value_and_grad
 from te_layers.eqx.norm import LayerNorm, RMSNorm
 
@@ -103,6 +105,92 @@ class Dense(eqx.Module):
         y = C.dense_apply(x, self.kernel, self.bias, activation=self.activation, dtype=self.dtype, fp8=recipe,
                           fp8_state=tree)  # fmt: skip
         return y if state is None else (y, state)
+
+
+class NormDense(eqx.Module):
+    """``activation(norm(x) @ kernel + bias)``: RMSNorm (``norm="rms"``) or LayerNorm (``norm="layer"``)
+    over the last axis, then the :class:`Dense` projection. Parameters ``scale [in_features]``
+    (``norm_bias [in_features]`` with LayerNorm, else None), ``kernel [in_features, out_features]``,
+    ``bias [out_features]``.
+
+    The norm is :class:`RMSNorm` / :class:`LayerNorm` (float32 statistics, output in the compute dtype;
+    ``epsilon`` None: 1e-6 for "rms", 1e-5 for "layer"; ``zero_centered_gamma``: applied scale
+    ``1 + scale``, ``scale_init`` None means ones, zeros with ``zero_centered_gamma``). The projection
+    is :class:`Dense` (same ``kernel_init``, ``bias_init``, ``use_bias``, ``activation``, ``dtype``, ``fp8``).
+    Logical axes (``param_axes``): ``scale_axes`` None follows ``kernel_axes[0]``, ``norm_bias_axes`` None
+    follows ``scale_axes``, ``bias_axes`` None follows ``kernel_axes[-1]``.
+
+    ``return_normed=True``: returns ``NormDenseOutput(y, normed)`` with the normalized input. ``fp8``: as
+    :class:`Dense`; only the GEMM runs in FP8, the norm stays in high precision (the quantization of its
+    output is not fused into the norm kernel yet). With DelayedScaling the layer holds ``fp8_index`` and
+    is called as ``out, state = layer(x, state)``; any NormDense called with a state returns
+    ``(out, state)``.
+    """
+
+    scale: jax.Array
+    norm_bias: jax.Array | None
+    kernel: jax.Array
+    bias: jax.Array | None
+    fp8_index: eqx.nn.StateIndex | None
+    norm: str = eqx.field(static=True)
+    epsilon: float = eqx.field(static=True)
+    zero_centered_gamma: bool = eqx.field(static=True)
+    activation: str | Callable | None = eqx.field(static=True)
+    return_normed: bool = eqx.field(static=True)
+    dtype: Any = eqx.field(static=True)
+    param_axes: dict = eqx.field(static=True)
+    fp8: Any = eqx.field(static=True)
+
+    def __init__(self, in_features: int, out_features: int, *, norm: str = "rms", epsilon: float | None = None,
+                 zero_centered_gamma: bool = False, use_bias: bool = True, activation: str | Callable | None = None,
+                 return_normed: bool = False, dtype: Any = None, param_dtype: Any = jnp.float32,
+                 scale_init: Initializer | None = None, norm_bias_init: Initializer = _zeros,
+                 kernel_init: Initializer = _lecun, bias_init: Initializer = _zeros, scale_axes: Axes = None,
+                 norm_bias_axes: Axes = None, kernel_axes: Axes = None, bias_axes: Axes = None, fp8: Any = None,
+                 key: jax.Array):  # fmt: skip
+        eps = V.check_norm_dense("NormDense", sizes={"in_features": in_features, "out_features": out_features},
+                                 norm=norm, epsilon=epsilon, zero_centered_gamma=zero_centered_gamma,
+                                 use_bias=use_bias, activation_=activation, return_normed=return_normed, dtype=dtype,
+                                 param_dtype=param_dtype, scale_axes=scale_axes, norm_bias_axes=norm_bias_axes,
+                                 kernel_axes=kernel_axes, bias_axes=bias_axes)  # fmt: skip
+        recipe = F.resolve("NormDense", fp8)
+        self.fp8 = fp8
+        delayed = isinstance(recipe, F.DelayedScaling)
+        self.fp8_index = eqx.nn.StateIndex(F.initial_state_tree(recipe)) if delayed else None
+        ks, knb, kk, bk = jax.random.split(key, 4)
+        init = scale_init or _norm.default_scale_init(zero_centered_gamma)
+        self.scale = init(ks, (in_features,), param_dtype)
+        self.norm_bias = norm_bias_init(knb, (in_features,), param_dtype) if norm == "layer" else None
+        self.kernel = kernel_init(kk, (in_features, out_features), param_dtype)
+        self.bias = bias_init(bk, (out_features,), param_dtype) if use_bias else None
+        self.norm, self.epsilon, self.zero_centered_gamma = norm, eps, bool(zero_centered_gamma)
+        self.activation, self.return_normed, self.dtype = activation, bool(return_normed), dtype
+        s_axes, nb_axes = _norm.norm_dense_axes(scale_axes, norm_bias_axes, kernel_axes)
+        if bias_axes is None and kernel_axes is not None:
+            bias_axes = (tuple(kernel_axes)[-1],)
+        self.param_axes = {"scale": _axes(s_axes), "norm_bias": _axes(nb_axes) if norm == "layer" else None,
+                           "kernel": _axes(kernel_axes), "bias": _axes(bias_axes)}  # fmt: skip
+
+    def __call__(self, x: jax.Array, state: eqx.nn.State | None = None):
+        x = V.dense_input("NormDense", x, self.dtype, self.kernel.shape[0])
+        recipe = F.resolve("NormDense", self.fp8)
+        tree = None
+        if isinstance(recipe, F.DelayedScaling):
+            if state is None or self.fp8_index is None:
+                what = "no state was passed" if state is None else "the layer was built without it"
+                raise ValueError(
+                    V.err("NormDense", f"fp8 is {recipe!r}, which needs the layer's delayed-scaling state: call "
+                                       "`out, state = layer(x, state)` with the eqx.nn.State of a model built with "
+                                       "the same recipe (fp8= or inside te_layers.fp8_recipe) by "
+                                       f"eqx.nn.make_with_state; {what}.")
+                )  # fmt: skip
+            tree = state.get(self.fp8_index)
+            F.check_state_tree("NormDense", tree, recipe, "its eqx.nn.State entry (layer.fp8_index)")
+        out = _norm.norm_dense_apply(self.norm, x, self.scale, self.norm_bias, self.kernel, self.bias,
+                                     epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma,
+                                     activation=self.activation, dtype=self.dtype, fp8=recipe, fp8_state=tree,
+                                     return_normed=self.return_normed)  # fmt: skip
+        return out if state is None else (out, state)
 
 
 class Softmax(eqx.Module):
@@ -413,6 +501,8 @@ __all__ = [
     "MoEAux",
     "MoEBlock",
     "MultiHeadAttention",
+    "NormDense",
+    "NormDenseOutput",
     "RMSNorm",
     "Softmax",
     "TopKRouter",

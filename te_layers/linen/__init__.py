@@ -1,5 +1,5 @@
 """Flax Linen modules on te_ops: Dense, Softmax, DotProductAttention, MultiHeadAttention, TopKRouter,
-MoEBlock, RMSNorm, LayerNorm (in ``norm.py``).
+MoEBlock, NormDense (RMSNorm or LayerNorm, then Dense); RMSNorm, LayerNorm (in ``norm.py``).
 
 Conventions: dataclass fields for configuration, ``self.param`` wrapped in
 ``nn.with_logical_partitioning`` (logical axis names, mapped to mesh axes with
@@ -29,7 +29,9 @@ import jax.numpy as jnp
 
 from te_layers import _common as C
 from te_layers import _fp8 as F
+from te_layers import _norm
 from te_layers import _validation as V
+from te_layers._norm import NormDenseOutput
 from te_layers.linen.fp8 import FP8_COLLECTION, fp8_accumulate, fp8_update, fp8_value_and_grad
 from te_layers.linen.norm import LayerNorm, RMSNorm
 
@@ -109,6 +111,79 @@ class Dense(nn.Module):
         state = _fp8_state(self, recipe)
         return C.dense_apply(x, kernel, bias, activation=self.activation, dtype=self.dtype, fp8=recipe,
                              fp8_state=state)  # fmt: skip
+
+
+class NormDense(nn.Module):
+    """``activation(norm(x) @ kernel + bias)``: RMSNorm (``norm="rms"``) or LayerNorm (``norm="layer"``)
+    over the last axis, then the :class:`Dense` projection. Parameters ``scale [H]`` (``norm_bias [H]``
+    with LayerNorm), ``kernel [H, features]``, ``bias [features]``; H is read from the input.
+
+    The norm is :class:`RMSNorm` / :class:`LayerNorm` (float32 statistics, output in the compute dtype;
+    ``epsilon`` None: 1e-6 for "rms", 1e-5 for "layer"; ``zero_centered_gamma``: applied scale
+    ``1 + scale``, ``scale_init`` None means ones, zeros with ``zero_centered_gamma``). The projection
+    is :class:`Dense` (same ``kernel_init``, ``bias_init``, ``use_bias``, ``activation``, ``dtype``, ``fp8``).
+    Logical axes: ``scale_axes`` None follows ``kernel_axes[0]``, ``norm_bias_axes`` None follows
+    ``scale_axes``, ``bias_axes`` None follows ``kernel_axes[-1]``.
+
+    ``return_normed=True``: returns ``NormDenseOutput(y, normed)`` with the normalized input (e.g. for a
+    residual branch that starts after the norm). ``fp8``: as :class:`Dense`; only the GEMM runs in FP8,
+    the norm stays in high precision (the quantization of its output is not fused into the norm kernel
+    yet). With DelayedScaling the state lives in ``"fp8_state"``/``x``, ``w``, ``g`` at this module's path.
+    """
+
+    features: int
+    norm: str = "rms"
+    epsilon: float | None = None
+    zero_centered_gamma: bool = False
+    use_bias: bool = True
+    activation: str | Callable | None = None
+    return_normed: bool = False
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    scale_init: Initializer | None = None
+    norm_bias_init: Initializer = nn.initializers.zeros_init()
+    kernel_init: Initializer = nn.initializers.lecun_normal()
+    bias_init: Initializer = nn.initializers.zeros_init()
+    scale_axes: Axes = None
+    norm_bias_axes: Axes = None
+    kernel_axes: Axes = None
+    bias_axes: Axes = None
+    fp8: Any = None
+
+    def __post_init__(self):
+        V.check_norm_dense("NormDense", sizes={"features": self.features}, norm=self.norm, epsilon=self.epsilon,
+                           zero_centered_gamma=self.zero_centered_gamma, use_bias=self.use_bias,
+                           activation_=self.activation, return_normed=self.return_normed, dtype=self.dtype,
+                           param_dtype=self.param_dtype, scale_axes=self.scale_axes,
+                           norm_bias_axes=self.norm_bias_axes, kernel_axes=self.kernel_axes,
+                           bias_axes=self.bias_axes)  # fmt: skip
+        F.check_recipe_arg("NormDense", self.fp8)
+        super().__post_init__()
+
+    @nn.compact
+    def __call__(self, x: jax.Array):
+        x = V.dense_input("NormDense", x, self.dtype, _stored_dim(self, ("kernel",), 0))
+        n = x.shape[-1]
+        s_axes, nb_axes = _norm.norm_dense_axes(self.scale_axes, self.norm_bias_axes, self.kernel_axes)
+        init = self.scale_init or _norm.default_scale_init(self.zero_centered_gamma)
+        scale = _param(self, "scale", init, (n,), self.param_dtype, s_axes)
+        norm_bias = None
+        if self.norm == "layer":
+            norm_bias = _param(self, "norm_bias", self.norm_bias_init, (n,), self.param_dtype, nb_axes)
+        kernel = _param(self, "kernel", self.kernel_init, (n, self.features), self.param_dtype, self.kernel_axes)
+        bias = None
+        if self.use_bias:
+            b_axes = self.bias_axes
+            if b_axes is None and self.kernel_axes is not None:
+                b_axes = (tuple(self.kernel_axes)[-1],)
+            bias = _param(self, "bias", self.bias_init, (self.features,), self.param_dtype, b_axes)
+        recipe = F.resolve("NormDense", self.fp8)
+        state = _fp8_state(self, recipe)
+        eps = _norm.DEFAULT_EPSILON[self.norm] if self.epsilon is None else self.epsilon
+        return _norm.norm_dense_apply(self.norm, x, scale, norm_bias, kernel, bias, epsilon=eps,
+                                      zero_centered_gamma=self.zero_centered_gamma, activation=self.activation,
+                                      dtype=self.dtype, fp8=recipe, fp8_state=state,
+                                      return_normed=self.return_normed)  # fmt: skip
 
 
 def _fp8_state(mod: nn.Module, recipe):
@@ -435,6 +510,8 @@ __all__ = [
     "LayerNorm",
     "MoEBlock",
     "MultiHeadAttention",
+    "NormDense",
+    "NormDenseOutput",
     "RMSNorm",
     "Softmax",
     "TopKRouter",

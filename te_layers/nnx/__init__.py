@@ -1,5 +1,5 @@
 """Flax NNX modules on te_ops: Dense, Softmax, DotProductAttention, MultiHeadAttention, TopKRouter,
-MoEBlock, RMSNorm, LayerNorm (in ``norm.py``).
+MoEBlock, NormDense (RMSNorm or LayerNorm, then Dense); RMSNorm, LayerNorm (in ``norm.py``).
 
 Conventions: input sizes given at construction, parameters created eagerly from ``rngs``
 (``rngs.params``), ``nnx.Param`` carrying ``out_sharding`` logical axis metadata (what
@@ -32,7 +32,9 @@ from flax import nnx
 
 from te_layers import _common as C
 from te_layers import _fp8 as F
+from te_layers import _norm
 from te_layers import _validation as V
+from te_layers._norm import NormDenseOutput
 from te_layers.nnx.fp8 import FP8State, fp8_accumulate, fp8_value_and_grad
 from te_layers.nnx.norm import LayerNorm, RMSNorm
 
@@ -107,6 +109,69 @@ class Dense(nnx.Module):
             F.check_state_tree("Dense", state, recipe, "its FP8State variable (dense.fp8_state)")
         return C.dense_apply(x, self.kernel[...], bias, activation=self.activation, dtype=self.dtype, fp8=recipe,
                              fp8_state=state)  # fmt: skip
+
+
+class NormDense(nnx.Module):
+    """``activation(norm(x) @ kernel + bias)``: RMSNorm (``norm="rms"``) or LayerNorm (``norm="layer"``)
+    over the last axis, then the :class:`Dense` projection. Parameters ``scale [in_features]``
+    (``norm_bias [in_features]`` with LayerNorm), ``kernel [in_features, out_features]``,
+    ``bias [out_features]``.
+
+    The norm is :class:`RMSNorm` / :class:`LayerNorm` (float32 statistics, output in the compute dtype;
+    ``epsilon`` None: 1e-6 for "rms", 1e-5 for "layer"; ``zero_centered_gamma``: applied scale
+    ``1 + scale``, ``scale_init`` None means ones, zeros with ``zero_centered_gamma``). The projection
+    is :class:`Dense` (same ``kernel_init``, ``bias_init``, ``use_bias``, ``activation``, ``dtype``, ``fp8``).
+    Logical axes: ``scale_axes`` None follows ``kernel_axes[0]``, ``norm_bias_axes`` None follows
+    ``scale_axes``, ``bias_axes`` None follows ``kernel_axes[-1]``.
+
+    ``return_normed=True``: returns ``NormDenseOutput(y, normed)`` with the normalized input. ``fp8``: as
+    :class:`Dense`; only the GEMM runs in FP8, the norm stays in high precision (the quantization of its
+    output is not fused into the norm kernel yet). With DelayedScaling (argument, or the context at
+    construction) the layer holds ``fp8_state``, an :class:`FP8State`.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, norm: str = "rms", epsilon: float | None = None,
+                 zero_centered_gamma: bool = False, use_bias: bool = True, activation: str | Callable | None = None,
+                 return_normed: bool = False, dtype: Any = None, param_dtype: Any = jnp.float32,
+                 scale_init: Initializer | None = None, norm_bias_init: Initializer = _zeros,
+                 kernel_init: Initializer = _lecun, bias_init: Initializer = _zeros, scale_axes: Axes = None,
+                 norm_bias_axes: Axes = None, kernel_axes: Axes = None, bias_axes: Axes = None, fp8: Any = None,
+                 rngs: nnx.Rngs):  # fmt: skip
+        eps = V.check_norm_dense("NormDense", sizes={"in_features": in_features, "out_features": out_features},
+                                 norm=norm, epsilon=epsilon, zero_centered_gamma=zero_centered_gamma,
+                                 use_bias=use_bias, activation_=activation, return_normed=return_normed, dtype=dtype,
+                                 param_dtype=param_dtype, scale_axes=scale_axes, norm_bias_axes=norm_bias_axes,
+                                 kernel_axes=kernel_axes, bias_axes=bias_axes)  # fmt: skip
+        recipe = F.resolve("NormDense", fp8)
+        self.fp8 = nnx.static(fp8)
+        delayed = isinstance(recipe, F.DelayedScaling)
+        self.fp8_state = FP8State(F.initial_state_tree(recipe)) if delayed else nnx.data(None)
+        self.in_features, self.out_features, self.norm = in_features, out_features, norm
+        self.epsilon, self.zero_centered_gamma, self.return_normed = eps, zero_centered_gamma, return_normed
+        self.activation, self.dtype = activation, dtype
+        s_axes, nb_axes = _norm.norm_dense_axes(scale_axes, norm_bias_axes, kernel_axes)
+        init = scale_init or _norm.default_scale_init(zero_centered_gamma)
+        self.scale = _param(rngs, init, (in_features,), param_dtype, s_axes)
+        self.norm_bias = (_param(rngs, norm_bias_init, (in_features,), param_dtype, nb_axes) if norm == "layer"
+                          else nnx.data(None))  # fmt: skip
+        self.kernel = _param(rngs, kernel_init, (in_features, out_features), param_dtype, kernel_axes)
+        if bias_axes is None and kernel_axes is not None:
+            bias_axes = (tuple(kernel_axes)[-1],)
+        self.bias = _param(rngs, bias_init, (out_features,), param_dtype, bias_axes) if use_bias else nnx.data(None)
+
+    def __call__(self, x: jax.Array):
+        x = V.dense_input("NormDense", x, self.dtype, self.in_features)
+        norm_bias = None if self.norm_bias is None else self.norm_bias[...]
+        bias = None if self.bias is None else self.bias[...]
+        recipe = F.resolve("NormDense", self.fp8)
+        state = None
+        if isinstance(recipe, F.DelayedScaling):
+            state = None if self.fp8_state is None else self.fp8_state.get_value()
+            F.check_state_tree("NormDense", state, recipe, "its FP8State variable (layer.fp8_state)")
+        return _norm.norm_dense_apply(self.norm, x, self.scale[...], norm_bias, self.kernel[...], bias,
+                                      epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma,
+                                      activation=self.activation, dtype=self.dtype, fp8=recipe, fp8_state=state,
+                                      return_normed=self.return_normed)  # fmt: skip
 
 
 class Softmax(nnx.Module):
@@ -362,6 +427,8 @@ __all__ = [
     "LayerNorm",
     "MoEBlock",
     "MultiHeadAttention",
+    "NormDense",
+    "NormDenseOutput",
     "RMSNorm",
     "Softmax",
     "TokensPerExpert",
