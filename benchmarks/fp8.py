@@ -116,28 +116,20 @@ def main():
             ),  # fmt: skip
             "cast": jax.jit(lambda x: (x.astype(jnp.float8_e4m3fn), x.T.astype(jnp.float8_e4m3fn))),
         }
-        # variants compiled now, while their module settings are on (jit keeps those executables; a fresh
-        # function each): warps per 128 x 128 tile (occupancy: 16 warps at 128 registers is one program
-        # per SM), and the persistent kernel with loads pipelined across tiles
-        sweep = {  # name: (DUAL_TILE_WARPS, DUAL_PERSISTENT_STAGES, DUAL_PROGRAMS_PER_SM)
-            "triton (2 warps)": (2, 0, 1),
-            "triton (8 warps)": (8, 0, 1),
-            "triton (16 warps)": (16, 0, 1),
-            "triton (persistent, 2 load stages)": (16, 2, 1),
-            "triton (persistent, 8 warps, 2 load stages, 2 per SM)": (8, 2, 2),
-            "triton (persistent, 4 warps, 2 load stages, 4 per SM)": (4, 2, 4),
-        }
-        old_cfg = (tri.DUAL_TILE_WARPS, tri.DUAL_PERSISTENT_STAGES, tri.DUAL_PROGRAMS_PER_SM)
-        for vname, cfg in sweep.items():
+        # variants compiled now, while their setting is on (jit keeps those executables; a fresh function
+        # each): warps per 128 x 128 tile (occupancy: 16 warps at 128 registers is one program per SM)
+        sweep = {"triton (2 warps)": 2, "triton (8 warps)": 8, "triton (16 warps)": 16}  # default: DUAL_TILE_WARPS
+        old_w = tri.DUAL_TILE_WARPS
+        for vname, wv in sweep.items():
             f = jax.jit(lambda x: tri.dual_quantize(x, 128, fp8.E4M3, power_of_2=True, trans_wide=False))
-            tri.DUAL_TILE_WARPS, tri.DUAL_PERSISTENT_STAGES, tri.DUAL_PROGRAMS_PER_SM = cfg
+            tri.DUAL_TILE_WARPS = wv
             try:
                 jax.block_until_ready(f(sets[0][0]))
                 fns[vname] = f
             except Exception as e:  # noqa: BLE001 - report and go on
                 print(f"dual quantize {vname} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
             finally:
-                tri.DUAL_TILE_WARPS, tri.DUAL_PERSISTENT_STAGES, tri.DUAL_PROGRAMS_PER_SM = old_cfg
+                tri.DUAL_TILE_WARPS = old_w
         times, _ = _timing.time_interleaved(fns, sets)
         for vname in sweep:
             if vname not in times:

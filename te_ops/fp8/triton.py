@@ -123,15 +123,11 @@ QUANT_TILE_WARPS = 16
 # warps of the 128 x 128-tile dual quantize kernel. Fewer warps, more programs per SM, more loads in
 # flight: H100, 2026-12-06 (benchmarks/fp8.py quant, 16384x7168 bf16, commit 71c09b3): 4 warps
 # 0.389 ms (1.23 TB/s), 8 warps 0.577 ms, 16 warps 0.646 ms (0.74 TB/s); the persistent variants
-# 0.74-1.18 ms.
+# 0.74-1.18 ms (that variant, a persistent loop with loads pipelined across tiles, was removed).
 DUAL_TILE_WARPS = 4
 # where the transposed output is transposed: the input tile (16-bit lanes) or the FP8 bytes; timed in
 # benchmarks/fp8.py
 DUAL_TRANS_WIDE = False
-# dual_quantize as a persistent loop over tiles with this many load stages (0: one program per tile,
-# the default until timed on a GPU); DUAL_PROGRAMS_PER_SM programs per SM
-DUAL_PERSISTENT_STAGES = 0
-DUAL_PROGRAMS_PER_SM = 1
 
 
 def dual_quantize(
@@ -155,7 +151,7 @@ def dual_quantize(
     if x.size == 0:
         return _dual_quantize_local(x, block, fmt, power_of_2, margin, wide, bool(t_square))
     # the kernel settings are read when the sharded callable traces: part of its cache key
-    tuning = (DUAL_TILE_WARPS, DUAL_PERSISTENT_STAGES, DUAL_PROGRAMS_PER_SM)
+    tuning = (DUAL_TILE_WARPS,)
     q, s, qt, st = _sharded_dual_quantize(block, fmt, bool(power_of_2), margin, PARTITION, wide, bool(t_square),
                                           tuning)(x)  # fmt: skip
     return (
@@ -183,28 +179,18 @@ def _dual_quantize_local(x, block, fmt, power_of_2, margin, wide=False, t_square
             QuantizedTensor(jnp.zeros((r, c), fmt), jnp.ones((r, ncb), jnp.float32), (1, block), jnp.dtype(x.dtype)),
             QuantizedTensor(jnp.zeros((c, r), fmt), jnp.ones(st_shape, jnp.float32), t_block, jnp.dtype(x.dtype)),
         )
-    stages = DUAL_PERSISTENT_STAGES
-    if stages:  # the persistent kernel, a few programs per SM, loads pipelined across tiles
-        from te_ops.grouped_dense.triton import num_sms
-
-        nprog = max(1, min(nrb * ncb, num_sms() * DUAL_PROGRAMS_PER_SM))
-        kernel, grid, lead, extra = _k().dual_quantize_persistent_kernel, (nprog,), (np.int32(nprog),), {
-            "LOAD_STAGES": int(stages)}  # fmt: skip
-    else:
-        kernel, grid, lead, extra = _k().dual_quantize_kernel, (nrb, ncb), (), {}
     q, sinv, qt, sinvt = tb.triton_call(
-        kernel,
+        _k().dual_quantize_kernel,
         x,
         np.int32(r),
         np.int32(c),
-        *lead,
         out_shape=[
             SDS((r, c), jnp.uint8),
             SDS((r, ncb), jnp.float32),
             SDS((c, r), jnp.uint8),
             SDS(st_shape, jnp.float32),
         ],
-        grid=grid,
+        grid=(nrb, ncb),
         constexprs=dict(
             B=block,
             FMAX=format_max(fmt),
@@ -215,7 +201,6 @@ def _dual_quantize_local(x, block, fmt, power_of_2, margin, wide=False, t_square
             HW=_hw_cvt(),
             TRANS_WIDE=bool(wide),
             T_SQUARE=bool(t_square),
-            **extra,
         ),
         num_warps=DUAL_TILE_WARPS,
         divisible_by_16=tuple(n for n, v in (("R", r), ("C", c)) if v % 16 == 0),

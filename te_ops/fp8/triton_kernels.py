@@ -230,43 +230,6 @@ def dual_quantize_kernel(
 
 
 @triton.jit
-def dual_quantize_persistent_kernel(
-    x_ptr,
-    R,
-    C,
-    num_programs,
-    q_ptr,
-    sinv_ptr,
-    qt_ptr,
-    sinvt_ptr,
-    B: tl.constexpr,
-    FMAX: tl.constexpr,
-    MBITS: tl.constexpr,
-    EMIN: tl.constexpr,
-    MARGIN_MUL: tl.constexpr,
-    POW2: tl.constexpr,
-    HW: tl.constexpr,
-    TRANS_WIDE: tl.constexpr,
-    T_SQUARE: tl.constexpr,
-    LOAD_STAGES: tl.constexpr,
-):
-    """dual_quantize_kernel as a persistent loop over the [B, B] tiles (row-band major), so Triton's
-    software pipeliner can load tile i + 1 (asynchronously, into shared memory) while tile i is
-    quantized: one program per SM cannot otherwise hide the load latency. Grid (num_programs,)."""
-    ncb = tl.cdiv(C, B)
-    n_tiles = tl.cdiv(R, B) * ncb
-    for t in tl.range(tl.program_id(0), n_tiles, num_programs, num_stages=LOAD_STAGES):
-        rb = t // ncb
-        cb = t % ncb
-        rows = rb * B + tl.arange(0, B)
-        cols = cb * B + tl.arange(0, B)
-        mask = (rows < R)[:, None] & (cols < C)[None, :]
-        xin = tl.load(x_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], mask=mask, other=0.0)
-        _dual_tile(xin.to(tl.float32), xin, rows, cols, rb, cb, R, C, q_ptr, sinv_ptr, qt_ptr, sinvt_ptr, B, FMAX,
-                   MBITS, EMIN, MARGIN_MUL, POW2, HW, TRANS_WIDE, T_SQUARE)  # fmt: skip
-
-
-@triton.jit
 def _act_grad(z, ACT: tl.constexpr):
     """act'(z) in float32 (the formulas of reference.act_grad): ACT 1 GELU (erf), 2 GELU (tanh
     approximation), 3 ReLU (0 at z <= 0), 4 SiLU; 0 (no activation) is 1."""

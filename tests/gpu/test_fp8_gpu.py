@@ -77,16 +77,17 @@ def test_block_quantize_matches_reference_bytes(i):
 
 
 @needs_triton
-@pytest.mark.parametrize("wide,square,stages", [(False, False, 0), (True, False, 0), (False, True, 0), (True, True, 0),
-                                                 (False, False, 2), (False, True, 2)])  # fmt: skip
+@pytest.mark.parametrize("wide,square,warps", [(False, False, None), (True, False, None), (False, True, None),
+                                                (True, True, None), (False, False, 2), (False, True, 8)])  # fmt: skip
 @pytest.mark.parametrize("shape,block", [((130, 200), 64), ((4096, 7168), 128), ((7168, 4096), 128)])
-def test_dual_quantize_matches_reference_bytes(shape, block, wide, square, stages, monkeypatch):
+def test_dual_quantize_matches_reference_bytes(shape, block, wide, square, warps, monkeypatch):
     """Row tiles of x and row tiles (or square blocks) of x^T from one read, each equal to the
-    reference of its own (both ways of transposing in the kernel; one program per tile and the
-    persistent kernel with pipelined loads)."""
+    reference of its own (both ways of transposing in the kernel; the default warps per tile and
+    two others the benchmark times)."""
     from te_ops.fp8 import triton as tri
 
-    monkeypatch.setattr(tri, "DUAL_PERSISTENT_STAGES", stages)
+    if warps is not None:
+        monkeypatch.setattr(tri, "DUAL_TILE_WARPS", warps)
     x = _x(7, shape, jnp.bfloat16)
     tb = (block, block) if square else (1, block)
     with native.poisoned_outputs():

@@ -419,11 +419,7 @@ def _kernel_main() -> int:
         ok = True
         wide = bool(i % 2)  # both ways of transposing (the input tile or the FP8 bytes)
         sq = i >= 2  # x^T in 1 x block tiles or in block x block blocks
-        tri.DUAL_PERSISTENT_STAGES = 2 if i in (0, 3) else 0  # the persistent kernel, few programs
-        try:
-            q, qt = tri.dual_quantize(x, block, fmt, power_of_2=pow2, trans_wide=wide, t_square=sq)
-        finally:
-            tri.DUAL_PERSISTENT_STAGES = 0
+        q, qt = tri.dual_quantize(x, block, fmt, power_of_2=pow2, trans_wide=wide, t_square=sq)
         for got, want in ((q, ref.quantize_blocks(x, (1, block), fmt, power_of_2=pow2)),
                           (qt, ref.quantize_blocks(x.T, (block, block) if sq else (1, block), fmt,
                                                    power_of_2=pow2))):  # fmt: skip
@@ -434,7 +430,6 @@ def _kernel_main() -> int:
             ok = ok and np.array_equal(np.asarray(got.scale_inv), np.asarray(want.scale_inv))
         verdict = "ok" if ok else "MISMATCH"
         name = f"{shape} {jnp.dtype(dtype).name} 1x{block} {jnp.dtype(fmt).name} wide={wide} square={sq}"
-        name += " persistent" * (i in (0, 3))
         print(f"dual case {i} {name}: {verdict}")
         failures += not ok
     # the block-scaled GEMM: 1 x 128 activations @ (128 x 128 weights)^T, K and N with partial blocks
@@ -1164,7 +1159,8 @@ def test_gemm_kernel_choice_is_read_at_each_trace(monkeypatch):
     # a fresh function per case: jax.jit caches its own trace of one function (kernels included)
     dense = lambda: fb(lambda x, w: fp8.fp8_dense(x, w, fp8.BlockScaling(), implementation="triton"))  # noqa: E731
     grouped = lambda: fb(  # noqa: E731
-        lambda x, w: fp8.fp8_grouped_dense(x, w, sizes, fp8.BlockScaling(), implementation="triton"))
+        lambda x, w: fp8.fp8_grouped_dense(x, w, sizes, fp8.BlockScaling(), implementation="triton")
+    )
     ws, tr = "te_fp8_grouped_block_gemm_ws", "te_fp8_grouped_block_gemm"
     cases = [(dense, {"dense": "tiled"}, "te_fp8_block_gemm"), (dense, {"dense": "gluon"}, ws),
              (dense, {"dense": "persistent"}, tr), (grouped, {"grouped": "gluon"}, ws),
