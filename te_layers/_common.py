@@ -141,9 +141,7 @@ def positions_from_segments(segment_ids: jax.Array | None, batch: int, seq: int)
     if segment_ids is None:
         return jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
     idx = jnp.arange(seq, dtype=jnp.int32)
-    start = jnp.concatenate(
-        [jnp.ones((batch, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1
-    )
+    start = jnp.concatenate([jnp.ones((batch, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
     seg_start = jax.lax.cummax(jnp.where(start, idx, 0), axis=1)
     return idx - seg_start
 

@@ -84,7 +84,7 @@ def flag(layer: str, name: str, v: Any) -> bool:
 def real(
     layer: str, name: str, v: Any, *, lo: float | None = None, hi: float | None = None, lo_open: bool = False,
     hi_open: bool = False, allow_none: bool = False, fix: str = "",
-) -> float | None:
+) -> float | None:  # fmt: skip
     """``v`` as a finite Python float in the interval given by ``lo``/``hi`` (a static configuration value)."""
     if v is None and allow_none:
         return None
@@ -168,9 +168,7 @@ def axes(layer: str, name: str, v: Any, rank: int) -> Any:
 
 def window(layer: str, v: Any) -> Any:
     """``window_size``: None or ``(left, right)`` with ints >= -1 (-1 = unbounded side)."""
-    ok = v is None or (
-        isinstance(v, (tuple, list)) and len(v) == 2 and all(_is_int(w) and int(w) >= -1 for w in v)
-    )
+    ok = v is None or (isinstance(v, (tuple, list)) and len(v) == 2 and all(_is_int(w) and int(w) >= -1 for w in v))
     if not ok:
         raise ValueError(
             err(layer, f"window_size must be None or (left, right) with ints >= -1 (-1 = unbounded side), got {v!r}.")
@@ -422,9 +420,7 @@ def attention_inputs(layer: str, q: Any, k: Any, v: Any) -> tuple[jax.Array, jax
     if k.shape[3] != q.shape[3]:
         raise ValueError(err(layer, f"k must have q's head dim D (axis 3), got {shapes}."))
     if k.shape[2] < 1 or q.shape[2] % k.shape[2]:
-        raise ValueError(
-            err(layer, f"k must have a number of heads Nkv (axis 2) that divides q's Nq, got {shapes}.")
-        )
+        raise ValueError(err(layer, f"k must have a number of heads Nkv (axis 2) that divides q's Nq, got {shapes}."))
     return q, k, v
 
 
@@ -442,7 +438,7 @@ def softmax_inputs(layer: str, x: Any, mask: Any, variant: str) -> tuple[jax.Arr
         padded = (1,) * (4 - mask.ndim) + tuple(mask.shape)
         if mask.ndim > 4 or padded[3] != x.shape[3] or any(
             m not in (1, d) for m, d in zip(padded[:3], x.shape[:3], strict=True)
-        ):
+        ):  # fmt: skip
             raise ValueError(
                 err(layer, f"mask must be broadcastable as [B or 1, N or 1, Sq or 1, Sk] to x {tuple(x.shape)}, got "
                            f"shape {tuple(mask.shape)}.")
@@ -487,8 +483,9 @@ def mha_inputs(layer: str, x: Any, inputs_kv: Any, *, dtype: Any, in_features: i
     b, s = x.shape[:2]
     if inputs_kv is not None:
         if fused_qkv:
-            raise ValueError(err(layer, "inputs_kv must be None with fused_qkv=True (the fused projection is "
-                                        "self-attention only); construct with fused_qkv=False for cross-attention."))
+            msg = ("inputs_kv must be None with fused_qkv=True (the fused projection is self-attention only); "
+                   "construct with fused_qkv=False for cross-attention.")  # fmt: skip
+            raise ValueError(err(layer, msg))
         inputs_kv = compute_input(layer, "inputs_kv", inputs_kv, dtype, rank=3, layout="[B, Skv, H]")
         features(layer, "inputs_kv", inputs_kv, kv_features)
         if inputs_kv.shape[0] != b:
@@ -497,8 +494,8 @@ def mha_inputs(layer: str, x: Any, inputs_kv: Any, *, dtype: Any, in_features: i
     if segment_ids is not None:
         int_input(layer, "segment_ids", segment_ids, (b, s), "[B, S]")
         if inputs_kv is not None and inputs_kv.shape[1] != s:
-            raise ValueError(err(layer, f"segment_ids label the tokens of both x and inputs_kv, so inputs_kv must "
-                                        f"have x's length {s} (axis 1), got shape {tuple(inputs_kv.shape)}."))
+            raise ValueError(err(layer, f"segment_ids label the tokens of both x and inputs_kv, so inputs_kv must have "
+                                        f"x's length {s} (axis 1), got shape {tuple(inputs_kv.shape)}."))  # fmt: skip
     if segment_pos is not None:
         if segment_ids is None:
             raise ValueError(err(layer, "segment_pos (positions inside the packed segments) needs segment_ids; "

@@ -105,7 +105,7 @@ class Dense(nn.Module):
         bias = None
         if self.use_bias:
             b_axes = self.bias_axes if self.bias_axes is not None else (
-                None if self.kernel_axes is None else (tuple(self.kernel_axes)[-1],))
+                None if self.kernel_axes is None else (tuple(self.kernel_axes)[-1],))  # fmt: skip
             bias = _param(self, "bias", self.bias_init, (self.features,), self.param_dtype, b_axes)
         recipe = F.resolve("Dense", self.fp8)
         state = _fp8_state(self, recipe)
@@ -478,7 +478,7 @@ class MoEBlock(nn.Module):
         x = V.token_input("MoEBlock", x, self.dtype, _stored_dim(self, ("wi",), 1))
         hdim = x.shape[-1]
         router = _RouterParams(self.num_experts, self.use_expert_bias, self.router_param_dtype,
-                               self.router_kernel_init, self.router_kernel_axes, name="router")
+                               self.router_kernel_init, self.router_kernel_axes, name="router")  # fmt: skip
         rkernel, bias = router(hdim)
         f2 = self.ffn_dim * (2 if self.gated else 1)
         wi = _param(self, "wi", self.kernel_init, (self.num_experts, hdim, f2), self.param_dtype, self.wi_axes)

@@ -40,7 +40,7 @@ class RMSNorm(nnx.Module):
                      zero_centered_gamma=zero_centered_gamma, dtype=dtype, param_dtype=param_dtype,
                      scale_axes=scale_axes)  # fmt: skip
         self.num_features, self.epsilon, self.zero_centered_gamma, self.dtype = (
-            num_features, epsilon, zero_centered_gamma, dtype)
+            num_features, epsilon, zero_centered_gamma, dtype)  # fmt: skip
         init = scale_init or _norm.default_scale_init(zero_centered_gamma)
         self.scale = _param(rngs, init, num_features, param_dtype, scale_axes)
 
@@ -66,7 +66,7 @@ class LayerNorm(nnx.Module):
                      zero_centered_gamma=zero_centered_gamma, dtype=dtype, param_dtype=param_dtype,
                      scale_axes=scale_axes, bias_axes=bias_axes)  # fmt: skip
         self.num_features, self.epsilon, self.zero_centered_gamma, self.dtype = (
-            num_features, epsilon, zero_centered_gamma, dtype)
+            num_features, epsilon, zero_centered_gamma, dtype)  # fmt: skip
         init = scale_init or _norm.default_scale_init(zero_centered_gamma)
         self.scale = _param(rngs, init, num_features, param_dtype, scale_axes)
         self.bias = _param(rngs, bias_init, num_features, param_dtype,
