@@ -124,6 +124,7 @@ QUANT_TILE_WARPS = 16
 # flight: H100, 2026-12-06 (benchmarks/fp8.py quant, 16384x7168 bf16, commit 71c09b3): 4 warps
 # 0.389 ms (1.23 TB/s), 8 warps 0.577 ms, 16 warps 0.646 ms (0.74 TB/s); the persistent variants
 # 0.74-1.18 ms (that variant, a persistent loop with loads pipelined across tiles, was removed).
+# At 4 warps ptxas spills 264 bytes a thread (560 with square x^T blocks); 8 warps does not spill.
 DUAL_TILE_WARPS = 4
 # where the transposed output is transposed: the input tile (16-bit lanes) or the FP8 bytes; timed in
 # benchmarks/fp8.py

@@ -1060,7 +1060,7 @@ def test_fp8_kernels_compile_for_sm90_without_spills(monkeypatch):
     """Every FP8 Triton kernel in its default configuration compiles for sm_90a here (jaxlib's
     launcher stubbed) and Triton's bundled ptxas reports no register spills at sizes that are
     multiples of 128 (training shapes): a spill in a GEMM main loop or a quantize tile costs far more
-    than any tuning gains. (Sizes that are not multiples of 16 lose the vectorized accesses and the
+    than any tuning gains. One measured exception, bounded: the dual quantize at 4 warps. (Sizes that are not multiples of 16 lose the vectorized accesses and the
     128 x 128-tile quantize kernels then spill: correct, slower.)"""
     import os
     import subprocess
@@ -1123,7 +1123,15 @@ def test_fp8_kernels_compile_for_sm90_without_spills(monkeypatch):
             r = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", os.path.join(d, f"k{i}.cubin")],
                                capture_output=True, text=True, timeout=300)  # fmt: skip
             assert r.returncode == 0, (name, r.stderr[-2000:])
-            assert "0 bytes spill stores" in r.stderr, (name, r.stderr[-2000:])
+            if name == "te_fp8_dual_quantize":
+                # at its default 4 warps per 128 x 128 tile the dual quantize spills a little (264 bytes
+                # a thread for the row tiles, 560 with square x^T blocks, sm_90a, Triton 3.6) and still
+                # ran 1.66x faster than at 16 warps without spills (two programs per SM instead of one;
+                # H100, 2026-12-06, docs/perf_notes.md): bounded here so it cannot grow unnoticed
+                spilled = re.search(r"(\d+) bytes spill stores", r.stderr)
+                assert spilled and int(spilled.group(1)) <= 600, (name, r.stderr[-2000:])
+            else:
+                assert "0 bytes spill stores" in r.stderr, (name, r.stderr[-2000:])
 
 
 def test_gemm_kernel_choice_is_read_at_each_trace(monkeypatch):
