@@ -1060,7 +1060,8 @@ def test_fp8_kernels_compile_for_sm90_without_spills(monkeypatch):
     """Every FP8 Triton kernel in its default configuration compiles for sm_90a here (jaxlib's
     launcher stubbed) and Triton's bundled ptxas reports no register spills at sizes that are
     multiples of 128 (training shapes): a spill in a GEMM main loop or a quantize tile costs far more
-    than any tuning gains. One measured exception, bounded: the dual quantize at 4 warps. (Sizes that are not multiples of 16 lose the vectorized accesses and the
+    than any tuning gains. One measured exception, bounded: the dual quantize at 4 warps. (Sizes
+    that are not multiples of 16 lose the vectorized accesses and the
     128 x 128-tile quantize kernels then spill: correct, slower.)"""
     import os
     import subprocess
