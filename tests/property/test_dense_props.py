@@ -1,0 +1,124 @@
+"""dense and grouped_dense against numpy formulations of docs/semantics.md ("Dense", "Grouped
+GEMM"): bias and activation epilogues, empty axes, zero-size / negative / overflowing group sizes,
+forward and hand-derived backward."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+
+import te_ops
+from tests.property._common import ACTIVATIONS, check_close, float_dtypes, fuzz, rand, seeds, size
+
+IMPL = "reference"
+
+
+@fuzz(40)
+@given(
+    lead=st.lists(size(17, min_size=0, sizes=(0, 1, 2, 3, 5, 17)), min_size=1, max_size=3),
+    k=size(129, min_size=0, sizes=(0, 1, 3, 7, 16, 31, 64, 127, 129)),
+    n=size(64, min_size=0, sizes=(0, 1, 2, 5, 13, 33, 64)),
+    dtype=float_dtypes,
+    has_bias=st.booleans(),
+    activation=st.sampled_from(list(ACTIVATIONS)),
+    seed=seeds,
+)
+def test_dense(lead, k, n, dtype, has_bias, activation, seed):
+    rng = np.random.default_rng(seed)
+    x, x64 = rand(rng, (*lead, k), dtype)
+    w, w64 = rand(rng, (k, n), dtype, 1.0 / np.sqrt(max(k, 1)))
+    b, b64 = rand(rng, (n,), dtype) if has_bias else (None, np.zeros((n,)))
+    act, dact = ACTIVATIONS[activation]
+
+    fn = lambda a, kk, bb: te_ops.dense(a, kk, bb, activation=activation, implementation=IMPL)  # noqa: E731
+    y, vjp = jax.vjp(fn, x, w, b)
+    z = x64 @ w64 + b64
+    assert y.dtype == jnp.dtype(dtype) and y.shape == (*lead, n)
+    check_close(y, act(z), dtype, what=f"dense y ({activation}, bias={has_bias})")
+
+    dy, dy64 = rand(rng, y.shape, dtype)
+    dx, dw, db = vjp(dy)
+    dz = dy64 * dact(z)
+    rows = int(np.prod(lead))
+    dz2 = dz.reshape(rows, n)
+    check_close(dx, dz @ w64.T, dtype, what="dense dx")
+    check_close(dw, x64.reshape(rows, k).T @ dz2, dtype, what="dense dkernel")
+    if has_bias:
+        check_close(db, dz2.sum(0), dtype, what="dense dbias")
+    else:
+        assert db is None
+
+
+def _group_bounds(sizes, m):
+    """The spec's rule: end = min(running sum of max(sizes, 0), M), start = previous end (in Python ints)."""
+    ends, total = [], 0
+    for s in sizes:
+        total += max(int(s), 0)
+        ends.append(min(total, m))
+    return [0, *ends[:-1]], ends
+
+
+@st.composite
+def group_sizes(draw, m, g):
+    kind = draw(st.sampled_from(["fits", "fits", "zeros", "one_group", "negative", "overflow", "int_extremes"]))
+    if kind == "zeros":
+        return [0] * g
+    if kind == "one_group":  # every row to one group (all tokens routed to one expert)
+        out = [0] * g
+        out[draw(st.integers(0, g - 1))] = m
+        return out
+    if kind == "fits":  # sum <= M, with empty groups
+        cuts = sorted(draw(st.lists(st.integers(0, m), min_size=g, max_size=g)))
+        return [cuts[0]] + [cuts[i] - cuts[i - 1] for i in range(1, g)]
+    if kind == "negative":
+        return draw(st.lists(st.integers(-5, max(m // 2, 1)), min_size=g, max_size=g))
+    if kind == "overflow":
+        return draw(st.lists(st.integers(0, m + 3), min_size=g, max_size=g))
+    return draw(st.lists(st.sampled_from([2**31 - 1, -(2**31), 1, 0, 2**30]), min_size=g, max_size=g))
+
+
+@fuzz(40)
+@given(data=st.data())
+def test_grouped_dense(data):
+    draw = data.draw
+    m = draw(size(256, min_size=0, sizes=(0, 1, 2, 7, 31, 64, 129, 256)), label="M")
+    k = draw(size(64, min_size=0, sizes=(0, 1, 3, 8, 13, 64)), label="K")
+    n = draw(size(64, min_size=0, sizes=(0, 1, 5, 16, 33)), label="N")
+    g = draw(st.integers(1, 6), label="G")
+    sizes = draw(group_sizes(m, g), label="group_sizes")
+    dtype = draw(float_dtypes, label="dtype")
+    has_bias = draw(st.booleans(), label="bias")
+    rng = np.random.default_rng(draw(seeds, label="seed"))
+
+    x, x64 = rand(rng, (m, k), dtype)
+    w, w64 = rand(rng, (g, k, n), dtype, 1.0 / np.sqrt(max(k, 1)))
+    b, b64 = rand(rng, (g, n), dtype) if has_bias else (None, np.zeros((g, n)))
+    gs = jnp.asarray(np.asarray(sizes, np.int64).astype(np.int32))
+
+    starts, ends = _group_bounds(sizes, m)
+    y_exp = np.zeros((m, n))
+    for i in range(g):
+        y_exp[starts[i] : ends[i]] = x64[starts[i] : ends[i]] @ w64[i] + b64[i]
+
+    fn = lambda a, kk, bb: te_ops.grouped_dense(a, kk, gs, bb, implementation=IMPL)  # noqa: E731
+    y, vjp = jax.vjp(fn, x, w, b)
+    assert y.dtype == jnp.dtype(dtype) and y.shape == (m, n)
+    check_close(y, y_exp, dtype, what="grouped_dense y")
+
+    dy, dy64 = rand(rng, (m, n), dtype)
+    dx, dw, db = vjp(dy)
+    dx_exp = np.zeros((m, k))
+    dw_exp = np.zeros((g, k, n))
+    db_exp = np.zeros((g, n))
+    for i in range(g):
+        rows = slice(starts[i], ends[i])
+        dx_exp[rows] = dy64[rows] @ w64[i].T
+        dw_exp[i] = x64[rows].T @ dy64[rows]
+        db_exp[i] = dy64[rows].sum(0)
+    check_close(dx, dx_exp, dtype, what="grouped_dense dx (0 on rows of no group)")
+    check_close(dw, dw_exp, dtype, what="grouped_dense dkernels (0 for empty groups)")
+    if has_bias:
+        check_close(db, db_exp, dtype, what="grouped_dense dbias")
