@@ -231,4 +231,3 @@ def test_fused_moe_aux_loss(e, t, topk, coeff, tpe_dtype, dtype, seed):
     check_close(loss, exp, dtype, what="aux loss")
     (dp,) = vjp(jnp.asarray(1.0, dtype))
     check_close(dp, np.broadcast_to(c * tpe.astype(np.float64), (t, e)), dtype, what="aux loss dprobs")
-
