@@ -72,7 +72,7 @@ print("missing:", native._errors)
 print("native_unavailable_reason:", te_ops.native_unavailable_reason())
 PY
 
-# STEPS: ordered "test:<file stem>" / "bench:<name>" items (default: every GPU test file, then every
+# STEPS: ordered "test:<file stem>" / "bench:<name>" / "sh:<script>" items (default: every GPU test file, then every
 # benchmark). One pytest process per test file, so a crash in one file cannot hide the others.
 if [ -z "${STEPS:-}" ]; then
   STEPS=""
@@ -101,6 +101,11 @@ for step in $STEPS; do
     XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s INT -k 20 $(( left < file_timeout ? left - 25 : file_timeout )) $PY -m pytest -m gpu "$f" -q -rs \
       -p no:cacheprovider -o junit_family=xunit2 --junitxml "$OUT/results/$name.xml" ${file_args:-} \
       || { rc=$?; test_rc=$rc; stamp "$f rc=$rc"; }
+  elif [ "$kind" = sh ]; then
+    # sh:<name> runs scripts/<name>.sh (e.g. sh:sanitize, compute-sanitizer over the kernels); its
+    # non-zero exit counts as a test failure.
+    stamp "script scripts/$name.sh"
+    timeout -s INT -k 20 $(( left - 20 )) bash "scripts/$name.sh" || { rc=$?; test_rc=$rc; stamp "scripts/$name.sh rc=$rc"; }
   elif [ -f "benchmarks/$name.py" ]; then
     # The first run of a benchmark writes benchmarks/results/<device>/<name>.json in this tree (or
     # $TE_BENCH_OUT when set); a benchmark named again (a fresh process: plans are timed anew) writes
@@ -112,7 +117,8 @@ for step in $STEPS; do
       args=$(eval echo "\${BENCH_ARGS_${name}_repeat:-$args}")
     fi
     stamp "benchmark $name (run $runs) $args"
-    XLA_PYTHON_CLIENT_PREALLOCATE=${BENCH_PREALLOCATE:-true} TE_BENCH_OUT="$dir" timeout $(( left < ${BENCH_TIMEOUT:-240} ? left - 15 : ${BENCH_TIMEOUT:-240} )) \
+    v="BENCH_TIMEOUT_$name"; bt=${!v:-${BENCH_TIMEOUT:-240}}  # per-benchmark limit, e.g. BENCH_TIMEOUT_long_run=300
+    XLA_PYTHON_CLIENT_PREALLOCATE=${BENCH_PREALLOCATE:-true} TE_BENCH_OUT="$dir" timeout $(( left < bt ? left - 15 : bt )) \
       $PY "benchmarks/$name.py" $args || stamp "benchmark $name FAILED rc=$?"
   fi
 done
