@@ -52,6 +52,7 @@ import _timing  # noqa: E402
 RECIPES = ("none", "current", "delayed", "block")
 REFERENCE = "none"  # bf16: what every FP8 recipe is compared with
 THRESHOLD = 0.01
+FIRST_LOSSES = 20  # the first training losses of each run, stored exactly (every step)
 
 # The GPU run. Block scaling quantizes 1x128 / 128x128 blocks: every GEMM dimension it scales (d_model, the
 # qkv width (heads + 2 kv_heads) * head_dim, ffn and 2 ffn) is a multiple of 128.
@@ -183,6 +184,7 @@ def summarize(summary: dict, cfg: dict) -> dict:
         "params": summary.get("params"),
         "val_curve": [[s, num(v)] for s, v in val],
         "train_curve": downsample(losses, cfg["train_every"]),
+        "train_losses_first": [num(v) for v in losses[:FIRST_LOSSES]],
     }
 
 
@@ -376,6 +378,7 @@ def main(argv=None):
             "rel_diff": "(recipe - bf16) / bf16 of the mean above",
             "no_nan": "every training loss and validation loss of the run is finite (NaN / Inf stored as null)",
             "train_curve": f"[step, training loss] for step 1, every {cfg['train_every']}th step and the last",
+            "train_losses_first": f"the training losses of steps 1..{FIRST_LOSSES}",
             "val_curve": "[step, validation loss], step 0 = before training",
         },
         "recipes": records,
