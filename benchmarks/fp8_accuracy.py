@@ -20,11 +20,15 @@ temporary folder); a recipe that raises is recorded with its error and the other
 
     python benchmarks/fp8_accuracy.py                          # 4 recipes x 1000 steps, d512 L4 E8 top-2 ffn1024
     python benchmarks/fp8_accuracy.py --recipes none,block     # a subset
+    python benchmarks/fp8_accuracy.py --recipes current,delayed --merge benchmarks/results/h200/fp8_accuracy.json
     python benchmarks/fp8_accuracy.py --tiny                   # CPU smoke test of this script
 
 Writes results/<device>/fp8_accuracy.json (``$TE_BENCH_OUT`` overrides the folder; ``--tiny``: /tmp) with
 the full validation curve and the training loss every 5th step of each recipe, and, when matplotlib is
-installed, fp8_accuracy.png (all recipes' curves) next to it.
+installed, fp8_accuracy.png (all recipes' curves) next to it. Both are rewritten after every recipe
+(``"complete": false`` until the last), so a run stopped part way keeps the recipes it finished.
+``--merge JSON`` keeps the recipes of an earlier run of the same configuration that this one does not run
+(the bar is computed over all of them), for measuring the recipes in separate invocations.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import argparse
 import contextlib
 import gc
 import importlib.util
+import json
 import math
 import os
 import sys
@@ -191,7 +196,13 @@ def summarize(summary: dict, cfg: dict) -> dict:
 def run_recipe(ex, cfg: dict, recipe: str, tmp: str) -> dict:
     """One recipe's run of the example; ``error`` set (and the traceback printed) when it raised."""
     argv = example_argv(cfg, recipe, os.path.join(tmp, recipe))
-    rec = {"recipe": recipe, "label": ex.describe_fp8(recipe), "example_argv": argv, "error": None}
+    rec = {
+        "recipe": recipe,
+        "label": ex.describe_fp8(recipe),
+        "example_argv": argv,
+        "error": None,
+        "measured": {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": _timing.commit()},
+    }
     print(f"\n=== --fp8 {recipe}: python examples/train_moe.py {' '.join(argv)}", flush=True)
     t0 = time.perf_counter()
     try:
@@ -346,6 +357,9 @@ def parse_args(argv=None):
                     help="the means are over the last this many steps (default 50; --tiny: 8)")  # fmt: skip
     ap.add_argument("--train-every", type=int, default=None,
                     help="training loss curve in the JSON: every this many steps (default 5)")  # fmt: skip
+    ap.add_argument("--merge", default=None, metavar="JSON",
+                    help="an fp8_accuracy.json of the same configuration: its recipes that this run does not run are "
+                         "kept, so the four recipes can be measured in separate invocations")  # fmt: skip
     args = ap.parse_args(argv)
     recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
     bad = [r for r in recipes if r not in RECIPES]
@@ -355,20 +369,59 @@ def parse_args(argv=None):
     return args
 
 
+def load_previous(path: str | None, cfg: dict, drop: tuple[str, ...]) -> tuple[dict | None, str | None]:
+    """``(the results JSON at path, None)`` when its config equals ``cfg`` (the keys in ``drop`` aside), else
+    ``(None, why not)``: a run split over several invocations (``--merge``) only combines like with like."""
+    if not path:
+        return None, None
+    if not os.path.exists(path):
+        return None, f"--merge {path}: no such file; nothing merged"
+    with open(path) as f:
+        prev = json.load(f)
+    old = {k: v for k, v in prev.get("config", {}).items() if k not in drop}
+    new = {k: v for k, v in cfg.items() if k not in drop}
+    if old != new:
+        diff = {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)}
+        return None, f"--merge {path}: another configuration (file vs now: {diff}); nothing merged"
+    return prev, None
+
+
 def main(argv=None):
     args = parse_args(argv)
     cfg = resolve(args, DEFAULTS, TINY)
+    prev, merge_note = load_previous(args.merge, cfg, ("recipes",))
+    if merge_note:
+        print(f"WARNING: {merge_note}")
     ex = load_example()
     records: dict[str, dict] = {}
+    if prev is not None:  # the recipes of an earlier invocation that this one does not run again
+        records = {r: rec for r, rec in prev["recipes"].items() if r not in args.recipe_list}
+        print(f"merging {sorted(records)} from {args.merge}")
+    out_dir = os.environ.get("TE_BENCH_OUT") or ("/tmp" if args.tiny else None)
+    result = {}
     with tempfile.TemporaryDirectory(prefix="fp8_accuracy_") as tmp:
-        for recipe in args.recipe_list:
+        for i, recipe in enumerate(args.recipe_list):
             records[recipe] = run_recipe(ex, cfg, recipe, tmp)
-    bar = compare(records)
-    print_table(records, cfg)
+            # written after every recipe: a run stopped part way (a time limit, a crash) keeps what it measured
+            result = save(records, cfg, out_dir, complete=i == len(args.recipe_list) - 1, merge_note=merge_note,
+                          merged_from=args.merge if prev is not None else None)  # fmt: skip
+    print_table(result["recipes"], cfg)
+    bar = result["bar"]
     print(f"bar ({bar['criterion']}): " + {True: "PASSED", False: "FAILED", None: "not measured"}[bar["passed"]])
+    print(f"results: {result['json']}" + (f", {result['png']}" if result["png"] else ""))
+    return result
+
+
+def save(records: dict, cfg: dict, out_dir: str | None, complete: bool, merge_note=None, merged_from=None) -> dict:
+    """Writes fp8_accuracy.json (and the PNG) for the recipes run so far; returns the payload."""
+    records = {r: records[r] for r in RECIPES if r in records}
+    bar = compare(records)
     last = min(cfg["last_steps"], cfg["steps"])
     payload = {
-        "config": {**cfg, "recipes": args.recipe_list},
+        "config": {**cfg, "recipes": list(records)},
+        "complete": complete,
+        "merged_from": merged_from,
+        "merge_note": merge_note,
         "definitions": {
             "val_loss_last_mean": f"mean of the validation losses at evaluation steps s > {cfg['steps'] - last} "
             f"(steps {cfg['steps'] - last + 1}..{cfg['steps']}; evaluations every {cfg['eval_every']} steps and "
@@ -380,11 +433,11 @@ def main(argv=None):
             "train_curve": f"[step, training loss] for step 1, every {cfg['train_every']}th step and the last",
             "train_losses_first": f"the training losses of steps 1..{FIRST_LOSSES}",
             "val_curve": "[step, validation loss], step 0 = before training",
+            "complete": "false while recipes of this invocation are still to run",
         },
         "recipes": records,
         "bar": bar,
     }
-    out_dir = os.environ.get("TE_BENCH_OUT") or ("/tmp" if args.tiny else None)
     path = _timing.write_json("fp8_accuracy", payload, out_dir=out_dir)
     payload["json"] = path
     payload["png"] = plot(os.path.join(os.path.dirname(path), "fp8_accuracy.png"), records, cfg)

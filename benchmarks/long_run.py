@@ -25,15 +25,18 @@ te_layers step reported beside the plain-JAX model's.
   steps; null on CPU, whose devices report no memory statistics) and the compiled step's
   ``memory_analysis()`` (argument, output, alias and temporary bytes; on every backend).
 
-Parts B and C run first, before this process touches the GPU (it would hold most of the memory
-otherwise), then Part A.
+Parts B and C run first, then Part A in this process (which sets ``XLA_PYTHON_CLIENT_PREALLOCATE=false``
+for itself too, unless set: the children never compete with a preallocated parent).
 
     python benchmarks/long_run.py                  # parts A, B, C
     python benchmarks/long_run.py --parts B,C      # a subset
+    python benchmarks/long_run.py --parts A --merge benchmarks/results/h200/long_run.json   # add A to B, C
     python benchmarks/long_run.py --tiny           # CPU smoke test of this script
 
-Writes results/<device>/long_run.json (``$TE_BENCH_OUT`` overrides the folder; ``--tiny``: /tmp) and exits
-with status 1 when Part A saw a NaN/Inf, Part B's losses differ, or a part failed to run (after writing it).
+Writes results/<device>/long_run.json (``$TE_BENCH_OUT`` overrides the folder; ``--tiny``: /tmp) after every
+part (``"complete": false`` until the last), and exits with status 1 when Part A saw a NaN/Inf, Part B's
+losses differ, or a part failed to run (after writing it). ``--merge JSON`` keeps the parts of an earlier
+run of the same configuration that this one does not run.
 """
 
 from __future__ import annotations
@@ -49,6 +52,10 @@ import time
 import traceback
 
 import numpy as np
+
+# This process runs Part A after the child processes of B and C; with preallocation (JAX's default: 75% of the
+# GPU's memory at the first use) a child started after that would find little memory left.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -218,21 +225,20 @@ def memory_child(name: str, tiny: bool, steps: int, seed: int) -> dict:
     }
 
 
-def run_child(argv: list[str], env: dict, timeout: float) -> tuple[dict | None, dict]:
+def run_child(label: str, argv: list[str], env: dict, timeout: float) -> tuple[dict | None, dict]:
     """Runs this script with ``argv`` in a fresh process; ``(its report or None, {rc, seconds, error})``."""
     t0 = time.perf_counter()
     info = {"argv": argv, "rc": None, "seconds": None, "error": None}
-    print(f"  running {' '.join(argv[:2])} in a fresh process ...", flush=True)
+    print(f"  {label}: running in a fresh process ...", flush=True)
     try:
         proc = subprocess.run([sys.executable, SCRIPT, *argv], cwd=ROOT, env=env, capture_output=True, text=True,
                               timeout=timeout)  # fmt: skip
     except subprocess.TimeoutExpired as e:
         info["seconds"] = time.perf_counter() - t0
         info["error"] = f"timed out after {timeout:.0f}s"
-        tail = (e.stderr or b"")[-3000:]
-        print(
-            f"  child {argv[:2]} {info['error']}\n{tail.decode(errors='replace') if isinstance(tail, bytes) else tail}"
-        )
+        tail = e.stderr or ""
+        tail = (tail.decode(errors="replace") if isinstance(tail, bytes) else tail)[-3000:]
+        print(f"  {label}: {info['error']}\n{tail}")
         return None, info
     info["seconds"] = time.perf_counter() - t0
     info["rc"] = proc.returncode
@@ -240,7 +246,7 @@ def run_child(argv: list[str], env: dict, timeout: float) -> tuple[dict | None, 
         if line.startswith(CHILD_MARK):
             return json.loads(line[len(CHILD_MARK) :]), info
     info["error"] = f"no report (exit status {proc.returncode}): {proc.stderr[-1500:]}"
-    print(f"  child {argv[:2]} FAILED (exit status {proc.returncode})\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    print(f"  {label}: FAILED (exit status {proc.returncode})\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     return None, info
 
 
@@ -287,8 +293,8 @@ def part_b(cfg: dict, n: int, control: bool, timeout: float) -> dict:
     for name, flags in CMDBUF_RUNS.items():
         if name == "off_repeat" and not control:
             continue
-        report, info = run_child(["--cmdbuf-child", "--cmdbuf-steps", str(n), *config_argv(cfg)], child_env(flags),
-                                 timeout)  # fmt: skip
+        argv = ["--cmdbuf-child", "--cmdbuf-steps", str(n), *config_argv(cfg)]
+        report, info = run_child(f"command buffers {name}", argv, child_env(flags), timeout)
         runs[name] = {"flags_appended": flags, **info, "losses": None if report is None else report["losses"],
                       "xla_flags": None if report is None else report["xla_flags"],
                       "backend": None if report is None else report["backend"]}  # fmt: skip
@@ -322,7 +328,7 @@ def part_c(names: list[str], tiny: bool, steps: int, seed: int, timeout: float) 
         argv = ["--memory-child", name, "--memory-steps", str(steps), "--seed", str(seed)] + (
             ["--tiny"] if tiny else []
         )
-        report, info = run_child(argv, child_env(), timeout)
+        report, info = run_child(f"memory of {name}", argv, child_env(), timeout)
         models[name] = {"model": name, **info, **(report or {})}
         if report is not None:
             peak = report["peak_bytes_in_use"]
@@ -382,6 +388,9 @@ def parse_args(argv=None):
                     help="Part C: benchmarks/train_moe.py model names, one fresh process each")  # fmt: skip
     ap.add_argument("--memory-steps", type=int, default=3, help="Part C: training steps per model")
     ap.add_argument("--child-timeout", type=float, default=1800, help="seconds per child process")
+    ap.add_argument("--merge", default=None, metavar="JSON",
+                    help="a long_run.json of the same configuration: its parts that this run does not run are kept, "
+                         "so the parts can be measured in separate invocations")  # fmt: skip
     ap.add_argument("--cmdbuf-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -406,32 +415,51 @@ def main(argv=None):
               flush=True)  # fmt: skip
         return None
 
-    payload = {"config": cfg, "parts": args.part_list, "definitions": DEFINITIONS}
-    # B and C first: they run in child processes, before this one takes the GPU's memory (Part A).
+    out_dir = os.environ.get("TE_BENCH_OUT") or ("/tmp" if args.tiny else None)
+    prev, merge_note = fa.load_previous(args.merge, cfg, ())
+    if merge_note:
+        print(f"WARNING: {merge_note}")
+    payload = {"config": cfg, "parts": [], "complete": False, "merged_from": args.merge if prev else None,
+               "merge_note": merge_note, "definitions": DEFINITIONS}  # fmt: skip
+    for part in PARTS:  # the parts of an earlier invocation that this one does not run again
+        key = "part_" + part.lower()
+        if prev is not None and key in prev and part not in args.part_list:
+            payload[key] = prev[key]
+            print(f"merging {key} from {args.merge}")
+
+    def save(complete: bool) -> None:
+        # written after every part: a run stopped part way (a time limit, a crash) keeps what it measured
+        payload["parts"] = [p for p in PARTS if "part_" + p.lower() in payload]
+        payload["complete"] = complete
+        payload["bar"] = judge(payload)
+        record = {k: v for k, v in payload.items() if k != "json"}
+        payload["json"] = _timing.write_json("long_run", record, out_dir=out_dir)
+
+    # B and C first: they run in child processes, before this one holds Part A's GPU memory.
     if "B" in args.part_list:
         payload["part_b"] = part_b(cfg, args.cmdbuf_steps, not args.no_cmdbuf_control, args.child_timeout)
+        save(complete=False)
     if "C" in args.part_list:
         names = [n.strip() for n in args.memory_models.split(",") if n.strip()]
         payload["part_c"] = part_c(names, args.tiny, args.memory_steps, cfg["seed"], args.child_timeout)
+        save(complete=False)
     if "A" in args.part_list:
         try:
             payload["part_a"] = part_a(cfg)
         except Exception as e:  # loading the example failed: still write what B and C measured
             traceback.print_exc()
             payload["part_a"] = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}
-        a, b = payload["part_a"], payload.get("part_b")
-        if b is not None and a.get("train_losses_first"):
-            n = min(len(a["train_losses_first"]), b["steps"])
-            for name, run in b["runs"].items():  # informational: Part A ran with this process's XLA flags
-                got = run["losses"][:n] if run["losses"] else None
-                b.setdefault("part_a_first_steps_equal", {})[name] = compare_losses(a["train_losses_first"][:n], got)[
-                    "identical"
-                ]
-
-    payload["bar"] = judge(payload)
+    a, b = payload.get("part_a"), payload.get("part_b")
+    if a is not None and b is not None and a.get("train_losses_first"):
+        n = min(len(a["train_losses_first"]), b["steps"])
+        # informational: Part A ran in the parent process, with its XLA_FLAGS
+        b["part_a_first_steps_equal"] = {
+            name: compare_losses(a["train_losses_first"][:n], run["losses"][:n] if run["losses"] else None)["identical"]
+            for name, run in b["runs"].items()
+        }
+    save(complete=True)
     _print_summary(payload)
-    out_dir = os.environ.get("TE_BENCH_OUT") or ("/tmp" if args.tiny else None)
-    payload["json"] = _timing.write_json("long_run", payload, out_dir=out_dir)
+    print(f"results: {payload['json']}")
     return payload
 
 
