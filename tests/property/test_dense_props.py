@@ -17,8 +17,8 @@ from tests.property._common import ACTIVATIONS, check_close, float_dtypes, fuzz,
 IMPL = "reference"
 
 
-@fuzz(40)
-@given(
+# The strategies of each test, importable: tests/gpu/test_property_gpu.py draws from them too.
+DENSE_ARGS = dict(
     lead=st.lists(size(17, min_size=0, sizes=(0, 1, 2, 3, 5, 17)), min_size=1, max_size=3),
     k=size(129, min_size=0, sizes=(0, 1, 3, 7, 16, 31, 64, 127, 129)),
     n=size(64, min_size=0, sizes=(0, 1, 2, 5, 13, 33, 64)),
@@ -27,6 +27,10 @@ IMPL = "reference"
     activation=st.sampled_from(list(ACTIVATIONS)),
     seed=seeds,
 )
+
+
+@fuzz(40)
+@given(**DENSE_ARGS)
 def test_dense(lead, k, n, dtype, has_bias, activation, seed):
     rng = np.random.default_rng(seed)
     x, x64 = rand(rng, (*lead, k), dtype)
@@ -80,19 +84,30 @@ def group_sizes(draw, m, g, kind):
     return draw(st.lists(st.sampled_from([2**31 - 1, -(2**31), 1, 0, 2**30]), min_size=g, max_size=g))
 
 
-@pytest.mark.parametrize("kind", ["fits", "zeros", "one_group", "negative", "overflow", "int_extremes"])
+GROUP_KINDS = ("fits", "zeros", "one_group", "negative", "overflow", "int_extremes")
+GROUPED_M = size(256, min_size=0, sizes=(0, 1, 2, 7, 31, 64, 129, 256))
+GROUPED_K = size(64, min_size=0, sizes=(0, 1, 3, 8, 13, 64))
+GROUPED_N = size(64, min_size=0, sizes=(0, 1, 5, 16, 33))
+
+
+@st.composite
+def grouped_dense_case(draw, kind, m=GROUPED_M, k=GROUPED_K, n=GROUPED_N, dtypes=float_dtypes):
+    """(M, K, N, G, group_sizes, dtype, has_bias, seed) of one grouped_dense case with ``kind`` sizes;
+    ``m``, ``k``, ``n`` and ``dtypes`` can be narrowed (e.g. to an implementation's shape constraints)."""
+    m = draw(m)
+    k = draw(k)
+    n = draw(n)
+    g = draw(st.integers(1, 6))
+    sizes = draw(group_sizes(m, g, kind))
+    return m, k, n, g, sizes, draw(dtypes), draw(st.booleans()), draw(seeds)
+
+
+@pytest.mark.parametrize("kind", GROUP_KINDS)
 @fuzz(8)
 @given(data=st.data())
 def test_grouped_dense(kind, data):
-    draw = data.draw
-    m = draw(size(256, min_size=0, sizes=(0, 1, 2, 7, 31, 64, 129, 256)), label="M")
-    k = draw(size(64, min_size=0, sizes=(0, 1, 3, 8, 13, 64)), label="K")
-    n = draw(size(64, min_size=0, sizes=(0, 1, 5, 16, 33)), label="N")
-    g = draw(st.integers(1, 6), label="G")
-    sizes = draw(group_sizes(m, g, kind), label="group_sizes")
-    dtype = draw(float_dtypes, label="dtype")
-    has_bias = draw(st.booleans(), label="bias")
-    rng = np.random.default_rng(draw(seeds, label="seed"))
+    m, k, n, g, sizes, dtype, has_bias, seed = data.draw(grouped_dense_case(kind), label="(M, K, N, G, sizes, ...)")
+    rng = np.random.default_rng(seed)
 
     x, x64 = rand(rng, (m, k), dtype)
     w, w64 = rand(rng, (g, k, n), dtype, 1.0 / np.sqrt(max(k, 1)))

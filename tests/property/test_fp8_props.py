@@ -93,8 +93,8 @@ def make_x(rng, shape, dtype, special: str) -> tuple[jnp.ndarray, np.ndarray]:
 specials = st.sampled_from(["plain", "zeros", "all_zero", "nonfinite", "outlier", "small"])
 
 
-@fuzz(40)
-@given(
+# The strategies of each test, importable: tests/gpu/test_property_gpu.py draws from them too.
+CURRENT_ARGS = dict(
     shape=st.lists(size(64, sizes=(1, 2, 3, 7, 31, 64)), min_size=0, max_size=3),
     dtype=in_dtypes,
     formats=st.sampled_from(["hybrid", "e4m3"]),
@@ -104,6 +104,10 @@ specials = st.sampled_from(["plain", "zeros", "all_zero", "nonfinite", "outlier"
     special=specials,
     seed=seeds,
 )
+
+
+@fuzz(40)
+@given(**CURRENT_ARGS)
 def test_quantize_current_scaling(shape, dtype, formats, role, margin, power_of_2, special, seed):
     rng = np.random.default_rng(seed)
     x, x32 = make_x(rng, tuple(shape), dtype, special)
@@ -130,8 +134,7 @@ def check_dequantize(q, dtype):
     np.testing.assert_array_equal(got.astype(np.float32), exp.astype(np.float32), "dequantize")
 
 
-@fuzz(40)
-@given(
+BLOCK_ARGS = dict(
     lead=st.lists(size(3), min_size=0, max_size=1),
     r=size(160, sizes=(1, 2, 3, 7, 64, 127, 128, 129, 160)),
     c=size(300, sizes=(1, 2, 7, 127, 128, 129, 200, 257, 300)),
@@ -143,6 +146,10 @@ def check_dequantize(q, dtype):
     special=specials,
     seed=seeds,
 )
+
+
+@fuzz(40)
+@given(**BLOCK_ARGS)
 def test_quantize_block_scaling(lead, r, c, block, dtype, formats, role, power_of_2, special, seed):
     rng = np.random.default_rng(seed)
     shape = (*lead, r, c)
@@ -168,9 +175,8 @@ def test_quantize_block_scaling(lead, r, c, block, dtype, formats, role, power_o
     check_dequantize(q, dtype)
 
 
-@pytest.mark.parametrize("algo", ["max", "most_recent"])
-@fuzz(15)
-@given(
+DELAYED_ALGOS = ("max", "most_recent")
+DELAYED_ARGS = dict(
     shape=st.lists(size(33, sizes=(1, 3, 33)), min_size=1, max_size=2),
     history_len=st.sampled_from([1, 2, 5]),
     hist_kind=st.sampled_from(["random", "zeros", "nonfinite"]),
@@ -181,6 +187,11 @@ def test_quantize_block_scaling(lead, r, c, block, dtype, formats, role, power_o
     dtype=in_dtypes,
     seed=seeds,
 )
+
+
+@pytest.mark.parametrize("algo", DELAYED_ALGOS)
+@fuzz(15)
+@given(**DELAYED_ARGS)
 def test_quantize_delayed_scaling(algo, shape, history_len, hist_kind, formats, role, margin, special, dtype, seed):
     rng = np.random.default_rng(seed)
     x, x32 = make_x(rng, tuple(shape), dtype, special)

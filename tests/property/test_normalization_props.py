@@ -40,8 +40,8 @@ def np_norm_grad(kind, xhat, rstd, w, dy64, dh64):
     return dx, (dy64 * xhat).sum(lead), dy64.sum(lead)
 
 
-@fuzz(40)
-@given(
+# The strategies of the test, importable: tests/gpu/test_property_gpu.py draws from them too.
+NORM_ARGS = dict(
     kind=st.sampled_from(["rms", "layer"]),
     lead=st.lists(size(9, min_size=0, sizes=(0, 1, 2, 3, 7)), min_size=0, max_size=2),
     h=size(129, sizes=(1, 2, 3, 7, 13, 31, 64, 127, 129)),
@@ -53,6 +53,10 @@ def np_norm_grad(kind, xhat, rstd, w, dy64, dh64):
     row=st.sampled_from(["random", "zero_row", "const_row", "big"]),
     seed=seeds,
 )
+
+
+@fuzz(40)
+@given(**NORM_ARGS)
 def test_norm_forward_backward(kind, lead, h, dtype, param_dtype, residual, zc, eps, row, seed):
     rng = np.random.default_rng(seed)
     shape = (*lead, h)

@@ -72,9 +72,9 @@ def routing(draw):
     return m, max(1, int(m.sum(1).max(initial=0)))
 
 
-@pytest.mark.parametrize("capacity", ["exact", "short", "long", "zero"])
-@fuzz(7)
-@given(
+# The strategies of each test, importable: tests/gpu/test_property_gpu.py draws from them too.
+CAPACITIES = ("exact", "short", "long", "zero")
+DISPATCH_ARGS = dict(
     rk=routing(),
     h=size(64, min_size=0, sizes=(0, 1, 3, 7, 64)),
     align=st.sampled_from([None, None, 1, 2, 8, 16]),
@@ -82,6 +82,11 @@ def routing(draw):
     dtype=float_dtypes,
     seed=seeds,
 )
+
+
+@pytest.mark.parametrize("capacity", CAPACITIES)
+@fuzz(7)
+@given(**DISPATCH_ARGS)
 def test_token_dispatch_and_combine(capacity, rk, h, align, with_probs, dtype, seed):
     rmap, topk = rk
     t, e = rmap.shape
@@ -159,8 +164,7 @@ def test_token_dispatch_and_combine(capacity, rk, h, align, with_probs, dtype, s
             check_close(dmp, dmp_exp, dtype, what="token_combine dmerging_probs")
 
 
-@fuzz(25)
-@given(
+SORT_ARGS = dict(
     n=size(64, min_size=0, sizes=(0, 1, 2, 7, 64)),
     h=size(16, min_size=0, sizes=(0, 1, 3, 16)),
     sizes=st.lists(st.integers(-3, 20), min_size=0, max_size=8),
@@ -168,6 +172,10 @@ def test_token_dispatch_and_combine(capacity, rk, h, align, with_probs, dtype, s
     dtype=float_dtypes,
     seed=seeds,
 )
+
+
+@fuzz(25)
+@given(**SORT_ARGS)
 def test_sort_chunks_by_index(n, h, sizes, perm_seed, dtype, seed):
     rng = np.random.default_rng(seed)
     s = len(sizes)

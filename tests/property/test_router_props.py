@@ -109,8 +109,8 @@ def router_config(draw):
     return e, topk, score_function, num_groups, group_topk
 
 
-@fuzz(40)
-@given(
+# The strategies of each test, importable: tests/gpu/test_property_gpu.py draws from them too.
+TOPK_ARGS = dict(
     cfg=router_config(),
     t=size(33, min_size=0, sizes=(0, 1, 2, 5, 17, 33)),
     pre=st.booleans(),
@@ -121,6 +121,10 @@ def router_config(draw):
     dtype=float_dtypes,
     seed=seeds,
 )
+
+
+@fuzz(40)
+@given(**TOPK_ARGS)
 def test_fused_topk_with_score_function(cfg, t, pre, with_bias, sf, compact, ties, dtype, seed):
     e, topk, score_function, num_groups, group_topk = cfg
     # Group scores that tie are not ordered by the spec: use continuous logits with grouped selection.
@@ -166,8 +170,7 @@ def test_fused_topk_with_score_function(cfg, t, pre, with_bias, sf, compact, tie
     check_close(dl, dl_exp, dtype, what="router dlogits")
 
 
-@fuzz(30)
-@given(
+AUX_SCORES_ARGS = dict(
     e=size(64, sizes=(1, 2, 3, 7, 8, 31, 64)),
     t=size(33, min_size=0, sizes=(0, 1, 2, 5, 33)),
     k_frac=st.floats(0, 1),
@@ -176,6 +179,10 @@ def test_fused_topk_with_score_function(cfg, t, pre, with_bias, sf, compact, tie
     dtype=float_dtypes,
     seed=seeds,
 )
+
+
+@fuzz(30)
+@given(**AUX_SCORES_ARGS)
 def test_compute_routing_scores_for_aux_loss(e, t, k_frac, score_function, ties, dtype, seed):
     topk = max(1, min(e, int(round(k_frac * e))))
     rng = np.random.default_rng(seed)
@@ -207,8 +214,7 @@ def test_compute_routing_scores_for_aux_loss(e, t, k_frac, score_function, ties,
     check_close(dl, dl_exp, dtype, what="aux-loss scores dlogits")
 
 
-@fuzz(25)
-@given(
+AUX_LOSS_ARGS = dict(
     e=size(64, min_size=0, sizes=(0, 1, 2, 7, 64)),
     t=size(64, min_size=0, sizes=(0, 1, 3, 64)),
     topk=st.integers(1, 8),
@@ -217,6 +223,10 @@ def test_compute_routing_scores_for_aux_loss(e, t, k_frac, score_function, ties,
     dtype=float_dtypes,
     seed=seeds,
 )
+
+
+@fuzz(25)
+@given(**AUX_LOSS_ARGS)
 def test_fused_moe_aux_loss(e, t, topk, coeff, tpe_dtype, dtype, seed):
     rng = np.random.default_rng(seed)
     p64 = np.asarray(jnp.asarray(rng.random((t, e)), jnp.float32).astype(dtype).astype(jnp.float32), np.float64)

@@ -47,8 +47,8 @@ def _poison(rng, x64, frac_neginf, frac_nan):
     return x64
 
 
-@fuzz(30)
-@given(
+# The strategies of each test, importable: tests/gpu/test_property_gpu.py draws from them too.
+SCALED_SOFTMAX_ARGS = dict(
     lead=st.lists(size(5), min_size=0, max_size=2),
     s=size(129, sizes=(1, 2, 3, 7, 13, 31, 64, 127, 129)),
     dtype=float_dtypes,
@@ -56,6 +56,10 @@ def _poison(rng, x64, frac_neginf, frac_nan):
     special=st.sampled_from(["finite", "neginf", "nan_inf"]),
     seed=seeds,
 )
+
+
+@fuzz(30)
+@given(**SCALED_SOFTMAX_ARGS)
 def test_scaled_softmax(lead, s, dtype, scale, special, seed):
     rng = np.random.default_rng(seed)
     shape = (*lead, s)
@@ -82,8 +86,7 @@ def test_scaled_softmax(lead, s, dtype, scale, special, seed):
     check_close(dx, np_softmax_grad(as64(y), g64, scale), dtype, what="scaled_softmax dx")
 
 
-@fuzz(30)
-@given(
+MASKED_SOFTMAX_ARGS = dict(
     b=size(3),
     n=size(3),
     sq=size(17, sizes=(1, 2, 3, 7, 13, 17)),
@@ -96,6 +99,10 @@ def test_scaled_softmax(lead, s, dtype, scale, special, seed):
     nan_masked=st.booleans(),
     seed=seeds,
 )
+
+
+@fuzz(30)
+@given(**MASKED_SOFTMAX_ARGS)
 def test_scaled_masked_softmax(b, n, sq, sk, bcast, mask_rank, density, dtype, scale, nan_masked, seed):
     rng = np.random.default_rng(seed)
     shape = (b, n, sq, sk)
@@ -124,8 +131,7 @@ def test_scaled_masked_softmax(b, n, sq, sk, bcast, mask_rank, density, dtype, s
     check_close(dx, np_softmax_grad(as64(y), g64, scale), dtype, what="scaled_masked_softmax dx")
 
 
-@fuzz(25)
-@given(
+CAUSAL_SOFTMAX_ARGS = dict(
     lead=st.lists(size(4), min_size=0, max_size=2),
     s=size(65, sizes=(1, 2, 3, 5, 7, 13, 31, 33, 64, 65)),
     dtype=float_dtypes,
@@ -133,6 +139,10 @@ def test_scaled_masked_softmax(b, n, sq, sk, bcast, mask_rank, density, dtype, s
     neginf=st.booleans(),
     seed=seeds,
 )
+
+
+@fuzz(25)
+@given(**CAUSAL_SOFTMAX_ARGS)
 def test_scaled_upper_triang_masked_softmax(lead, s, dtype, scale, neginf, seed):
     rng = np.random.default_rng(seed)
     shape = (*lead, s, s)
@@ -153,8 +163,11 @@ def test_scaled_upper_triang_masked_softmax(lead, s, dtype, scale, neginf, seed)
     check_close(dx, np_softmax_grad(as64(y), g64, scale), dtype, what="causal softmax dx")
 
 
+EMPTY_SOFTMAX_ARGS = dict(shape=st.sampled_from([(0,), (3, 0), (0, 5), (2, 0, 7)]), dtype=float_dtypes)
+
+
 @fuzz(10)
-@given(shape=st.sampled_from([(0,), (3, 0), (0, 5), (2, 0, 7)]), dtype=float_dtypes)
+@given(**EMPTY_SOFTMAX_ARGS)
 def test_softmax_empty_axes(shape, dtype):
     x = jnp.zeros(shape, dtype)
     y = te_ops.scaled_softmax(x, 0.5, implementation=IMPL)
