@@ -27,7 +27,8 @@
 #                      /usr/local/cuda*/bin, pip's nvidia/* packages)
 #   PYTHON             the interpreter (default python3)
 #   OUT                logs go to $OUT/sanitize/ (default ./gpu_out): <tool>.log (and <tool>.partN.log
-#                      when a crashed or timed-out process was resumed), canary.log, summary.txt
+#                      when a crashed or timed-out process was resumed), canary.log, summary.txt;
+#                      all of them also in $OUT/sanitize.tar.gz
 #
 # Exit status: 0 clean; 1 a sanitizer report or a failed case; 2 a crash (or no compute-sanitizer);
 # 3 incomplete: tools SKIPPED or stopped by the deadline, cases not reached or UNAVAILABLE in this
@@ -298,5 +299,7 @@ case $rc in
     grep -HE "ERROR SUMMARY|RACECHECK SUMMARY" "$LOGDIR"/*.log
     if grep -hE "ERROR SUMMARY: [1-9]" "$LOGDIR"/*.log > /dev/null; then rc=1; else rc=2; fi ;;
 esac
-stamp "done: exit $rc (logs in $LOGDIR)"
+# one archive of every log too (a device call brings back only a few files of $OUT)
+tar -czf "$OUT/sanitize.tar.gz" -C "$OUT" sanitize 2>/dev/null || true
+stamp "done: exit $rc (logs in $LOGDIR, also $OUT/sanitize.tar.gz)"
 exit "$rc"

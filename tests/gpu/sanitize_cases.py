@@ -1604,6 +1604,9 @@ def report(
         )
         for n in failed:
             details.append(f"{tool}: case {n} {status_of[n]}: {ended[n][2]}")
+        slow = sorted(ended.items(), key=lambda kv: -kv[1][1])[:5]
+        if slow:
+            details.append(f"{tool}: slowest cases: " + ", ".join(f"{n} {v[1]:.0f}s" for n, v in slow))
         for k, v in sorted(kernels.items(), key=lambda kv: -kv[1]):
             details.append(f"{tool}: {v} x {k}")
     head = ["tool", "status", "cases ok", "errors (ours/other/host)", "seconds", "notes"]
