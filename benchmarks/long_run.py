@@ -188,19 +188,16 @@ def memory_child(name: str, tiny: bool, steps: int, seed: int) -> dict:
     resident = _memory_stats(dev)
     with r.context():
         compiled = r.step.lower(r.params, r.opt_state, *batches[0], keys[0]).compile()
-    ma = compiled.memory_analysis()
-    analysis = None
-    if ma is not None:
-        analysis = {k: int(getattr(ma, k)) for k in dir(ma) if k.endswith("_in_bytes") and not k.startswith("_")}
-        analysis["estimated_peak_bytes"] = (
-            analysis.get("argument_size_in_bytes", 0)
-            + analysis.get("output_size_in_bytes", 0)
-            - analysis.get("alias_size_in_bytes", 0)
-            + analysis.get("temp_size_in_bytes", 0)
-        )
-    r.step = compiled  # the steps run the executable analysed above (no second compile)
+    analysis = _memory_analysis(compiled)
+    jitted, r.step, ran_with = r.step, compiled, "the analysed executable"  # no second compile
     t0 = time.perf_counter()
-    jax.block_until_ready((r.run(steps), r.params, r.opt_state))
+    try:
+        jax.block_until_ready((r.run(1), r.params, r.opt_state))
+    except (TypeError, ValueError) as e:  # arguments the executable rejects (checked before it runs): use jit
+        r.step, ran_with = jitted, f"jax.jit (the compiled executable refused the arguments: {e!s:.300})"
+        jax.block_until_ready((r.run(1), r.params, r.opt_state))
+    if steps > 1:
+        jax.block_until_ready((r.run(steps - 1), r.params, r.opt_state))
     after = _memory_stats(dev)
     n_params = sum(int(p.size) for p in jax.tree.leaves(r.params))
     return {
@@ -222,7 +219,29 @@ def memory_child(name: str, tiny: bool, steps: int, seed: int) -> dict:
         "bytes_in_use_after_steps": None if after is None else after.get("bytes_in_use"),
         "bytes_limit": None if after is None else after.get("bytes_limit"),
         "memory_analysis": analysis,
+        "steps_ran_with": ran_with,
     }
+
+
+def _memory_analysis(compiled) -> dict | None:
+    """The ``*_in_bytes`` fields of ``compiled.memory_analysis()`` and ``estimated_peak_bytes`` = argument +
+    output - alias + temp; ``{"error": ...}`` when the backend cannot say."""
+    try:
+        ma = compiled.memory_analysis()
+        if isinstance(ma, list | tuple):  # one per device in some JAX versions
+            ma = ma[0] if ma else None
+        if ma is None:
+            return None
+        out = {k: int(getattr(ma, k)) for k in dir(ma) if k.endswith("_in_bytes") and not k.startswith("_")}
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    out["estimated_peak_bytes"] = (
+        out.get("argument_size_in_bytes", 0)
+        + out.get("output_size_in_bytes", 0)
+        - out.get("alias_size_in_bytes", 0)
+        + out.get("temp_size_in_bytes", 0)
+    )
+    return out
 
 
 def run_child(label: str, argv: list[str], env: dict, timeout: float) -> tuple[dict | None, dict]:
