@@ -493,14 +493,21 @@ def _print_summary(payload: dict) -> None:
         if a.get("error"):
             print(f"  A: FAILED {a['error'][:200]}")
         else:
-            v = a.get("final_val_loss")
-            print(f"  A: {payload['config']['steps']} steps, train loss {a['first_loss']} -> {a['last_loss']}, final "
-                  f"validation loss {v}, all finite: {a['no_nan']} ({a['nonfinite_train_count']} non-finite training "
-                  f"losses), {a['tokens_per_s'] or 0:,.0f} tokens/s, {a['wall_s']:.0f}s")  # fmt: skip
+
+            def f4(v):
+                return "-" if v is None else f"{v:.4f}"
+
+            print(f"  A: {payload['config']['steps']} steps, train loss {f4(a['first_loss'])} -> {f4(a['last_loss'])}, "
+                  f"final validation loss {f4(a['final_val_loss'])}, all finite: {a['no_nan']} "
+                  f"({a['nonfinite_train_count']} non-finite training losses, non-finite validation at steps "
+                  f"{a['nonfinite_val_steps'] or 'none'}), {a['tokens_per_s'] or 0:,.0f} tokens/s, "
+                  f"{a['wall_s']:.0f}s")  # fmt: skip
     b = payload.get("part_b")
     if b is not None:
+        ctl = b.get("control_off_repeat_identical", "not run")
         print(f"  B: first {b['steps']} losses identical with and without command buffers: {b['identical']} "
-              f"(max |diff| {b['max_abs_diff']}); errors {b['errors'] or 'none'}")  # fmt: skip
+              f"(max |diff| {b['max_abs_diff']}); control, off twice, identical: {ctl}; errors "
+              f"{b['errors'] or 'none'}")  # fmt: skip
     c = payload.get("part_c")
     if c is not None:
         for name, m in c["models"].items():
@@ -511,6 +518,9 @@ def _print_summary(payload: dict) -> None:
             print(f"  C: {name:<16} peak_bytes_in_use {_gib(m['peak_bytes_in_use'])}, compiled step temp "
                   f"{_gib(ma.get('temp_size_in_bytes'))}, arguments + outputs - aliased + temp "
                   f"{_gib(ma.get('estimated_peak_bytes'))}")  # fmt: skip
+        for key, ratios in c.items():
+            if key.startswith("te_layers_vs_"):
+                print(f"  C: {key}: " + ", ".join(f"{k} {'-' if v is None else f'{v:.3f}'}" for k, v in ratios.items()))
     print(f"  bar: {payload['bar']}")
 
 
