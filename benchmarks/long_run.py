@@ -406,7 +406,9 @@ def parse_args(argv=None):
     ap.add_argument("--memory-models", default=MEMORY_MODELS,
                     help="Part C: benchmarks/train_moe.py model names, one fresh process each")  # fmt: skip
     ap.add_argument("--memory-steps", type=int, default=3, help="Part C: training steps per model")
-    ap.add_argument("--child-timeout", type=float, default=1800, help="seconds per child process")
+    ap.add_argument("--child-timeout", type=float, default=300,
+                    help="seconds per child process (a GPU child needs about a minute: compile and a few steps); a "
+                         "child past it is killed and recorded as an error")  # fmt: skip
     ap.add_argument("--merge", default=None, metavar="JSON",
                     help="a long_run.json of the same configuration: its parts that this run does not run are kept, "
                          "so the parts can be measured in separate invocations")  # fmt: skip
