@@ -450,6 +450,10 @@ def _moe_local(x2d, router_kernel, expert_bias, wi, wo, cfg: MoEConfig, axis_nam
         y, row_id_map = _fp8_dispatch_ffn(x2d, r.routing_map, n, wi, wo, cfg, fp8, fp8_state)
         out = token_combine(y, row_id_map, merging_probs=r.probs)
         return out, r.aux_loss, r.tokens_per_expert
+    if fp8 is not None and cfg.fp8_dispatch:
+        y, row_id_map = _fp8_expert_parallel_ffn(x2d, r.routing_map, n, wi, wo, cfg, fp8, fp8_state, axis_name)
+        out = token_combine(y, row_id_map, merging_probs=r.probs)
+        return out, r.aux_loss, r.tokens_per_expert
     dispatched = token_dispatch(x2d, r.routing_map, n)
     rows, row_id_map, tpe_local = dispatched.out, dispatched.row_id_map, dispatched.tokens_per_expert
     ffn = functools.partial(expert_ffn, activation=cfg.activation, gated=cfg.gated, backend=cfg.grouped_gemm, fp8=fp8,
@@ -462,6 +466,60 @@ def _moe_local(x2d, router_kernel, expert_bias, wi, wo, cfg: MoEConfig, axis_nam
     return out, r.aux_loss, r.tokens_per_expert
 
 
+class _EPLayout(NamedTuple):
+    """Where the expert-major rows of one shard go in the expert-parallel exchange."""
+
+    send_sizes: jax.Array  # int32 [P]: rows for shard j's local experts
+    starts: jax.Array  # int32 [P]: their first row in the local expert-major buffer
+    recv_counts: jax.Array  # int32 [P(source), El]: rows received per source and local expert
+    split: jax.Array  # int32 [P * (El + 1)]: the received chunks (per source: El experts, then padding)
+
+
+def _ep_order(p: int, el: int) -> np.ndarray:
+    """Chunk order regrouping the received rows expert-major (all sources' rows of local expert 0,
+    then expert 1, ...), then every source's padding."""
+    return np.array(
+        [i * (el + 1) + j for j in range(el) for i in range(p)] + [i * (el + 1) + el for i in range(p)], np.int32
+    )
+
+
+def _ep_layout(tpe, el: int, n: int, axis_name) -> _EPLayout:
+    p = jax.lax.psum(1, axis_name)
+    counts = tpe.reshape(p, el).astype(jnp.int32)  # rows for shard j's local experts
+    send_sizes = counts.sum(1)
+    starts = jnp.cumsum(send_sizes) - send_sizes
+    recv_counts = jax.lax.all_to_all(counts, axis_name, 0, 0, tiled=False)  # [P(source), El]
+    pad = n - recv_counts.sum(1, keepdims=True)
+    split = jnp.concatenate([recv_counts, pad], axis=1).reshape(-1).astype(jnp.int32)
+    return _EPLayout(send_sizes, starts, recv_counts, split)
+
+
+def _ep_send(rows, lay: _EPLayout, axis_name):
+    """The send buffer ``[P, N, ...]`` (chunk j: the rows for shard j, zero-padded to N) through the
+    all-to-all: ``[P(source), N, ...]``. Any dtype (FP8 rows travel as uint16 byte pairs)."""
+    p = jax.lax.psum(1, axis_name)
+    n = rows.shape[0]
+    ar = jnp.arange(n, dtype=jnp.int32)
+    src = lay.starts[:, None] + ar[None, :]  # [P, N]
+    valid = (ar[None, :] < lay.send_sizes[:, None]).reshape((p, n) + (1,) * (rows.ndim - 1))
+    send = jnp.where(valid, rows[jnp.clip(src, 0, n - 1)], jnp.zeros((), rows.dtype))
+    return jax.lax.all_to_all(send, axis_name, 0, 0, tiled=False)
+
+
+def _ep_return(y, lay: _EPLayout, axis_name, n: int):
+    """The inverse exchange of the FFN output ``y [P * N, H]`` (expert-major on the expert's shard):
+    un-regroup, all-to-all back, and gather the rows into the local expert-major order ``[N, H]``."""
+    p = jax.lax.psum(1, axis_name)
+    el = lay.recv_counts.shape[1]
+    order = _ep_order(p, el)
+    inverse = np.argsort(order).astype(np.int32)
+    back, _ = sort_chunks_by_index(y, lay.split[order], jnp.asarray(inverse))
+    ret = jax.lax.all_to_all(back.reshape(p, n, -1), axis_name, 0, 0, tiled=False)  # [P(dest shard), N, H]
+    ar = jnp.arange(n, dtype=jnp.int32)
+    owner = jnp.clip(jnp.searchsorted(jnp.cumsum(lay.send_sizes), ar, side="right"), 0, p - 1)
+    return ret.reshape(p * n, -1)[owner * n + (ar - lay.starts[owner])]
+
+
 def _expert_parallel_ffn(rows, tpe, wi_local, wo_local, ffn, axis_name):
     """All-to-all the expert-major ``rows [N, H]`` to the shards owning the experts, regroup them by
     local expert with sort_chunks_by_index, run the FFN, and send the results back.
@@ -472,27 +530,134 @@ def _expert_parallel_ffn(rows, tpe, wi_local, wo_local, ffn, axis_name):
     p = jax.lax.psum(1, axis_name)
     el = wi_local.shape[0]
     n, h = rows.shape
-    counts = tpe.reshape(p, el)  # rows for shard j's local experts
-    send_sizes = counts.sum(1)
-    starts = jnp.cumsum(send_sizes) - send_sizes
-    ar = jnp.arange(n, dtype=jnp.int32)
-    src = starts[:, None] + ar[None, :]  # [P, N]
-    send = jnp.where((ar[None, :] < send_sizes[:, None])[..., None], rows[jnp.clip(src, 0, n - 1)], 0)
-    recv = jax.lax.all_to_all(send, axis_name, 0, 0, tiled=False)  # [P(source), N, H]
-    recv_counts = jax.lax.all_to_all(counts, axis_name, 0, 0, tiled=False)  # [P(source), El]
-    # chunks: for each source i, El expert chunks then its padding; regroup expert-major.
-    pad = n - recv_counts.sum(1, keepdims=True)
-    split = jnp.concatenate([recv_counts, pad], axis=1).reshape(-1).astype(jnp.int32)
-    order = np.array(
-        [i * (el + 1) + j for j in range(el) for i in range(p)] + [i * (el + 1) + el for i in range(p)], np.int32
-    )
-    grouped, _ = sort_chunks_by_index(recv.reshape(p * n, h), split, jnp.asarray(order))
-    y = ffn(grouped, wi_local, wo_local, recv_counts.sum(0))
-    inverse = np.argsort(order).astype(np.int32)
-    back, _ = sort_chunks_by_index(y, split[order], jnp.asarray(inverse))
-    ret = jax.lax.all_to_all(back.reshape(p, n, h), axis_name, 0, 0, tiled=False)  # [P(dest shard), N, H]
-    owner = jnp.clip(jnp.searchsorted(jnp.cumsum(send_sizes), ar, side="right"), 0, p - 1)
-    return ret.reshape(p * n, h)[owner * n + (ar - starts[owner])]
+    lay = _ep_layout(tpe, el, n, axis_name)
+    recv = _ep_send(rows, lay, axis_name)  # [P(source), N, H]
+    grouped, _ = sort_chunks_by_index(recv.reshape(p * n, h), lay.split, jnp.asarray(_ep_order(p, el)))
+    y = ffn(grouped, wi_local, wo_local, lay.recv_counts.sum(0))
+    return _ep_return(y, lay, axis_name, n)
+
+
+# FP8 rows across the all-to-all ---------------------------------------------------------------
+
+
+def _regroup_index(split, order: np.ndarray, total: int):
+    """Source row of each output row of ``sort_chunks_by_index(x, split, order)`` (an integer gather:
+    FP8 byte pairs are moved by indexing, never by a float kernel, so every bit pattern, -0 included,
+    comes through)."""
+    sizes = split[order]
+    dst_end = jnp.cumsum(sizes)
+    dst_start = dst_end - sizes
+    src_start = (jnp.cumsum(split) - split)[order]
+    r = jnp.arange(total, dtype=jnp.int32)
+    k = jnp.clip(jnp.searchsorted(dst_end, r, side="right"), 0, len(order) - 1)
+    return src_start[k] + (r - dst_start[k])
+
+
+def _ep_send_quantized(q, lay: _EPLayout, axis_name):
+    """The dispatched FP8 rows ``q [N, H]`` (with their 1 x 128 scale rows for block scaling) through
+    the exchange and regrouped by local expert: ``[P * N, H]``. The bytes travel as uint16 pairs
+    (half the bytes of bfloat16 rows), the scale rows as float32; padding rows are FP8 zeros with
+    inverse scale 1 (a quantized zero row)."""
+    from te_ops.fp8.reference import QuantizedTensor
+
+    p = jax.lax.psum(1, axis_name)
+    n, h = q.data.shape
+    el = lay.recv_counts.shape[1]
+    idx = _regroup_index(lay.split, _ep_order(p, el), p * n)
+    data = q.data if h % 2 == 0 else jnp.pad(q.data, ((0, 0), (0, 1)))
+    pairs = jax.lax.bitcast_convert_type(data.reshape(n, -1, 2), jnp.uint16)  # [N, ceil(H / 2)]
+    pairs = _ep_send(pairs, lay, axis_name).reshape(p * n, -1)[idx]
+    data = jax.lax.bitcast_convert_type(pairs, q.data.dtype).reshape(p * n, -1)[:, :h]
+    if q.block is None:
+        sinv = q.scale_inv
+    else:
+        s = _ep_send(q.scale_inv, lay, axis_name).reshape(p * n, -1)[idx]
+        sinv = jnp.where(s == 0, jnp.ones((), jnp.float32), s)
+    return QuantizedTensor(data, sinv, q.block, q.dtype)
+
+
+def _ep_quantize_tokens(recipe, impl, x, st, axis_name):
+    """The local tokens quantized once. Current scaling: one scale from the amax over ALL shards'
+    tokens (pmax over the expert axis), so every shard's rows (and every expert's received rows)
+    share one scale, the single-device one; delayed: the replicated state's scale; block: 1 x 128."""
+    from te_ops.fp8 import CurrentScaling
+    from te_ops.fp8 import dispatch as D
+    from te_ops.fp8 import reference as ref
+    from te_ops.fp8.recipes import format_max
+
+    if isinstance(recipe, CurrentScaling):
+        fx = recipe.format("x")
+        amax = jax.lax.pmax(ref.amax(x), axis_name)
+        scale = ref.compute_scale(amax, format_max(fx), recipe.margin, recipe.power_of_2)
+        q = ref.QuantizedTensor(ref.cast_scaled(x, scale, fx), (1.0 / scale).astype(jnp.float32), None, x.dtype)
+        return q, st
+    return D._stage(impl, functools.partial(D._quant_x, recipe), x, st)
+
+
+def _fp8_ep_fwd(x, kernels, routing_map, state, statics):
+    from te_ops.fp8 import DelayedScaling
+    from te_ops.fp8 import dispatch as D
+
+    recipe, n, impl, axis_name = statics
+    delayed = isinstance(recipe, DelayedScaling)
+    qx, st_x = _ep_quantize_tokens(recipe, impl, x, state.x if delayed else None, axis_name)
+    d = D._move(qx, routing_map, n, None, None)  # local dispatch of the FP8 rows (byte pairs)
+    lay = _ep_layout(d.tokens_per_expert, kernels.shape[0], n, axis_name)
+    qg = _ep_send_quantized(d.out, lay, axis_name)
+    gs = lay.recv_counts.sum(0)
+    st_w = state.w if delayed else None
+    y, qx_t, qw_t, st_w = D._stage(impl, functools.partial(D._experts, recipe), qg, kernels, gs, st_w)
+    res = (qx_t, qw_t, gs, d.row_id_map, lay, st_x, st_w, state.g if delayed else None, jnp.zeros((), kernels.dtype))
+    return (y, d.row_id_map, lay), res
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _fp8_ep_wi(x, kernels, routing_map, state, statics):
+    return _fp8_ep_fwd(x, kernels, routing_map, state, statics)[0]
+
+
+def _fp8_ep_bwd(statics, res, ct):
+    from te_ops.fp8 import DelayedScaling
+    from te_ops.fp8 import dispatch as D
+    from te_ops.fp8.dense import DenseScalingState
+
+    recipe, n, impl, axis_name = statics
+    qx_t, qw_t, gs, row_id_map, lay, st_x, st_w, st_g, w_proto = res
+    fn = functools.partial(D._experts_bwd, recipe)
+    dxd, dk, st_g = D._stage(impl, fn, qx_t, qw_t, gs, st_g, w_proto, ct[0])
+    # the forward moved FP8 rows; the gradient goes back in high precision: reverse exchange, then
+    # token_dispatch's backward (a float32 sum of each token's rows)
+    dx = token_combine(_ep_return(dxd, lay, axis_name, n), row_id_map)
+    dstate = DenseScalingState(st_x, st_w, st_g) if isinstance(recipe, DelayedScaling) else None
+    return dx, dk, None, dstate
+
+
+_fp8_ep_wi.defvjp(_fp8_ep_fwd, _fp8_ep_bwd)
+
+
+def _fp8_expert_parallel_ffn(x2d, routing_map, n, wi, wo, cfg: MoEConfig, fp8, fp8_state, axis_name):
+    """FP8 token dispatch under expert parallelism: the local tokens are quantized once, dispatched
+    expert-major as FP8 rows, and those FP8 rows (uint16 byte pairs, with their float32 1 x 128 scale
+    rows for block scaling) cross the all-to-all; the owning shard regroups them by local expert and
+    runs the FP8 wi GEMM on them directly (``_fp8_ep_wi``, a custom VJP as
+    ``te_ops.fp8.fp8_dispatch_grouped_dense``: the gradient crosses back in high precision). Then the
+    activation, the wo GEMM and the high-precision return exchange as :func:`_expert_parallel_ffn`.
+    Returns (y [N, H] local expert-major, row_id_map)."""
+    from te_layers._fp8 import from_tree
+    from te_ops._core.partitioning import match_vma
+    from te_ops.fp8 import DelayedScaling
+    from te_ops.fp8 import grouped as G
+    from te_ops.fp8.select import resolve
+
+    p = jax.lax.psum(1, axis_name)
+    el = wi.shape[0]
+    impl = resolve("reference" if G._triton_unsupported(p * n, el) else None)
+    st = from_tree(fp8_state["wi"]) if isinstance(fp8, DelayedScaling) else None
+    x2d, wi_c, routing_map = match_vma(x2d, wi.astype(x2d.dtype), routing_map)
+    h, row_id_map, lay = _fp8_ep_wi(x2d, wi_c, routing_map, st, (fp8, n, impl, axis_name))
+    h = _ffn_activation(h, cfg.activation, cfg.gated, x2d.dtype)
+    y = _grouped_gemm(fp8, fp8_state)(h, wo.astype(x2d.dtype), lay.recv_counts.sum(0), cfg.grouped_gemm, "wo")
+    return _ep_return(y, lay, axis_name, n), row_id_map
 
 
 def _current_mesh(layer, mesh):
