@@ -368,7 +368,7 @@ class MoEConfig:
     gated: bool = True
     expert_axis: str | None = None  # mesh axis the experts (and tokens) are split over
     grouped_gemm: str = "auto"
-    fp8_dispatch: bool = True  # with FP8 experts (no expert_axis): dispatch FP8 rows (moe_apply)
+    fp8_dispatch: bool = True  # with FP8 experts: dispatch (and all-to-all) FP8 rows (moe_apply)
 
     def __post_init__(self):
         if not isinstance(self.router, RouterConfig):
@@ -691,9 +691,13 @@ def moe_apply(
     axis inside ``shard_map``; tokens are exchanged with two all-to-alls. Zero tokens give an empty
     output of x's shape, aux loss 0 and no tokens per expert. ``fp8``: the experts' resolved recipe
     (see :func:`expert_ffn`); the router and the combine stay in high precision. With
-    ``cfg.fp8_dispatch`` (default) and no ``cfg.expert_axis`` the tokens are quantized once and the
-    FP8 rows dispatched (:func:`_fp8_dispatch_ffn`); under ``cfg.expert_axis``, or with
-    ``fp8_dispatch=False``, the dispatch (and the all-to-all) moves high-precision rows and each
+    ``cfg.fp8_dispatch`` (default) the tokens are quantized once and the FP8 rows dispatched
+    (:func:`_fp8_dispatch_ffn`); under ``cfg.expert_axis`` those FP8 rows, as uint16 byte pairs with
+    their float32 1 x 128 scale rows (block scaling), cross the all-to-all and the owning shard runs
+    the FP8 wi GEMM on them (:func:`_fp8_expert_parallel_ffn`; current scaling takes one scale from
+    the amax over all shards' tokens, a pmax, so every shard and every expert sees the single-device
+    scale; delayed scaling's scale is replicated). The gradient crosses back in high precision. With
+    ``fp8_dispatch=False`` the dispatch (and the all-to-all) moves high-precision rows and each
     expert GEMM quantizes its own input. ``fp8_state``:
     with DelayedScaling, the experts' state tree (:func:`expert_ffn`); under ``cfg.expert_axis``
     the per-expert kernel states are split with the experts, and the activation and gradient

@@ -389,9 +389,11 @@ class MoEBlock(eqx.Module):
     ``jax.set_mesh``) and tokens exchanged by all-to-all. ``block(x)`` returns
     ``(out [..., H], MoEAux(aux_loss, tokens_per_expert))``. ``fp8``: the experts' recipe
     (CurrentScaling, DelayedScaling or 1 x 128 / 128 x 128 BlockScaling), None (the context's) or
-    False. ``fp8_dispatch`` (default True): with FP8 experts and no ``expert_axis``,
-    quantize the tokens once and dispatch the FP8 rows (``te_ops.fp8.fp8_dispatch_grouped_dense``);
-    False dispatches high-precision rows. With DelayedScaling (argument, or the context at
+    False. ``fp8_dispatch`` (default True): with FP8 experts, quantize the tokens once and dispatch
+    the FP8 rows (``te_ops.fp8.fp8_dispatch_grouped_dense``); with ``expert_axis`` the FP8 rows (and
+    their 1 x 128 scale rows) also cross the all-to-all (current scaling: one scale from the amax over
+    all shards' tokens; the gradient crosses back in high precision). False dispatches (and
+    exchanges) high-precision rows. With DelayedScaling (argument, or the context at
     construction) the block holds
     ``fp8_index`` (an ``eqx.nn.StateIndex`` with the state of both grouped GEMMs) and is called as
     ``(out, aux), state = block(x, state)``; any MoEBlock called with a state returns

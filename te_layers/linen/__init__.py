@@ -425,8 +425,11 @@ class MoEBlock(nn.Module):
     tokens per expert into ``"intermediates"``/``"tokens_per_expert"``. ``fp8``: the experts' recipe
     (CurrentScaling, DelayedScaling or BlockScaling with 1 x 128 / 128 x 128 blocks), None (the
     context's) or False; the router and combine stay in high precision. ``fp8_dispatch`` (default
-    True): with FP8 experts and no ``expert_axis``, quantize the tokens once and dispatch the FP8
-    rows (``te_ops.fp8.fp8_dispatch_grouped_dense``); False dispatches high-precision rows. With
+    True): with FP8 experts, quantize the tokens once and dispatch the FP8 rows
+    (``te_ops.fp8.fp8_dispatch_grouped_dense``); with ``expert_axis`` the FP8 rows (and their 1 x 128
+    scale rows) also cross the all-to-all, at half the bytes of bfloat16 rows (current scaling: one
+    scale from the amax over all shards' tokens); the gradient crosses back in high precision. False
+    dispatches (and exchanges) high-precision rows. With
     DelayedScaling the state of the two grouped GEMMs lives in ``"fp8_state"``/``wi`` and ``wo``
     (each ``{"x", "w", "g"}``, ``w`` with one history and scale per expert; created by ``init``).
     """

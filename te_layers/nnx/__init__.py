@@ -353,9 +353,11 @@ class MoEBlock(nnx.Module):
     ``jax.set_mesh``) and tokens exchanged by all-to-all. Returns ``[..., H]``; the aux loss is sown
     as :class:`AuxLoss` and the token counts as :class:`TokensPerExpert`. ``fp8``: the experts'
     recipe (CurrentScaling, DelayedScaling or 1 x 128 / 128 x 128 BlockScaling), None (the
-    context's) or False. ``fp8_dispatch`` (default True): with FP8 experts and no ``expert_axis``,
-    quantize the tokens once and dispatch the FP8 rows (``te_ops.fp8.fp8_dispatch_grouped_dense``);
-    False dispatches high-precision rows. With DelayedScaling (argument, or the context at
+    context's) or False. ``fp8_dispatch`` (default True): with FP8 experts, quantize the tokens once
+    and dispatch the FP8 rows (``te_ops.fp8.fp8_dispatch_grouped_dense``); with ``expert_axis`` the
+    FP8 rows (and their 1 x 128 scale rows) also cross the all-to-all (current scaling: one scale from
+    the amax over all shards' tokens; the gradient crosses back in high precision). False dispatches
+    (and exchanges) high-precision rows. With DelayedScaling (argument, or the context at
     construction) the block
     holds ``fp8_state``, an :class:`FP8State` with the state of both grouped GEMMs
     (``{"wi", "wo"}``, the kernels' amax histories and scales one per expert).
