@@ -123,3 +123,51 @@ def test_eqx_fp8_ep_matches_unsharded():
     gx1 = jax.jit(jax.grad(lambda x: _loss(ep(x)[0])))(x)
     assert np.linalg.norm(np.asarray(gx1 - gx0)) <= 1e-2 * np.linalg.norm(np.asarray(gx0))
     _check_exchanges(jax.jit(lambda x: ep(x)[0]).lower(x).compile().as_text(), block=True)
+
+
+@pytest.mark.parametrize("name", ["block", "current"])
+def test_fp8_rows_cross_bit_exact(name):
+    """The FP8 rows the experts receive are, byte for byte (negative zero included) and scale for
+    scale, the quantization of the high-precision rows the bf16 exchange delivers: block scaling
+    per 1 x 128 row tile, current scaling with the scale of the amax over all shards' tokens."""
+    from jax.sharding import PartitionSpec as P
+
+    from te_layers import _common as C
+    from te_ops.fp8 import dispatch as D
+    from te_ops.fp8 import reference as ref
+    from te_ops.fp8.recipes import format_max
+    from te_ops.permutation import sort_chunks_by_index, token_dispatch
+    from te_ops.router import fused_topk_with_score_function
+
+    mesh, x = _mesh(), _x().reshape(-1, H)
+    _, rmap = fused_topk_with_score_function(jax.random.normal(jax.random.key(7), (x.shape[0], E)), K)
+    recipe = BlockScaling() if name == "block" else CurrentScaling()
+    fmt = recipe.format("x")
+
+    def body(xs, rm):
+        n = xs.shape[0] * K
+        if name == "block":
+            q = ref.quantize_blocks(xs, (1, 128), fmt, power_of_2=recipe.power_of_2)
+        else:
+            q = C._ep_quantize_tokens(recipe, "reference", xs, None, "ep")[0]
+        d = D._move(q, rm, n, None, None)
+        lay = C._ep_layout(d.tokens_per_expert, E // 8, n, "ep")
+        got = C._ep_send_quantized(d.out, lay, "ep")
+        rows = token_dispatch(xs, rm, n).out  # the high-precision exchange
+        recv = C._ep_send(rows, lay, "ep").reshape(8 * n, H)
+        grouped, _ = sort_chunks_by_index(recv, lay.split, jnp.asarray(C._ep_order(8, E // 8)))
+        if name == "block":
+            want = ref.quantize_blocks(grouped, (1, 128), fmt, power_of_2=recipe.power_of_2)
+            sg, sw = got.scale_inv, want.scale_inv
+        else:
+            scale = ref.compute_scale(jax.lax.pmax(ref.amax(xs), "ep"), format_max(fmt), 0, False)
+            want = ref.QuantizedTensor(ref.cast_scaled(grouped, scale, fmt), 1.0 / scale, None, xs.dtype)
+            sg, sw = jnp.reshape(got.scale_inv, (1, 1)), jnp.reshape(want.scale_inv, (1, 1))
+        u8 = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint8)  # noqa: E731
+        return u8(got.data), u8(want.data), sg, sw
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"), P("ep")), out_specs=P("ep")))
+    got, want, sg, sw = (np.asarray(a) for a in f(x, rmap))
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(sg, sw)
+    assert (got == 0x80).any(), "the inputs should produce a negative zero"
