@@ -87,7 +87,7 @@ from tests.property.test_fp8_props import (
     np_amax,
     np_scale,
 )
-from tests.property.test_normalization_props import NORM_ARGS
+from tests.property.test_normalization_props import NORM_ARGS, norm_inputs
 from tests.property.test_permutation_props import CAPACITIES, DISPATCH_ARGS, SORT_ARGS
 from tests.property.test_router_props import AUX_LOSS_ARGS, AUX_SCORES_ARGS, TOPK_ARGS, _logits
 from tests.property.test_softmax_props import (
@@ -452,16 +452,7 @@ def test_norm(v, kind, lead, h, dtype, param_dtype, residual, zc, eps, row, seed
     rng = np.random.default_rng(seed)
     shape = (*lead, h)
     pdt = param_dtype or dtype
-    x, x64 = rand(rng, shape, dtype, 100.0 if row == "big" else 1.5)
-    if x64.size and x64.ndim > 1 and row in ("zero_row", "const_row"):
-        x64[(0,) * (x64.ndim - 1)] = 0.0 if row == "zero_row" else 0.75
-        x = jnp.asarray(x64.astype(np.float32)).astype(dtype)
-    r, r64 = rand(rng, shape, dtype) if residual else (None, None)
-    if residual and row in ("zero_row", "const_row") and x64.ndim > 1 and x64.size:
-        r64[(0,) * (x64.ndim - 1)] = 0.0
-        r = jnp.asarray(r64.astype(np.float32)).astype(dtype)
-    gamma, _ = rand(rng, (h,), pdt, 0.5 if zc else 1.0)
-    beta, _ = rand(rng, (h,), pdt, 0.5)
+    (x, x64), (r, r64), (gamma, _), (beta, _) = norm_inputs(rng, lead, h, dtype, param_dtype, residual, zc, row)
     dy, _ = rand(rng, shape, dtype)
     dh = rand(rng, shape, dtype)[0] if residual else None
 

@@ -55,10 +55,10 @@ NORM_ARGS = dict(
 )
 
 
-@fuzz(40)
-@given(**NORM_ARGS)
-def test_norm_forward_backward(kind, lead, h, dtype, param_dtype, residual, zc, eps, row, seed):
-    rng = np.random.default_rng(seed)
+def norm_inputs(rng, lead, h, dtype, param_dtype, residual, zc, row):
+    """x, residual, gamma and beta of one drawn case (each as (jnp array, float64 values); residual
+    (None, None) without one). ``row`` "big" scales x by 100; "zero_row" / "const_row" make the first
+    row of x zero / constant (and the residual's first row zero)."""
     shape = (*lead, h)
     pdt = param_dtype or dtype
     x, x64 = rand(rng, shape, dtype, 100.0 if row == "big" else 1.5)
@@ -69,8 +69,19 @@ def test_norm_forward_backward(kind, lead, h, dtype, param_dtype, residual, zc, 
     if residual and row in ("zero_row", "const_row") and x64.ndim > 1 and x64.size:
         r64[(0,) * (x64.ndim - 1)] = 0.0
         r = jnp.asarray(r64.astype(np.float32)).astype(dtype)
-    gamma, gamma64 = rand(rng, (h,), pdt, 0.5 if zc else 1.0)
-    beta, beta64 = rand(rng, (h,), pdt, 0.5)
+    gamma = rand(rng, (h,), pdt, 0.5 if zc else 1.0)
+    beta = rand(rng, (h,), pdt, 0.5)
+    return (x, x64), (r, r64), gamma, beta
+
+
+@fuzz(40)
+@given(**NORM_ARGS)
+def test_norm_forward_backward(kind, lead, h, dtype, param_dtype, residual, zc, eps, row, seed):
+    rng = np.random.default_rng(seed)
+    shape = (*lead, h)
+    pdt = param_dtype or dtype
+    (x, x64), (r, r64), (gamma, gamma64), (beta, beta64) = norm_inputs(rng, lead, h, dtype, param_dtype, residual,
+                                                                        zc, row)  # fmt: skip
 
     if kind == "rms":
         fn = lambda a, g_, b_, r_: te_ops.rms_norm(  # noqa: E731
