@@ -118,18 +118,21 @@ def main():
         }
         # variants compiled now, while their setting is on (jit keeps those executables; a fresh function
         # each): warps per 128 x 128 tile (occupancy: 16 warps at 128 registers is one program per SM)
-        sweep = {"triton (2 warps)": 2, "triton (8 warps)": 8, "triton (16 warps)": 16}  # default: DUAL_TILE_WARPS
-        old_w = tri.DUAL_TILE_WARPS
-        for vname, wv in sweep.items():
+        # and rows per slice of the two-pass walk over the tile (0: the whole tile at once)
+        # (default: DUAL_TILE_WARPS, DUAL_SUB)
+        grid = [(2, 0), (4, 0), (8, 0), (16, 0), (4, 16), (4, 32), (8, 16), (8, 32), (8, 64)]
+        sweep = {f"triton ({wv} warps, {f'{sv}-row slices' if sv else 'one pass'})": (wv, sv) for wv, sv in grid}
+        old_w, old_s = tri.DUAL_TILE_WARPS, tri.DUAL_SUB
+        for vname, (wv, sv) in sweep.items():
             f = jax.jit(lambda x: tri.dual_quantize(x, 128, fp8.E4M3, power_of_2=True, trans_wide=False))
-            tri.DUAL_TILE_WARPS = wv
+            tri.DUAL_TILE_WARPS, tri.DUAL_SUB = wv, sv
             try:
                 jax.block_until_ready(f(sets[0][0]))
                 fns[vname] = f
             except Exception as e:  # noqa: BLE001 - report and go on
                 print(f"dual quantize {vname} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
             finally:
-                tri.DUAL_TILE_WARPS = old_w
+                tri.DUAL_TILE_WARPS, tri.DUAL_SUB = old_w, old_s
         times, _ = _timing.time_interleaved(fns, sets)
         for vname in sweep:
             if vname not in times:

@@ -126,6 +126,10 @@ QUANT_TILE_WARPS = 16
 # 0.74-1.18 ms (that variant, a persistent loop with loads pipelined across tiles, was removed).
 # At 4 warps ptxas spills 264 bytes a thread (560 with square x^T blocks); 8 warps does not spill.
 DUAL_TILE_WARPS = 4
+# rows per slice of the dual quantize's two-pass walk over its tile (0: the whole tile in registers,
+# one pass). Slices keep fewer values live per thread (the one-pass tile spills at 4 warps) at the
+# cost of a second read of the tile from L2; timed in benchmarks/fp8.py (quant).
+DUAL_SUB = 0
 # where the transposed output is transposed: the input tile (16-bit lanes) or the FP8 bytes; timed in
 # benchmarks/fp8.py
 DUAL_TRANS_WIDE = False
@@ -152,7 +156,7 @@ def dual_quantize(
     if x.size == 0:
         return _dual_quantize_local(x, block, fmt, power_of_2, margin, wide, bool(t_square))
     # the kernel settings are read when the sharded callable traces: part of its cache key
-    tuning = (DUAL_TILE_WARPS,)
+    tuning = (DUAL_TILE_WARPS, DUAL_SUB)
     q, s, qt, st = _sharded_dual_quantize(block, fmt, bool(power_of_2), margin, PARTITION, wide, bool(t_square),
                                           tuning)(x)  # fmt: skip
     return (
@@ -202,6 +206,7 @@ def _dual_quantize_local(x, block, fmt, power_of_2, margin, wide=False, t_square
             HW=_hw_cvt(),
             TRANS_WIDE=bool(wide),
             T_SQUARE=bool(t_square),
+            SUB=DUAL_SUB if 0 < DUAL_SUB < block and block % DUAL_SUB == 0 else 0,
         ),
         num_warps=DUAL_TILE_WARPS,
         divisible_by_16=tuple(n for n, v in (("R", r), ("C", c)) if v % 16 == 0),

@@ -129,9 +129,11 @@ def block_quantize_kernel(
 
 
 @triton.jit
-def _scales(amax, has_nan, FMAX: tl.constexpr, MARGIN_MUL: tl.constexpr, POW2: tl.constexpr):
-    """Scales of a vector of block amaxes (the rules of block_quantize_kernel)."""
-    ok = (amax > 0.0) & (amax < float("inf")) & (~has_nan)
+def _scales(amax, FMAX: tl.constexpr, MARGIN_MUL: tl.constexpr, POW2: tl.constexpr):
+    """Scales of a vector of block amaxes (the rules of block_quantize_kernel). ``amax`` is taken over
+    ``_abs_inf(x)``: a block holding a NaN has amax +Inf, and a NaN block and an Inf block both get
+    scale 1, so no separate NaN count is needed."""
+    ok = (amax > 0.0) & (amax < float("inf"))
     safe = tl.where(ok, amax, 1.0)
     scale = tl.minimum(tl.math.div_rn(tl.full(amax.shape, FMAX, tl.float32), safe) * MARGIN_MUL, 3.4028234663852886e38)
     if POW2:
@@ -140,10 +142,65 @@ def _scales(amax, has_nan, FMAX: tl.constexpr, MARGIN_MUL: tl.constexpr, POW2: t
 
 
 @triton.jit
-def _quantize_tile(x, nan, scale, FMAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, HW: tl.constexpr):
+def _abs_inf(x):
+    """|x| with NaN read as +Inf (what _scales takes its amax over)."""
+    return tl.where(x != x, float("inf"), tl.abs(x))
+
+
+@triton.jit
+def _quantize_tile(x, scale, FMAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, HW: tl.constexpr):
     v = tl.minimum(tl.maximum(x * scale, -FMAX), FMAX)
-    v = tl.where(nan, x, v)
+    v = tl.where(x != x, x, v)  # the GPU's min / max return the non-NaN operand
     return fp8_bytes(v, MBITS, EMIN, HW)
+
+
+@triton.jit
+def _row_tiles(x, rows, cols, cb, R, C, q_ptr, sinv_ptr, B: tl.constexpr, FMAX: tl.constexpr, MBITS: tl.constexpr,
+               EMIN: tl.constexpr, MARGIN_MUL: tl.constexpr, POW2: tl.constexpr, HW: tl.constexpr):  # fmt: skip
+    """x [SUB, B] (float32, rows ``rows`` and columns ``cols`` of an [R, C] tensor) quantized in
+    1 x B row tiles: q and one inverse scale per row stored. Returns _abs_inf(x)."""
+    rmask = rows < R
+    ax = _abs_inf(x)
+    srow = _scales(tl.max(ax, axis=1), FMAX, MARGIN_MUL, POW2)
+    q = _quantize_tile(x, srow[:, None], FMAX, MBITS, EMIN, HW)
+    offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
+    tl.store(q_ptr + offs, q, mask=rmask[:, None] & (cols < C)[None, :])
+    ncb = tl.cdiv(C, B)
+    tl.store(sinv_ptr + rows.to(tl.int64) * ncb + cb, tl.math.div_rn(tl.full(srow.shape, 1.0, tl.float32), srow),
+             mask=rmask)  # fmt: skip
+    return ax
+
+
+@triton.jit
+def _col_scales(cmax, FMAX: tl.constexpr, MARGIN_MUL: tl.constexpr, POW2: tl.constexpr, T_SQUARE: tl.constexpr):
+    """Scales of the column tiles from the column amaxes cmax [B] (T_SQUARE: one for the tile)."""
+    if T_SQUARE:
+        cmax = tl.zeros(cmax.shape, tl.float32) + tl.max(cmax, axis=0)
+    return _scales(cmax, FMAX, MARGIN_MUL, POW2)
+
+
+@triton.jit
+def _col_tiles(x, xin, scol, rows, cols, R, C, qt_ptr, FMAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
+               HW: tl.constexpr, TRANS_WIDE: tl.constexpr):  # fmt: skip
+    """x [SUB, B] quantized by columns with scol [B] and stored transposed into qt [C, R], the store
+    running along qt's rows (transposed in registers, through shared memory)."""
+    offs_t = cols.to(tl.int64)[:, None] * R + rows[None, :]
+    if TRANS_WIDE:  # transpose the input tile (16-bit lanes), then quantize it by rows
+        xt = tl.trans(xin).to(tl.float32)
+        qct = _quantize_tile(xt, scol[:, None], FMAX, MBITS, EMIN, HW)
+    else:  # quantize by columns, then transpose the bytes
+        qct = tl.trans(_quantize_tile(x, scol[None, :], FMAX, MBITS, EMIN, HW))
+    tl.store(qt_ptr + offs_t, qct, mask=(cols < C)[:, None] & (rows < R)[None, :])
+
+
+@triton.jit
+def _col_sinv(scol, cols, rb, cb, R, C, sinvt_ptr, B: tl.constexpr, T_SQUARE: tl.constexpr):
+    nrb = tl.cdiv(R, B)
+    sinvt = tl.math.div_rn(tl.full((B,), 1.0, tl.float32), scol)
+    if T_SQUARE:  # sinvt [cdiv(C, B), cdiv(R, B)]
+        tl.store(sinvt_ptr + cb.to(tl.int64) * nrb + rb, tl.max(sinvt, axis=0))
+    else:  # sinvt [C, cdiv(R, B)]
+        tl.store(sinvt_ptr + cols.to(tl.int64) * nrb + rb, sinvt, mask=cols < C)
 
 
 @triton.jit
@@ -152,41 +209,10 @@ def _dual_tile(x, xin, rows, cols, rb, cb, R, C, q_ptr, sinv_ptr, qt_ptr, sinvt_
                POW2: tl.constexpr, HW: tl.constexpr, TRANS_WIDE: tl.constexpr, T_SQUARE: tl.constexpr):  # fmt: skip
     """The two quantizations of one [B, B] tile x (float32; xin: as loaded) at (rb, cb) of an [R, C]
     tensor, as dual_quantize_kernel describes them."""
-    rmask = rows < R
-    cmask = cols < C
-    mask = rmask[:, None] & cmask[None, :]
-    offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
-    nan = x != x
-    ax = tl.where(nan, 0.0, tl.abs(x))
-    # row tiles: one scale per row of the tile
-    srow = _scales(tl.max(ax, axis=1), tl.sum(nan.to(tl.int32), axis=1) > 0, FMAX, MARGIN_MUL, POW2)
-    q = _quantize_tile(x, nan, srow[:, None], FMAX, MBITS, EMIN, HW)
-    tl.store(q_ptr + offs, q, mask=mask)
-    ncb = tl.cdiv(C, B)
-    tl.store(sinv_ptr + rows.to(tl.int64) * ncb + cb, tl.math.div_rn(tl.full((B,), 1.0, tl.float32), srow), mask=rmask)
-    # column tiles: one scale per column of the tile (T_SQUARE: one for the whole B x B tile), stored
-    # transposed
-    cmax = tl.max(ax, axis=0)
-    cnan = tl.sum(nan.to(tl.int32), axis=0)
-    if T_SQUARE:
-        zero = tl.zeros((B,), tl.float32)
-        cmax = zero + tl.max(cmax, axis=0)
-        cnan = zero.to(tl.int32) + tl.sum(cnan, axis=0)
-    scol = _scales(cmax, cnan > 0, FMAX, MARGIN_MUL, POW2)
-    # transposed in registers (through shared memory) so the store runs along x^T's rows
-    offs_t = cols.to(tl.int64)[:, None] * R + rows[None, :]
-    if TRANS_WIDE:  # transpose the input tile (16-bit lanes), then quantize it by rows
-        xt = tl.trans(xin).to(tl.float32)
-        qct = _quantize_tile(xt, xt != xt, scol[:, None], FMAX, MBITS, EMIN, HW)
-    else:  # quantize by columns, then transpose the bytes
-        qct = tl.trans(_quantize_tile(x, nan, scol[None, :], FMAX, MBITS, EMIN, HW))
-    tl.store(qt_ptr + offs_t, qct, mask=cmask[:, None] & rmask[None, :])
-    nrb = tl.cdiv(R, B)
-    sinvt = tl.math.div_rn(tl.full((B,), 1.0, tl.float32), scol)
-    if T_SQUARE:  # sinvt [cdiv(C, B), cdiv(R, B)]
-        tl.store(sinvt_ptr + cb.to(tl.int64) * nrb + rb, tl.max(sinvt, axis=0))
-    else:  # sinvt [C, cdiv(R, B)]
-        tl.store(sinvt_ptr + cols.to(tl.int64) * nrb + rb, sinvt, mask=cmask)
+    ax = _row_tiles(x, rows, cols, cb, R, C, q_ptr, sinv_ptr, B, FMAX, MBITS, EMIN, MARGIN_MUL, POW2, HW)
+    scol = _col_scales(tl.max(ax, axis=0), FMAX, MARGIN_MUL, POW2, T_SQUARE)
+    _col_tiles(x, xin, scol, rows, cols, R, C, qt_ptr, FMAX, MBITS, EMIN, HW, TRANS_WIDE)
+    _col_sinv(scol, cols, rb, cb, R, C, sinvt_ptr, B, T_SQUARE)
 
 
 @triton.jit
@@ -207,6 +233,7 @@ def dual_quantize_kernel(
     HW: tl.constexpr,
     TRANS_WIDE: tl.constexpr = False,
     T_SQUARE: tl.constexpr = False,
+    SUB: tl.constexpr = 0,
 ):
     """One read of a [B, B] tile of x [R, C], two quantizations written:
 
@@ -215,18 +242,38 @@ def dual_quantize_kernel(
       sinvt [C, cdiv(R, B)] (the operand a weight gradient x^T @ dy needs), quantized from x itself,
       not from q; with T_SQUARE, x^T in B x B blocks instead (sinvt [cdiv(C, B), cdiv(R, B)]: the
       output gradient's weight-gradient operand).
+
+    SUB = 0 (or B) holds the whole tile in registers. 0 < SUB < B walks it in [SUB, B] slices twice:
+    the first pass writes the row tiles and keeps the running column amaxes, the second reads the
+    slices again (from L2: the tile was just read) and writes the column tiles. Fewer live registers
+    per thread (no spills at 4 warps), one more read of the tile from L2.
     Grid (cdiv(R, B), cdiv(C, B))."""
     rb = tl.program_id(0)
     cb = tl.program_id(1)
-    rows = rb * B + tl.arange(0, B)
     cols = cb * B + tl.arange(0, B)
-    rmask = rows < R
     cmask = cols < C
-    mask = rmask[:, None] & cmask[None, :]
-    offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
-    xin = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    _dual_tile(xin.to(tl.float32), xin, rows, cols, rb, cb, R, C, q_ptr, sinv_ptr, qt_ptr, sinvt_ptr, B, FMAX, MBITS,
-               EMIN, MARGIN_MUL, POW2, HW, TRANS_WIDE, T_SQUARE)  # fmt: skip
+    if SUB == 0 or SUB == B:
+        rows = rb * B + tl.arange(0, B)
+        offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
+        xin = tl.load(x_ptr + offs, mask=(rows < R)[:, None] & cmask[None, :], other=0.0)
+        _dual_tile(xin.to(tl.float32), xin, rows, cols, rb, cb, R, C, q_ptr, sinv_ptr, qt_ptr, sinvt_ptr, B, FMAX,
+                   MBITS, EMIN, MARGIN_MUL, POW2, HW, TRANS_WIDE, T_SQUARE)  # fmt: skip
+    else:
+        tl.static_assert(B % SUB == 0, "SUB must divide B")
+        acc = tl.zeros((SUB, B), tl.float32)  # running elementwise max of _abs_inf(x) over the slices
+        for i in tl.static_range(B // SUB):
+            rows = rb * B + i * SUB + tl.arange(0, SUB)
+            offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
+            x = tl.load(x_ptr + offs, mask=(rows < R)[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+            ax = _row_tiles(x, rows, cols, cb, R, C, q_ptr, sinv_ptr, B, FMAX, MBITS, EMIN, MARGIN_MUL, POW2, HW)
+            acc = tl.maximum(acc, ax)
+        scol = _col_scales(tl.max(acc, axis=0), FMAX, MARGIN_MUL, POW2, T_SQUARE)
+        for i in tl.static_range(B // SUB):
+            rows = rb * B + i * SUB + tl.arange(0, SUB)
+            offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
+            xin = tl.load(x_ptr + offs, mask=(rows < R)[:, None] & cmask[None, :], other=0.0)
+            _col_tiles(xin.to(tl.float32), xin, scol, rows, cols, R, C, qt_ptr, FMAX, MBITS, EMIN, HW, TRANS_WIDE)
+        _col_sinv(scol, cols, rb, cb, R, C, sinvt_ptr, B, T_SQUARE)
 
 
 @triton.jit
@@ -569,7 +616,7 @@ def tensor_cast_kernel(
     one = tl.arange(0, 1)
     s_in = tl.load(scale_ptr + b + one)  # [1]
     if FROM_AMAX:
-        scale = _scales(s_in, s_in != s_in, FMAX, MARGIN_MUL, POW2)
+        scale = _scales(_abs_inf(s_in), FMAX, MARGIN_MUL, POW2)  # a NaN amax: scale 1
     else:
         scale = s_in
     nan = x != x

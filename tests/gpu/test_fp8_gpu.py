@@ -77,17 +77,23 @@ def test_block_quantize_matches_reference_bytes(i):
 
 
 @needs_triton
-@pytest.mark.parametrize("wide,square,warps", [(False, False, None), (True, False, None), (False, True, None),
-                                                (True, True, None), (False, False, 2), (False, True, 8)])  # fmt: skip
+@pytest.mark.parametrize("wide,square,warps,sub", [(False, False, None, None), (True, False, None, None),
+                                                    (False, True, None, None), (True, True, None, None),
+                                                    (False, False, 2, 0), (False, True, 8, 0), (False, False, 4, 16),
+                                                    (True, True, 4, 32), (False, True, 8, 16),
+                                                    (False, False, 4, 0)])  # fmt: skip
 @pytest.mark.parametrize("shape,block", [((130, 200), 64), ((4096, 7168), 128), ((7168, 4096), 128)])
-def test_dual_quantize_matches_reference_bytes(shape, block, wide, square, warps, monkeypatch):
+def test_dual_quantize_matches_reference_bytes(shape, block, wide, square, warps, sub, monkeypatch):
     """Row tiles of x and row tiles (or square blocks) of x^T from one read, each equal to the
     reference of its own (both ways of transposing in the kernel; the default warps per tile and
-    two others the benchmark times)."""
+    slicing, and the others the benchmark times: the tile in registers at once, or walked in row
+    slices in two passes)."""
     from te_ops.fp8 import triton as tri
 
     if warps is not None:
         monkeypatch.setattr(tri, "DUAL_TILE_WARPS", warps)
+    if sub is not None:
+        monkeypatch.setattr(tri, "DUAL_SUB", sub)
     x = _x(7, shape, jnp.bfloat16)
     tb = (block, block) if square else (1, block)
     with native.poisoned_outputs():
