@@ -82,6 +82,7 @@ from tests.property.test_fp8_props import (
     DELAYED_ARGS,
     assert_same_f32,
     assert_same_fp8,
+    delayed_inputs,
     fmt_name,
     make_x,
     np_amax,
@@ -95,7 +96,9 @@ from tests.property.test_softmax_props import (
     EMPTY_SOFTMAX_ARGS,
     MASKED_SOFTMAX_ARGS,
     SCALED_SOFTMAX_ARGS,
-    _poison,
+    causal_softmax_inputs,
+    masked_softmax_inputs,
+    scaled_softmax_inputs,
 )
 
 DRYRUN = os.environ.get("TE_GPU_PROPERTY_CPU_DRYRUN", "0") not in ("", "0")
@@ -365,18 +368,7 @@ def _softmax_check(v, op, x, g, dtype, what, mask=None, check_grad=True):
 @fuzz_gpu()
 @given(**{**SCALED_SOFTMAX_ARGS, "dtype": GPU_FLOATS})
 def test_scaled_softmax(v, lead, s, dtype, scale, special, seed):
-    rng = np.random.default_rng(seed)
-    shape = (*lead, s)
-    _, x64 = rand(rng, shape, dtype, 3.0)
-    if special == "neginf":
-        x64 = _poison(rng, x64, 0.3, 0.0)
-        if x64.ndim > 1:
-            x64[(0,) * (x64.ndim - 1)] = -np.inf
-    elif special == "nan_inf":
-        x64 = _poison(rng, x64, 0.1, 0.02)
-        x64[rng.random(shape) < 0.02] = np.inf
-    x = jnp.asarray(x64.astype(np.float32)).astype(dtype)
-    g, _ = rand(rng, shape, dtype)
+    (x, _), (g, _) = scaled_softmax_inputs(np.random.default_rng(seed), lead, s, dtype, special)
     op = lambda a, implementation: te_ops.scaled_softmax(a, scale, implementation=implementation)  # noqa: E731
     # As in tests/property: gradients of rows with NaN / +inf are checked on the finite cases only.
     _softmax_check(v, op, x, g, dtype, f"scaled_softmax ({special}, scale {scale})", check_grad=special != "nan_inf")
@@ -386,21 +378,9 @@ def test_scaled_softmax(v, lead, s, dtype, scale, special, seed):
 @fuzz_gpu()
 @given(**{**MASKED_SOFTMAX_ARGS, "dtype": GPU_FLOATS})
 def test_scaled_masked_softmax(v, b, n, sq, sk, bcast, mask_rank, density, dtype, scale, nan_masked, seed):
-    rng = np.random.default_rng(seed)
-    shape = (b, n, sq, sk)
-    mshape4 = tuple(1 if bc else d for bc, d in zip(bcast, shape[:3], strict=True)) + (sk,)
-    mask = rng.random(mshape4) < density
-    if sq > 1 and not bcast[2]:
-        mask[..., 0, :] = True  # a fully removed row
-    mask_in = mask.reshape(mshape4[4 - mask_rank :]) if all(d == 1 for d in mshape4[: 4 - mask_rank]) else mask
-    _, x64 = rand(rng, shape, dtype, 3.0)
-    full = np.broadcast_to(mask, shape)
-    if nan_masked:  # whatever x holds at a removed position does not matter
-        x64 = np.where(full & (rng.random(shape) < 0.5), np.nan, x64)
-        x64 = np.where(full & (rng.random(shape) < 0.2), np.inf, x64)
-    x = jnp.asarray(x64.astype(np.float32)).astype(dtype)
-    _, g64 = rand(rng, shape, dtype)
-    g = jnp.asarray(np.where(full, np.nan, g64).astype(np.float32)).astype(dtype)  # NaN where y is 0: no leak
+    # g is NaN where y is 0 (removed positions): no leak.
+    mask_in, _, (x, _), (g, _) = masked_softmax_inputs(np.random.default_rng(seed), b, n, sq, sk, bcast, mask_rank,
+                                                       density, dtype, nan_masked)  # fmt: skip
     op = lambda a, m, implementation: te_ops.scaled_masked_softmax(a, m, scale, implementation=implementation)  # noqa: E731
     _softmax_check(v, op, x, g, dtype, f"scaled_masked_softmax (mask {mask_in.shape})", mask=jnp.asarray(mask_in))
 
@@ -409,15 +389,8 @@ def test_scaled_masked_softmax(v, b, n, sq, sk, bcast, mask_rank, density, dtype
 @fuzz_gpu()
 @given(**{**CAUSAL_SOFTMAX_ARGS, "dtype": GPU_FLOATS})
 def test_scaled_upper_triang_masked_softmax(v, lead, s, dtype, scale, neginf, seed):
-    rng = np.random.default_rng(seed)
-    shape = (*lead, s, s)
-    _, x64 = rand(rng, shape, dtype, 3.0)
-    causal_removed = np.triu(np.ones((s, s), bool), k=1)
-    x64 = np.where(causal_removed & (rng.random(shape) < 0.5), np.nan, x64)  # garbage above the diagonal
-    if neginf:
-        x64 = _poison(rng, x64, 0.3, 0.0)
-    x = jnp.asarray(x64.astype(np.float32)).astype(dtype)
-    g, _ = rand(rng, shape, dtype)
+    # x holds NaN (garbage) at random positions above the diagonal.
+    _, (x, _), (g, _) = causal_softmax_inputs(np.random.default_rng(seed), lead, s, dtype, neginf)
     op = lambda a, implementation: te_ops.scaled_upper_triang_masked_softmax(a, scale, implementation=implementation)  # noqa: E731
     _softmax_check(v, op, x, g, dtype, "scaled_upper_triang_masked_softmax")
 
@@ -818,16 +791,6 @@ def test_fp8_quantize_block_scaling(v, lead, r, c, block, dtype, formats, role, 
     same_quantized(run_impl(v, make, x), run_reference(make, x, cpu=True), f"block scaling {recipe.block(role)}")
 
 
-def _delayed_state(rng, history_len, hist_kind):
-    hist = np.abs(rng.standard_normal(history_len) * np.exp2(rng.integers(-10, 10))).astype(np.float32)
-    if hist_kind == "zeros":
-        hist[:] = 0
-    elif hist_kind == "nonfinite":
-        hist[rng.random(history_len) < 0.5] = np.inf
-    prev_scale = np.float32(np.exp2(rng.integers(-8, 8)) * rng.uniform(1, 2))
-    return fp8.DelayedScalingState(jnp.asarray(hist), jnp.asarray(prev_scale))
-
-
 def same_state(got, want, what: str) -> None:
     """amax histories exact; next scales within 1 ulp (XLA's float32 division on the GPU)."""
     np.testing.assert_array_equal(np.asarray(got.amax_history), np.asarray(want.amax_history), f"{what} history")
@@ -840,12 +803,10 @@ def same_state(got, want, what: str) -> None:
 @given(**DELAYED_ARGS, algo=st.sampled_from(DELAYED_ALGOS))
 def test_fp8_quantize_delayed_scaling(v, algo, shape, history_len, hist_kind, formats, role, margin, special, dtype,
                                       seed):  # fmt: skip
-    rng = np.random.default_rng(seed)
-    x, x32 = make_x(rng, tuple(shape), dtype, special)
+    (x, x32), recipe, state, _ = delayed_inputs(np.random.default_rng(seed), algo, shape, history_len, hist_kind,
+                                                formats, margin, special, dtype)  # fmt: skip
     amax = np_amax(x32)
     assume(not (0 < amax < TINY))  # a subnormal amax: the CPU reference records 0 (flush to zero)
-    recipe = fp8.DelayedScaling(formats=formats, history_len=history_len, margin=margin, amax_compute_algo=algo)
-    state = _delayed_state(rng, history_len, hist_kind)
     make = _quantize_make(recipe, role, state)
     (q, new), (q_r, new_r) = run_impl(v, make, x, state), run_reference(make, x, state, cpu=True)
     same_quantized(q, q_r, f"delayed scaling ({algo}, {hist_kind})")
@@ -921,6 +882,22 @@ def _fp8_state(rng, recipe, tensors, groups=None):
     return fp8.DenseScalingState(one(x, "x"), one(w, "w", () if groups is None else (groups,)), one(g, "g"))
 
 
+def _fp8_gemm_inputs(rng, recipe, lead, k, n, dtype, *, groups=None, w_std=1.0, bias=None):
+    """One FP8 GEMM case's inputs, in this order from ``rng``: x [*lead, K], the kernel [K, N] (one per
+    expert, [G, K, N], with ``groups``) of standard deviation w_std / sqrt(K), the bias [N] (``bias``:
+    None for none, "random", or "+-3": +-3 entries), the cotangent dy [*lead, N], and for delayed
+    scaling a DenseScalingState (else None). Returns (x, w, bias, dy, state)."""
+    x, _ = rand(rng, (*lead, k), dtype)
+    w, _ = rand(rng, (k, n) if groups is None else (groups, k, n), dtype, w_std / np.sqrt(k))
+    if bias == "+-3":
+        b = jnp.asarray(3.0 * np.sign(rng.standard_normal(n) + 1e-9), dtype)
+    else:
+        b = rand(rng, (n,), dtype)[0] if bias == "random" else None
+    dy, _ = rand(rng, (*lead, n), dtype)
+    state = _fp8_state(rng, recipe, (x, w, dy), groups) if isinstance(recipe, fp8.DelayedScaling) else None
+    return x, w, b, dy, state
+
+
 def fp8_close(got, want, tol: float, what: str) -> None:
     """Within ``tol`` times the largest reference value (rtol 0), no NaN (unwritten output)."""
     _same_kind(got, want, what)
@@ -940,17 +917,12 @@ def _fp8_dense_args(data, recipes, k_st, n_st):
     dtype = data.draw(FP8_DTYPES, label="dtype")
     has_bias = data.draw(st.booleans(), label="bias")
     rng = np.random.default_rng(data.draw(seeds, label="seed"))
-    x, _ = rand(rng, (*lead, k), dtype)
     # With an activation: z = x @ w + bias kept away from 0 (bias +-3, x @ w of std 0.25), as in
     # tests/gpu/test_fp8_gpu.py: the GPU's and the CPU's GEMMs round z differently, and a z within that
     # rounding of 0 would flip ReLU's derivative.
-    w, _ = rand(rng, (k, n), dtype, (0.25 if activation else 1.0) / np.sqrt(k))
-    if activation is not None:
-        bias = jnp.asarray(3.0 * np.sign(rng.standard_normal(n) + 1e-9), dtype)
-    else:
-        bias = rand(rng, (n,), dtype)[0] if has_bias else None
-    dy, _ = rand(rng, (*lead, n), dtype)
-    state = _fp8_state(rng, recipe, (x, w, dy)) if isinstance(recipe, fp8.DelayedScaling) else None
+    bias_kind = "+-3" if activation is not None else "random" if has_bias else None
+    w_std = 0.25 if activation else 1.0
+    x, w, bias, dy, state = _fp8_gemm_inputs(rng, recipe, lead, k, n, dtype, w_std=w_std, bias=bias_kind)
     return recipe, activation, dtype, (x, w, bias, state, dy)
 
 
@@ -972,18 +944,24 @@ def _fp8_dense_make(recipe, activation):
     return make
 
 
-def _check_fp8_dense(got, want, recipe, activation, what):
+def _check_fp8_gemm(got, want, recipe, tol, names, what):
+    """(y, gradients) of an FP8 GEMM against the reference's: y and the gradients ``names`` within
+    ``tol`` (fp8_close; a None gradient must be None), and for delayed scaling the updated state (the
+    state's cotangent, the gradient after them) by same_state."""
     (y, grads), (y_r, grads_r) = got, want
-    tol = 2e-2 if activation else 1e-2
     fp8_close(y, y_r, tol, f"{what} y")
-    for name, a, e in zip(("dx", "dkernel", "dbias"), grads[:3], grads_r[:3], strict=True):
+    for name, a, e in zip(names, grads[: len(names)], grads_r[: len(names)], strict=True):
         if e is None:
             assert a is None, name
         else:
             fp8_close(a, e, tol, f"{what} {name}")
     if isinstance(recipe, fp8.DelayedScaling):  # the updated state is the state's cotangent
         for role in ("x", "w", "g"):
-            same_state(getattr(grads[3], role), getattr(grads_r[3], role), f"{what} state.{role}")
+            same_state(getattr(grads[len(names)], role), getattr(grads_r[len(names)], role), f"{what} state.{role}")
+
+
+def _check_fp8_dense(got, want, recipe, activation, what):
+    _check_fp8_gemm(got, want, recipe, 2e-2 if activation else 1e-2, ("dx", "dkernel", "dbias"), what)
 
 
 @pytest.mark.parametrize("v", FP8_DENSE_VARIANTS)
@@ -1067,22 +1045,13 @@ def test_fp8_grouped_dense(v, data):
     cases = _grouped_cases(v.opts["k"], v.opts["n"], FP8_DTYPES, m=GROUPED_M.filter(bool))
     kind, m, k, n, g, sizes, dtype, _, seed = data.draw(cases, label="case")
     recipe = data.draw(ALL_RECIPES, label="recipe")
-    rng = np.random.default_rng(seed)
-    x, _ = rand(rng, (m, k), dtype)
-    w, _ = rand(rng, (g, k, n), dtype, 1.0 / np.sqrt(k))
-    dy, _ = rand(rng, (m, n), dtype)
+    x, w, _, dy, state = _fp8_gemm_inputs(np.random.default_rng(seed), recipe, (m,), k, n, dtype, groups=g)
     gs = jnp.asarray(np.asarray(sizes, np.int64).astype(np.int32))
-    state = _fp8_state(rng, recipe, (x, w, dy), groups=g) if isinstance(recipe, fp8.DelayedScaling) else None
     make = _fp8_grouped_make(recipe)
     args = (x, w, gs, state, dy)
-    (y, grads), (y_r, grads_r) = run_impl(v, make, *args), run_reference(make, *args, cpu=True)
     what = f"fp8_grouped_dense ({recipe}, {kind} sizes {sizes}, M={m} K={k} N={n} {jnp.dtype(dtype).name})"
-    fp8_close(y, y_r, 1e-2, f"{what} y")
-    fp8_close(grads[0], grads_r[0], 1e-2, f"{what} dx")
-    fp8_close(grads[1], grads_r[1], 1e-2, f"{what} dkernels")
-    if state is not None:
-        for role in ("x", "w", "g"):
-            same_state(getattr(grads[2], role), getattr(grads_r[2], role), f"{what} state.{role}")
+    _check_fp8_gemm(run_impl(v, make, *args), run_reference(make, *args, cpu=True), recipe, 1e-2, ("dx", "dkernels"),
+                    what)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------

@@ -93,7 +93,8 @@ def make_x(rng, shape, dtype, special: str) -> tuple[jnp.ndarray, np.ndarray]:
 specials = st.sampled_from(["plain", "zeros", "all_zero", "nonfinite", "outlier", "small"])
 
 
-# The strategies of each test, importable: tests/gpu/test_property_gpu.py draws from them too.
+# The strategies of each test (and delayed_inputs, the delayed-scaling case's inputs), importable:
+# tests/gpu/test_property_gpu.py draws from them too.
 CURRENT_ARGS = dict(
     shape=st.lists(size(64, sizes=(1, 2, 3, 7, 31, 64)), min_size=0, max_size=3),
     dtype=in_dtypes,
@@ -189,13 +190,11 @@ DELAYED_ARGS = dict(
 )
 
 
-@pytest.mark.parametrize("algo", DELAYED_ALGOS)
-@fuzz(15)
-@given(**DELAYED_ARGS)
-def test_quantize_delayed_scaling(algo, shape, history_len, hist_kind, formats, role, margin, special, dtype, seed):
-    rng = np.random.default_rng(seed)
+def delayed_inputs(rng, algo, shape, history_len, hist_kind, formats, margin, special, dtype):
+    """x (as make_x: (jnp array, float32 values)), the DelayedScaling recipe and the incoming
+    DelayedScalingState of one drawn delayed-scaling case, and the state's amax history and scale as
+    float32 numpy. ``hist_kind`` "zeros": an all-zero history; "nonfinite": +inf entries."""
     x, x32 = make_x(rng, tuple(shape), dtype, special)
-    fmt = fmt_name(formats, role)
     recipe = fp8.DelayedScaling(formats=formats, history_len=history_len, margin=margin, amax_compute_algo=algo)
     hist = np.abs(rng.standard_normal(history_len) * np.exp2(rng.integers(-10, 10))).astype(np.float32)
     if hist_kind == "zeros":
@@ -204,6 +203,17 @@ def test_quantize_delayed_scaling(algo, shape, history_len, hist_kind, formats, 
         hist[rng.random(history_len) < 0.5] = np.inf
     prev_scale = np.float32(np.exp2(rng.integers(-8, 8)) * rng.uniform(1, 2))
     state = fp8.DelayedScalingState(jnp.asarray(hist), jnp.asarray(prev_scale))
+    return (x, x32), recipe, state, (hist, prev_scale)
+
+
+@pytest.mark.parametrize("algo", DELAYED_ALGOS)
+@fuzz(15)
+@given(**DELAYED_ARGS)
+def test_quantize_delayed_scaling(algo, shape, history_len, hist_kind, formats, role, margin, special, dtype, seed):
+    rng = np.random.default_rng(seed)
+    (x, x32), recipe, state, (hist, prev_scale) = delayed_inputs(rng, algo, shape, history_len, hist_kind, formats,
+                                                                 margin, special, dtype)  # fmt: skip
+    fmt = fmt_name(formats, role)
     q, new = fp8.quantize(x, recipe, role, state, implementation=IMPL)
     # Quantized with the state's scale.
     assert_same_fp8(q.data, np_cast(x32, prev_scale, fmt), "delayed-scaling data")

@@ -47,7 +47,8 @@ def _poison(rng, x64, frac_neginf, frac_nan):
     return x64
 
 
-# The strategies of each test, importable: tests/gpu/test_property_gpu.py draws from them too.
+# The strategies of each test and the helpers that draw a case's inputs (*_softmax_inputs), importable:
+# tests/gpu/test_property_gpu.py draws from them too.
 SCALED_SOFTMAX_ARGS = dict(
     lead=st.lists(size(5), min_size=0, max_size=2),
     s=size(129, sizes=(1, 2, 3, 7, 13, 31, 64, 127, 129)),
@@ -58,12 +59,12 @@ SCALED_SOFTMAX_ARGS = dict(
 )
 
 
-@fuzz(30)
-@given(**SCALED_SOFTMAX_ARGS)
-def test_scaled_softmax(lead, s, dtype, scale, special, seed):
-    rng = np.random.default_rng(seed)
+def scaled_softmax_inputs(rng, lead, s, dtype, special):
+    """x and the cotangent g of one drawn scaled_softmax case, each as (jnp array, float64 values).
+    ``special`` "neginf": -inf entries (acting as removed), the first row entirely -inf; "nan_inf":
+    NaN, -inf and +inf entries."""
     shape = (*lead, s)
-    x, x64 = rand(rng, shape, dtype, 3.0)
+    _, x64 = rand(rng, shape, dtype, 3.0)
     if special == "neginf":  # -inf acts as removed; some rows entirely -inf -> 0
         x64 = _poison(rng, x64, 0.3, 0.0)
         if x64.ndim > 1:
@@ -72,6 +73,15 @@ def test_scaled_softmax(lead, s, dtype, scale, special, seed):
         x64 = _poison(rng, x64, 0.1, 0.02)
         x64[rng.random(shape) < 0.02] = np.inf
     x = jnp.asarray(x64.astype(np.float32)).astype(dtype)
+    return (x, x64), rand(rng, shape, dtype)
+
+
+@fuzz(30)
+@given(**SCALED_SOFTMAX_ARGS)
+def test_scaled_softmax(lead, s, dtype, scale, special, seed):
+    rng = np.random.default_rng(seed)
+    shape = (*lead, s)
+    (x, x64), (g, g64) = scaled_softmax_inputs(rng, lead, s, dtype, special)
     y = te_ops.scaled_softmax(x, scale, implementation=IMPL)
     assert y.dtype == jnp.dtype(dtype) and y.shape == shape
     exp = np_softmax(x64, np.zeros(shape, bool), scale)
@@ -79,7 +89,6 @@ def test_scaled_softmax(lead, s, dtype, scale, special, seed):
 
     if special == "nan_inf":
         return  # gradients of diverging rows are NaN by rule 2; checked on the finite cases
-    g, g64 = rand(rng, shape, dtype)
     _, vjp = jax.vjp(lambda a: te_ops.scaled_softmax(a, scale, implementation=IMPL), x)
     (dx,) = vjp(g)
     assert dx.dtype == jnp.dtype(dtype)
@@ -101,10 +110,12 @@ MASKED_SOFTMAX_ARGS = dict(
 )
 
 
-@fuzz(30)
-@given(**MASKED_SOFTMAX_ARGS)
-def test_scaled_masked_softmax(b, n, sq, sk, bcast, mask_rank, density, dtype, scale, nan_masked, seed):
-    rng = np.random.default_rng(seed)
+def masked_softmax_inputs(rng, b, n, sq, sk, bcast, mask_rank, density, dtype, nan_masked):
+    """mask_in (the mask passed to the op: rank ``mask_rank`` where its leading axes are 1, else
+    rank 4), full (the mask broadcast to x's shape), x and the cotangent g of one drawn
+    scaled_masked_softmax case, each as (jnp array, float64 values). With ``sq > 1`` and no broadcast
+    over Sq the first row is entirely removed; with ``nan_masked`` removed positions of x hold NaN /
+    +inf; g is NaN at every removed position."""
     shape = (b, n, sq, sk)
     mshape4 = tuple(1 if bc else d for bc, d in zip(bcast, shape[:3], strict=True)) + (sk,)
     mask = rng.random(mshape4) < density
@@ -117,15 +128,25 @@ def test_scaled_masked_softmax(b, n, sq, sk, bcast, mask_rank, density, dtype, s
         x64 = np.where(full & (rng.random(shape) < 0.5), np.nan, x64)
         x64 = np.where(full & (rng.random(shape) < 0.2), np.inf, x64)
         x = jnp.asarray(x64.astype(np.float32)).astype(dtype)
+    # NaN in g at positions whose output is 0 must not leak (left out of the row sum).
+    _, g64 = rand(rng, shape, dtype)
+    g64 = np.where(full, np.nan, g64)
+    g = jnp.asarray(g64.astype(np.float32)).astype(dtype)
+    return mask_in, full, (x, x64), (g, g64)
+
+
+@fuzz(30)
+@given(**MASKED_SOFTMAX_ARGS)
+def test_scaled_masked_softmax(b, n, sq, sk, bcast, mask_rank, density, dtype, scale, nan_masked, seed):
+    rng = np.random.default_rng(seed)
+    mask_in, full, (x, x64), (g, g64) = masked_softmax_inputs(rng, b, n, sq, sk, bcast, mask_rank, density, dtype,
+                                                              nan_masked)  # fmt: skip
     y = te_ops.scaled_masked_softmax(x, jnp.asarray(mask_in), scale, implementation=IMPL)
     exp = np_softmax(x64, full, scale)
     check_close(y, exp, dtype, what="scaled_masked_softmax forward")
     assert np.all(as64(y)[full] == 0), "removed positions must be exactly 0"
 
-    # Backward: NaN in g at positions whose output is 0 must not leak (left out of the row sum).
-    g, g64 = rand(rng, shape, dtype)
-    g64 = np.where(full, np.nan, g64)
-    g = jnp.asarray(g64.astype(np.float32)).astype(dtype)
+    # Backward: g is NaN where the output is 0 (must not leak).
     _, vjp = jax.vjp(lambda a: te_ops.scaled_masked_softmax(a, jnp.asarray(mask_in), scale, implementation=IMPL), x)
     (dx,) = vjp(g)
     check_close(dx, np_softmax_grad(as64(y), g64, scale), dtype, what="scaled_masked_softmax dx")
@@ -141,23 +162,30 @@ CAUSAL_SOFTMAX_ARGS = dict(
 )
 
 
-@fuzz(25)
-@given(**CAUSAL_SOFTMAX_ARGS)
-def test_scaled_upper_triang_masked_softmax(lead, s, dtype, scale, neginf, seed):
-    rng = np.random.default_rng(seed)
+def causal_softmax_inputs(rng, lead, s, dtype, neginf):
+    """causal_removed ([s, s], True above the diagonal), x and the cotangent g of one drawn
+    scaled_upper_triang_masked_softmax case, each as (jnp array, float64 values). x holds NaN at
+    random removed positions, and -inf entries with ``neginf``."""
     shape = (*lead, s, s)
-    x, x64 = rand(rng, shape, dtype, 3.0)
+    _, x64 = rand(rng, shape, dtype, 3.0)
     causal_removed = np.triu(np.ones((s, s), bool), k=1)
     # Garbage above the diagonal must not matter (rule 1).
     x64 = np.where(causal_removed & (rng.random(shape) < 0.5), np.nan, x64)
     if neginf:
         x64 = _poison(rng, x64, 0.3, 0.0)
     x = jnp.asarray(x64.astype(np.float32)).astype(dtype)
+    return causal_removed, (x, x64), rand(rng, shape, dtype)
+
+
+@fuzz(25)
+@given(**CAUSAL_SOFTMAX_ARGS)
+def test_scaled_upper_triang_masked_softmax(lead, s, dtype, scale, neginf, seed):
+    rng = np.random.default_rng(seed)
+    causal_removed, (x, x64), (g, g64) = causal_softmax_inputs(rng, lead, s, dtype, neginf)
     y = te_ops.scaled_upper_triang_masked_softmax(x, scale, implementation=IMPL)
     exp = np_softmax(x64, causal_removed, scale)
     check_close(y, exp, dtype, what="scaled_upper_triang_masked_softmax forward")
 
-    g, g64 = rand(rng, shape, dtype)
     _, vjp = jax.vjp(lambda a: te_ops.scaled_upper_triang_masked_softmax(a, scale, implementation=IMPL), x)
     (dx,) = vjp(g)
     check_close(dx, np_softmax_grad(as64(y), g64, scale), dtype, what="causal softmax dx")
