@@ -49,10 +49,9 @@ import jax
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-EXAMPLE = os.path.join(ROOT, "examples", "train_moe.py")
 sys.path.insert(0, HERE)
 import _timing  # noqa: E402
+from _example import load_example  # noqa: E402  (also this module's API: tests call fa.load_example)
 
 RECIPES = ("none", "current", "delayed", "block")
 REFERENCE = "none"  # bf16: what every FP8 recipe is compared with
@@ -70,29 +69,6 @@ TINY = dict(DEFAULTS, steps=12, batch=4, seq=64, d_model=128, layers=1, heads=4,
 # The settings passed to the example as --flags, in its spelling.
 EXAMPLE_KEYS = ("steps", "batch", "seq", "d_model", "layers", "heads", "kv_heads", "experts", "topk", "ffn",
                 "eval_every", "eval_tokens", "warmup", "lr", "dtype", "seed")  # fmt: skip
-
-
-def load_example():
-    """examples/train_moe.py as a module: the one already imported as ``train_moe`` when it is that file,
-    else loaded from its path (as ``train_moe``, or under another name when ``train_moe`` is another file,
-    e.g. benchmarks/train_moe.py imported with benchmarks/ first on sys.path)."""
-    path = os.path.realpath(EXAMPLE)
-    for name in ("train_moe", "_te_examples_train_moe"):
-        mod = sys.modules.get(name)
-        if mod is not None:
-            if os.path.realpath(getattr(mod, "__file__", None) or "") == path:
-                return mod
-            continue
-        spec = importlib.util.spec_from_file_location(name, path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        try:
-            spec.loader.exec_module(mod)
-        except BaseException:
-            del sys.modules[name]
-            raise
-        return mod
-    raise ImportError(f"cannot import {path}: the module names train_moe and _te_examples_train_moe are taken")
 
 
 def add_model_args(ap: argparse.ArgumentParser, defaults: dict) -> None:

@@ -9,9 +9,9 @@ te_layers step reported beside the plain-JAX model's.
   ffn1024, batch 32 x 512, validation every 100 steps. Checks that every training loss and every
   validation loss is finite; records the first/last losses, the validation curve, the training loss
   every 10th step and tokens/s.
-* Part B: the first 20 training steps of that same run (the example's model, init, optimizer with the
-  2000-step schedule, batches and dropout keys, built by the example's own functions as its ``main()``
-  does) in fresh processes, one with ``--xla_gpu_enable_command_buffer=`` (command buffers off) and one with
+* Part B: the first 20 training steps of that same run (the example's ``main()`` with Part A's command
+  line and ``--stop-at 20``: the 2000-step schedule, batches and dropout keys, stopped after step 20) in
+  fresh processes, one with ``--xla_gpu_enable_command_buffer=`` (command buffers off) and one with
   ``--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1`` (the flags of
   tests/gpu/cmdbuf.py: fusions and te_ops' custom calls in CUDA graphs), each appended to ``$XLA_FLAGS``.
   Passes when the 20 float32 losses are bit-identical. A second run with command buffers off (the control,
@@ -42,7 +42,6 @@ run of the same configuration that this one does not run.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
@@ -63,6 +62,7 @@ SCRIPT = os.path.abspath(__file__)
 sys.path.insert(0, HERE)
 import _timing  # noqa: E402
 import fp8_accuracy as fa  # noqa: E402
+from _example import load_benchmark, load_example  # noqa: E402
 
 PARTS = ("A", "B", "C")
 DEFAULTS = dict(fa.DEFAULTS, steps=2000, eval_every=100, last_steps=100, train_every=10)
@@ -90,71 +90,19 @@ DEFINITIONS = {
 # ----------------------------------------------------------------------------------------------
 
 
-def load_benchmark(ex):
-    """benchmarks/train_moe.py as a module (``_te_benchmarks_train_moe``); its ``import train_moe`` gets the
-    example ``ex`` whatever ``train_moe`` names in sys.modules."""
-    name = "_te_benchmarks_train_moe"
-    if name in sys.modules:
-        return sys.modules[name]
-    saved = sys.modules.get("train_moe")
-    sys.modules["train_moe"] = ex
-    try:
-        spec = importlib.util.spec_from_file_location(name, os.path.join(HERE, "train_moe.py"))
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        try:
-            spec.loader.exec_module(mod)
-        except BaseException:
-            del sys.modules[name]
-            raise
-    finally:
-        if saved is None:
-            sys.modules.pop("train_moe", None)
-        else:
-            sys.modules["train_moe"] = saved
-    return mod
-
-
-def first_losses(cfg: dict, n: int) -> list[float]:
-    """The training losses of steps 1..n of examples/train_moe.py run with ``cfg`` (bf16, no FP8): the model,
-    init, optimizer (with the schedule of ``cfg["steps"]``), batches and dropout keys of its ``main()``,
-    built by the example's functions the way ``main()`` builds them."""
-    import flax.linen as nn
-    import jax
-    import jax.numpy as jnp
-
-    ex = fa.load_example()
-    args = ex.parse_args(fa.example_argv(cfg, "none", os.path.join(tempfile.gettempdir(), "long_run_unused")))
-    mcfg = dict(d_model=args.d_model, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
-                experts=args.experts, topk=args.topk, ffn=args.ffn, aux_coeff=args.aux_coeff, dropout=args.dropout,
-                dtype=jnp.dtype(args.dtype), norm=args.norm, fp8=args.fp8)  # fmt: skip
-    model = ex.MoELM(mcfg)
-    train = ex.load_data(args.data_dir, args.seq)[0]
-    it = ex.batches(train, args.batch, args.seq, args.seed + 1)
-    single = getattr(jax.sharding, "make_single_device_sharding", None) or jax.sharding.SingleDeviceSharding
-    place = single(jax.devices()[0])  # as main()'s placement (one device)
-    variables = nn.meta.unbox(jax.jit(model.init)(jax.random.key(args.seed),
-                                                  jnp.zeros((args.batch, args.seq), jnp.int32)))  # fmt: skip
-    params = jax.device_put(variables, place)["params"]
-    tx = ex.make_optimizer(args.lr, args.steps, args.warmup)
-    opt_state = jax.device_put(tx.init(params), place)
-    step = ex.make_train_step(model, tx)
-    losses = []
-    for i in range(n):
-        x, y = next(it)
-        rng = jax.random.fold_in(jax.random.key(args.seed), i)
-        params, opt_state, ce, _ = step(params, opt_state, x, y, rng)
-        losses.append(float(ce))
-    return losses
-
-
 def cmdbuf_child(cfg: dict, n: int) -> dict:
+    """The training losses of steps 1..n of Part A's run: examples/train_moe.py's ``main()`` with Part A's
+    command line (``cfg``, ``--fp8 none``) and ``--stop-at n`` (the schedule, batches and dropout keys of the
+    ``cfg["steps"]``-step run, stopped after step n)."""
     import jax
 
     t0 = time.perf_counter()
-    losses = first_losses(cfg, n)
-    return {"losses": losses, "backend": jax.default_backend(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
-            "seconds": time.perf_counter() - t0}  # fmt: skip
+    ex = load_example()
+    with tempfile.TemporaryDirectory(prefix="long_run_cmdbuf_") as tmp:
+        with fa.without_plot_if_no_matplotlib(ex):
+            summary = ex.main(fa.example_argv(cfg, "none", tmp) + ["--stop-at", str(n)])
+    return {"losses": [float(v) for v in summary["losses"]], "backend": jax.default_backend(),
+            "xla_flags": os.environ.get("XLA_FLAGS", ""), "seconds": time.perf_counter() - t0}  # fmt: skip
 
 
 def _memory_stats(dev) -> dict | None:
@@ -170,7 +118,7 @@ def memory_child(name: str, tiny: bool, steps: int, seed: int) -> dict:
     import jax
     import jax.numpy as jnp
 
-    ex = fa.load_example()
+    ex = load_example()
     bench = load_benchmark(ex)
     base = bench.TINY_CONFIG if tiny else bench.GPU_CONFIG
     batch, seq = (4, 32) if tiny else (16, 1024)  # benchmarks/train_moe.py's defaults
@@ -375,7 +323,7 @@ def part_c(names: list[str], tiny: bool, steps: int, seed: int, timeout: float) 
 
 def part_a(cfg: dict) -> dict:
     print(f"\n=== Part A: examples/train_moe.py, {cfg['steps']} steps {cfg['dtype']}", flush=True)
-    ex = fa.load_example()
+    ex = load_example()
     with tempfile.TemporaryDirectory(prefix="long_run_") as tmp:
         rec = fa.run_recipe(ex, cfg, "none", tmp)
     rec.pop("label", None)
@@ -400,7 +348,8 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     fa.add_model_args(ap, DEFAULTS)
     ap.add_argument("--parts", default="A,B,C", help="comma-separated subset of A, B, C")
-    ap.add_argument("--cmdbuf-steps", type=int, default=20, help="Part B: training steps compared")
+    ap.add_argument("--cmdbuf-steps", type=int, default=20,
+                    help="Part B: training steps compared (at most --steps, Part A's first steps)")  # fmt: skip
     ap.add_argument("--no-cmdbuf-control", action="store_true",
                     help="Part B: no second run with command buffers off (the nondeterminism control)")  # fmt: skip
     ap.add_argument("--memory-models", default=MEMORY_MODELS,
@@ -428,6 +377,9 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     cfg = fa.resolve(args, DEFAULTS, TINY)
+    if args.cmdbuf_steps > cfg["steps"]:  # the example's --stop-at ends within its --steps run
+        print(f"Part B: --cmdbuf-steps {args.cmdbuf_steps} > --steps {cfg['steps']}: comparing {cfg['steps']} steps")
+        args.cmdbuf_steps = cfg["steps"]
     if args.cmdbuf_child:
         print(CHILD_MARK + json.dumps(cmdbuf_child(cfg, args.cmdbuf_steps)), flush=True)
         return None

@@ -17,7 +17,8 @@ and the experts (per-expert kernel scales); the amax histories and scales live i
 ``"fp8_state"`` collection, carried by the training step and checkpointed, never given to the
 optimizer. Checkpoints hold the params, the optimizer state and the
 FP8 state; ``--save-every K`` keeps one every K steps and ``--resume DIR`` continues a run from one,
-reproducing the uninterrupted run's losses.
+reproducing the uninterrupted run's losses. ``--stop-at N`` ends the run after step N of the ``--steps``
+schedule (the first N steps of the full run, losses in summary.json; its checkpoint resumes).
 
     python examples/train_moe.py                      # default: 1-2 minutes on a 2-core CPU
     python examples/sample.py --prompt "The import statement"
@@ -407,12 +408,19 @@ def parse_args(argv=None):
                     help="checkpoint directory (checkpoint/ or checkpoints/step_<N>) to continue from: restores the "
                          "params, the optimizer state and the FP8 state and runs its step + 1 .. --steps on the "
                          "batches the uninterrupted run would have seen")
+    ap.add_argument("--stop-at", type=int, default=None, metavar="N",
+                    help="stop after step N of the --steps run: learning-rate schedule, batches and dropout keys "
+                         "those of --steps, so the losses are that run's first N (validation and checkpoint at N, "
+                         "--resume continues it); default: --steps")
     args = ap.parse_args(argv)
     for name in ("steps", "batch", "seq", "eval_every", "eval_tokens"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.save_every < 0:
         ap.error(f"--save-every must be >= 0 (0: no periodic checkpoints), got {args.save_every}")
+    if args.stop_at is not None and not 1 <= args.stop_at <= args.steps:
+        ap.error(f"--stop-at must be in 1..--steps ({args.steps}), got {args.stop_at}")
+    args.end = args.steps if args.stop_at is None else args.stop_at  # the last step this run trains
     return args
 
 
@@ -427,9 +435,10 @@ def resume_from(args, cfg: dict, trees: dict) -> tuple[int, dict]:
         raise SystemExit(f"train_moe: --resume {args.resume} holds another model; pass the flags it was trained with "
                          f"(checkpoint vs now: {diff})")  # fmt: skip
     step = int(meta["step"])
-    if step >= args.steps:
-        raise SystemExit(f"train_moe: --resume {args.resume} is at step {step}; --steps must be larger to train "
-                         f"on, got {args.steps}")  # fmt: skip
+    if step >= args.end:
+        what = "--steps" if args.stop_at is None else "--stop-at"
+        raise SystemExit(f"train_moe: --resume {args.resume} is at step {step}; {what} must be larger to train "
+                         f"on, got {args.end}")  # fmt: skip
     want = {k: v for k, v in trees.items() if v is not None}
     has_state = os.path.exists(os.path.join(os.path.abspath(args.resume), tel.FP8_COLLECTION))
     if tel.FP8_COLLECTION in want and not has_state:
@@ -477,6 +486,8 @@ def main(argv=None):
     print(f"te_layers MoE LM: {n_params:,} parameters, {cfg['layers']} layers, {cfg['experts']} experts top-"
           f"{cfg['topk']}, batch {args.batch} x seq {args.seq}, {args.dtype}, backend {jax.default_backend()}")
     print(describe_fp8(args.fp8))
+    if args.end < args.steps:
+        print(f"stopping after step {args.end} of the {args.steps}-step run (--stop-at)")
     print(f"corpus {corpus['dir']}: {corpus['train_bytes']:,} train bytes, {corpus['valid_bytes']:,} held-out bytes "
           f"({windows.shape[0] * windows.shape[1] * args.seq:,} scored per validation)")
     start = 0
@@ -492,7 +503,7 @@ def main(argv=None):
                     train={k: getattr(args, k) for k in ("steps", "batch", "lr", "warmup", "seed")})  # fmt: skip
 
     losses, auxes, saved = [], [], []
-    prog = Progress(args.steps, start)
+    prog = Progress(args.end, start)
 
     def validate(n_done):
         v = evaluate(params, fp8_state)
@@ -504,7 +515,7 @@ def main(argv=None):
     validate(start)
     t_start = time.perf_counter()
     t_steady, steady_tokens, paused_s = None, 0, 0.0  # paused: validation and checkpoints, not training
-    for i in range(start, args.steps):
+    for i in range(start, args.end):
         x, y = next(it)
         rng = jax.random.fold_in(jax.random.key(args.seed), i)
         if fp8_state is None:
@@ -519,7 +530,7 @@ def main(argv=None):
         else:
             steady_tokens += args.batch * args.seq
         t_pause = time.perf_counter()
-        if (i + 1) % args.eval_every == 0 or i + 1 == args.steps:
+        if (i + 1) % args.eval_every == 0 or i + 1 == args.end:
             validate(i + 1)
         if args.save_every and (i + 1) % args.save_every == 0:
             d = os.path.join(args.out, "checkpoints", f"step_{i + 1}")
@@ -536,16 +547,16 @@ def main(argv=None):
     val_first, val_last = val_curve[0][1], val_curve[-1][1]
     png = os.path.join(args.out, "loss.png")
     title = "te_layers MoE LM (byte level)" + ("" if args.fp8 == "none" else f", fp8 {args.fp8}")
-    plot_losses(png, np.arange(start + 1, args.steps + 1), np.asarray(losses), val_curve, title)
+    plot_losses(png, np.arange(start + 1, args.end + 1), np.asarray(losses), val_curve, title)
     summary = dict(first_loss=first, last_loss=last, val_loss_initial=val_first, val_loss=val_last,
                    val_bits_per_byte=val_last / math.log(2), val_curve=val_curve, steps=args.steps,
-                   start_step=start, losses=losses, fp8=args.fp8,
-                   epochs=(args.steps - start) * args.batch * args.seq / corpus["train_bytes"], tokens_per_s=tok_s,
+                   start_step=start, end_step=args.end, losses=losses, fp8=args.fp8,
+                   epochs=(args.end - start) * args.batch * args.seq / corpus["train_bytes"], tokens_per_s=tok_s,
                    seconds=total, params=n_params, corpus=corpus, loss_png=png, checkpoint=None,
                    checkpoints=saved)  # fmt: skip
     if not args.no_checkpoint:
         summary["checkpoint"] = save_checkpoint(os.path.join(args.out, "checkpoint"), params,
-                                                checkpoint_meta(args.steps), opt_state, fp8_state)  # fmt: skip
+                                                checkpoint_meta(args.end), opt_state, fp8_state)  # fmt: skip
 
     print(f"train loss {first:.4f} -> {last:.4f} (mean of first/last {k} steps); validation loss {val_first:.4f} -> "
           f"{val_last:.4f} nats/byte ({val_last / math.log(2):.3f} bits/byte) on held-out text; {total:.1f}s, "

@@ -39,7 +39,8 @@ def _restore_tree(path):
 
 def test_train_moe_fp8_delayed_resume_reproduces_the_run(tmp_path):
     """--fp8 delayed: a run resumed from its step-3 checkpoint gives the uninterrupted run's losses, and its final
-    params, optimizer state and FP8 state, bit for bit (CPU); the FP8 state is the restored one, not a fresh one."""
+    params, optimizer state and FP8 state, bit for bit (CPU); the FP8 state is the restored one, not a fresh one.
+    ``--stop-at 3`` ends the same run after step 3 with that run's losses and step-3 state."""
     import numpy as np
 
     sys.path.insert(0, os.path.join(ROOT, "examples"))
@@ -73,6 +74,17 @@ def test_train_moe_fp8_delayed_resume_reproduces_the_run(tmp_path):
         assert (st6[k][..., :6] > 0).all() and (st6[k][..., 6:] == 0).all(), (k, st6[k][..., :8])
         np.testing.assert_array_equal(st6[k][..., 3:6], st3[k][..., :3], err_msg=k)  # step 3's, shifted by 3
     assert all((st3[k.replace("amax_history", "scale")] != 1).any() for k in hist)
+
+    # --stop-at 3: the first 3 steps of the 6-step run (its schedule), validated and checkpointed at step 3; the
+    # checkpoint is the full run's step-3 one, bit for bit
+    stopped = train_moe.main(tiny + ["--stop-at", "3", "--out", str(tmp_path / "stopped")])
+    assert stopped["losses"] == full["losses"][:3] and stopped["steps"] == 6 and stopped["end_step"] == 3
+    assert stopped["val_curve"][-1][0] == 3 and full["end_step"] == 6
+    ckpt = tmp_path / "stopped" / "checkpoint"
+    assert json.loads((ckpt / "config.json").read_text())["step"] == 3
+    for tree in ("params", "opt_state", "fp8_state"):
+        a, b = _restore_tree(step3 / tree), _restore_tree(ckpt / tree)
+        assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a), tree
 
 
 # ------------------------------------------------------------------------------------------------
