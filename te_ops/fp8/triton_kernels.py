@@ -234,6 +234,7 @@ def dual_quantize_kernel(
     TRANS_WIDE: tl.constexpr = False,
     T_SQUARE: tl.constexpr = False,
     SUB: tl.constexpr = 0,
+    UNROLL: tl.constexpr = 1,
 ):
     """One read of a [B, B] tile of x [R, C], two quantizations written:
 
@@ -246,7 +247,8 @@ def dual_quantize_kernel(
     SUB = 0 (or B) holds the whole tile in registers. 0 < SUB < B walks it in [SUB, B] slices twice:
     the first pass writes the row tiles and keeps the running column amaxes, the second reads the
     slices again (from L2: the tile was just read) and writes the column tiles. Fewer live registers
-    per thread (no spills at 4 warps), one more read of the tile from L2.
+    per thread (no spills at 4 warps), one more read of the tile from L2. UNROLL: the slice loops'
+    unroll factor (B // SUB: fully unrolled, all slices' loads can be issued at once, more registers).
     Grid (cdiv(R, B), cdiv(C, B))."""
     rb = tl.program_id(0)
     cb = tl.program_id(1)
@@ -261,14 +263,14 @@ def dual_quantize_kernel(
     else:
         tl.static_assert(B % SUB == 0, "SUB must divide B")
         acc = tl.zeros((SUB, B), tl.float32)  # running elementwise max of _abs_inf(x) over the slices
-        for i in tl.static_range(B // SUB):
+        for i in tl.range(0, B // SUB, loop_unroll_factor=UNROLL):
             rows = rb * B + i * SUB + tl.arange(0, SUB)
             offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
             x = tl.load(x_ptr + offs, mask=(rows < R)[:, None] & cmask[None, :], other=0.0).to(tl.float32)
             ax = _row_tiles(x, rows, cols, cb, R, C, q_ptr, sinv_ptr, B, FMAX, MBITS, EMIN, MARGIN_MUL, POW2, HW)
             acc = tl.maximum(acc, ax)
         scol = _col_scales(tl.max(acc, axis=0), FMAX, MARGIN_MUL, POW2, T_SQUARE)
-        for i in tl.static_range(B // SUB):
+        for i in tl.range(0, B // SUB, loop_unroll_factor=UNROLL):
             rows = rb * B + i * SUB + tl.arange(0, SUB)
             offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
             xin = tl.load(x_ptr + offs, mask=(rows < R)[:, None] & cmask[None, :], other=0.0)
@@ -314,6 +316,8 @@ def dact_dbias_quantize_kernel(
     MARGIN_MUL: tl.constexpr,
     POW2: tl.constexpr,
     HW: tl.constexpr,
+    SUB: tl.constexpr = 0,
+    UNROLL: tl.constexpr = 1,
 ):
     """The backward of an activation into the FP8 operands of the two backward GEMMs, one read of
     dy and z [R, C] per [B, B] tile: dz = dy * act'(z) in float32, then
@@ -321,21 +325,49 @@ def dact_dbias_quantize_kernel(
     * q [R, C]: dz in 1 x B row tiles, sinv [R, cdiv(C, B)] (the dgrad GEMM's left operand);
     * qt [C, R]: dz^T in B x B blocks, sinvt [cdiv(C, B), cdiv(R, B)] (the wgrad GEMM's operand);
     * dbp [cdiv(R, B), C]: float32 column sums of dz per row block (dbias = their sum over blocks).
+    SUB as in dual_quantize_kernel (0: the whole tile at once; else two passes over [SUB, B] slices,
+    the second reading dy and z again from L2 and recomputing dz, bit for bit the same).
     Grid (cdiv(R, B), cdiv(C, B))."""
     rb = tl.program_id(0)
     cb = tl.program_id(1)
-    rows = rb * B + tl.arange(0, B)
     cols = cb * B + tl.arange(0, B)
-    rmask = rows < R
     cmask = cols < C
-    mask = rmask[:, None] & cmask[None, :]
-    offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
-    dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    x = dy * _act_grad(z, ACT)
-    _dual_tile(x, x, rows, cols, rb, cb, R, C, q_ptr, sinv_ptr, qt_ptr, sinvt_ptr, B, FMAX, MBITS, EMIN, MARGIN_MUL,
-               POW2, HW, False, True)  # fmt: skip
-    tl.store(dbp_ptr + rb.to(tl.int64) * C + cols, tl.sum(x, axis=0), mask=cmask)
+    if SUB == 0 or SUB == B:
+        rows = rb * B + tl.arange(0, B)
+        mask = (rows < R)[:, None] & cmask[None, :]
+        offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
+        dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        x = dy * _act_grad(z, ACT)
+        _dual_tile(x, x, rows, cols, rb, cb, R, C, q_ptr, sinv_ptr, qt_ptr, sinvt_ptr, B, FMAX, MBITS, EMIN,
+                   MARGIN_MUL, POW2, HW, False, True)  # fmt: skip
+        dbias = tl.sum(x, axis=0)
+    else:
+        tl.static_assert(B % SUB == 0, "SUB must divide B")
+        acc = tl.zeros((SUB, B), tl.float32)  # running elementwise max of _abs_inf(dz)
+        accs = tl.zeros((SUB, B), tl.float32)  # running elementwise sums of dz
+        for i in tl.range(0, B // SUB, loop_unroll_factor=UNROLL):
+            rows = rb * B + i * SUB + tl.arange(0, SUB)
+            mask = (rows < R)[:, None] & cmask[None, :]
+            offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
+            dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            x = dy * _act_grad(z, ACT)
+            ax = _row_tiles(x, rows, cols, cb, R, C, q_ptr, sinv_ptr, B, FMAX, MBITS, EMIN, MARGIN_MUL, POW2, HW)
+            acc = tl.maximum(acc, ax)
+            accs += x
+        scol = _col_scales(tl.max(acc, axis=0), FMAX, MARGIN_MUL, POW2, True)
+        for i in tl.range(0, B // SUB, loop_unroll_factor=UNROLL):
+            rows = rb * B + i * SUB + tl.arange(0, SUB)
+            mask = (rows < R)[:, None] & cmask[None, :]
+            offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
+            dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            x = dy * _act_grad(z, ACT)
+            _col_tiles(x, x, scol, rows, cols, R, C, qt_ptr, FMAX, MBITS, EMIN, HW, False)
+        _col_sinv(scol, cols, rb, cb, R, C, sinvt_ptr, B, True)
+        dbias = tl.sum(accs, axis=0)
+    tl.store(dbp_ptr + rb.to(tl.int64) * C + cols, dbias, mask=cmask)
 
 
 @triton.jit

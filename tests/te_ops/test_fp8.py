@@ -422,6 +422,7 @@ def _kernel_main() -> int:
         sq = i >= 2  # x^T in 1 x block tiles or in block x block blocks
         # the tile in registers at once, or walked in slices of rows (two passes)
         tri.DUAL_SUB = (0, block // 4, block // 2)[i % 3]
+        tri.DUAL_UNROLL = 1 + i % 2  # the slice loops rolled or unrolled twice
         q, qt = tri.dual_quantize(x, block, fmt, power_of_2=pow2, trans_wide=wide, t_square=sq)
         for got, want in ((q, ref.quantize_blocks(x, (1, block), fmt, power_of_2=pow2)),
                           (qt, ref.quantize_blocks(x.T, (block, block) if sq else (1, block), fmt,
@@ -618,6 +619,8 @@ def _kernel_main() -> int:
         dy = jnp.asarray(_special(np.random.default_rng(90 + i).standard_normal((200, 300)) * 2.0), jnp.float32)
         z = jnp.asarray(np.random.default_rng(95 + i).standard_normal((200, 300)) * 2.0, jnp.bfloat16)
         dy = dy.astype(jnp.bfloat16)
+        tri.DACT_SUB = (0, 32, 16)[i % 3]  # the whole tile at once, or two passes over row slices
+        tri.DACT_UNROLL = 1 + i % 2
         got = tri.dact_dbias_quantize(dy, z, act, 128, fp8.E5M2, power_of_2=True)
         want = ref.dact_dbias_quantize(dy, z, act, fp8.BlockScaling(formats="hybrid"))
         ok, worst = True, 0.0
@@ -632,7 +635,8 @@ def _kernel_main() -> int:
         ok = ok and (worst == 0.0 if act in (None, "relu") else worst < 1e-3)
         db_g, db_w = np.asarray(got[2], np.float32), np.asarray(want[2], np.float32)
         ok = ok and np.allclose(db_g, db_w, rtol=1e-2, atol=1e-2, equal_nan=True)  # bf16 dbias, f32 sums
-        print(f"dact_dbias_quantize {act}: byte mismatch fraction {worst:.1e} {'ok' if ok else 'MISMATCH'}")
+        print(f"dact_dbias_quantize {act} sub={tri.DACT_SUB}: byte mismatch fraction {worst:.1e} "
+              f"{'ok' if ok else 'MISMATCH'}")
         failures += not ok
     print(f"interpret failures: {failures}")
     return failures
@@ -1111,16 +1115,17 @@ def test_fp8_kernels_compile_for_sm90_without_spills(monkeypatch):
          jnp.bfloat16), S((1024, 1152), jnp.bfloat16)),
         (lambda x: tri.block_quantize(x, (1, 128), fp8.E4M3, power_of_2=True), S((1024, 1152), jnp.bfloat16)),
     ]  # fmt: skip
-    def sliced(x, sub=32, square=False):  # the dual quantize walking its tile in row slices (two passes)
-        old = tri.DUAL_SUB
-        tri.DUAL_SUB = sub
+    def sliced(x, sub=16, unroll=1, square=False):  # the dual quantize walking its tile in row slices
+        old = tri.DUAL_SUB, tri.DUAL_UNROLL
+        tri.DUAL_SUB, tri.DUAL_UNROLL = sub, unroll
         try:
             return tri.dual_quantize(x, 128, fp8.E4M3, power_of_2=True, t_square=square)
         finally:
-            tri.DUAL_SUB = old
+            tri.DUAL_SUB, tri.DUAL_UNROLL = old
 
     n_sliced = len(calls)
-    calls += [(sliced, S((1024, 1152), jnp.bfloat16)), (lambda x: sliced(x, 16, True), S((1024, 1152), jnp.bfloat16))]
+    calls += [(sliced, S((1024, 1152), jnp.bfloat16)),
+              (lambda x: sliced(x, 32, 4, True), S((1024, 1152), jnp.bfloat16))]  # fmt: skip
     calls.append((lambda a, b: tri.block_scaled_gemm(a, b, jnp.bfloat16), *calls[0][1:]))  # Triton tiled kernel
     with tb.target_override(("cuda", 90, 32)):
         for i, (fn, *args) in enumerate(calls):
