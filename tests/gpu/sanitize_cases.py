@@ -144,6 +144,11 @@ def case(name: str, family: str, impl: str, **kw: Any) -> Callable:
     return deco
 
 
+def bound(run: Callable[..., None], *args: Any, **kw: Any) -> Callable[[Ctx], None]:
+    """The case function ``c -> run(c, *args, **kw)`` (for the rows of a table of cases)."""
+    return lambda c: run(c, *args, **kw)
+
+
 class CaseFailure(AssertionError):
     pass
 
@@ -334,6 +339,9 @@ def native_hook(c: Ctx, module: str, setter: str, value: tuple, reset: tuple):
 # --- dense (native: cuBLASLt GEMMs + our elementwise kernels) ----------------------------------
 
 _DENSE_T = ("te_dense_fwd", "te_dense_bwd")
+_DENSE_AUX_T = (*_DENSE_T, "te_dense_fwd_aux")
+_ACT_BWD = ("ActBackwardKernel", "ReducePartialsKernel")
+_ACT = ("ActForwardKernel", *_ACT_BWD)
 
 
 def _dense(c: Ctx, x_shape, n, dtype, act, bias, tol=None):
@@ -348,67 +356,27 @@ def _dense(c: Ctx, x_shape, n, dtype, act, bias, tol=None):
     c.vjp(make, args, "native", tol=tol)
 
 
-@case(
-    "dense_native_f32_gelu_bias",
-    "dense",
-    "native",
-    targets=_DENSE_T + ("te_dense_fwd_aux",),
-    native=("ActForwardKernel", "ActBackwardKernel", "ReducePartialsKernel", "FillUniformKernel"),
-    library=("cuBLASLt",),
-)
-def _dense_f32_gelu(c):
+# fmt: off
+DENSE_CASES = {  # name: (FFI targets, csrc kernels, cuBLASLt kernel, x shape, N, dtype, activation, bias)
     # exact-erf GELU: GEMM with the bias epilogue writing z, then our activation kernel; odd N: scalar path
-    _dense(c, (37, 72), 53, "float32", "gelu", True)
+    "dense_native_f32_gelu_bias":
+        (_DENSE_AUX_T, (*_ACT, "FillUniformKernel"), "cuBLASLt", (37, 72), 53, "float32", "gelu", True),
+    "dense_native_bf16_silu_bias_3d":  # N % 8 == 0: 16-byte vector path
+        (_DENSE_AUX_T, _ACT, "cuBLASLt", (3, 13, 64), 48, "bfloat16", "silu", True),
+    "dense_native_bf16_gelu_tanh_bias":
+        (_DENSE_AUX_T, _ACT_BWD, "cuBLASLt GELU_AUX_BIAS", (37, 96), 64, "bfloat16", "gelu_tanh", True),
+    "dense_native_f16_relu_rank1":
+        (_DENSE_T, ("ActBackwardKernel",), "cuBLASLt RELU", (29,), 7, "float16", "relu", False),
+    "dense_native_f32_bias_only":
+        (_DENSE_T, (), "cuBLASLt BIAS/BGRADA", (9, 40), 24, "float32", None, True),
+}
+# fmt: on
+for _name, (_targets, _kernels, _library, *_args) in DENSE_CASES.items():
+    case(_name, "dense", "native", targets=_targets, native=_kernels, library=(_library,))(bound(_dense, *_args))
 
 
 @case(
-    "dense_native_bf16_silu_bias_3d",
-    "dense",
-    "native",
-    targets=_DENSE_T + ("te_dense_fwd_aux",),
-    native=("ActForwardKernel", "ActBackwardKernel", "ReducePartialsKernel"),
-    library=("cuBLASLt",),
-)
-def _dense_bf16_silu(c):
-    _dense(c, (3, 13, 64), 48, "bfloat16", "silu", True)  # N % 8 == 0: 16-byte vector path
-
-
-@case(
-    "dense_native_bf16_gelu_tanh_bias",
-    "dense",
-    "native",
-    targets=_DENSE_T + ("te_dense_fwd_aux",),
-    native=("ActBackwardKernel", "ReducePartialsKernel"),
-    library=("cuBLASLt GELU_AUX_BIAS",),
-)
-def _dense_bf16_gelu_tanh(c):
-    _dense(c, (37, 96), 64, "bfloat16", "gelu_tanh", True)
-
-
-@case(
-    "dense_native_f16_relu_rank1",
-    "dense",
-    "native",
-    targets=_DENSE_T,
-    native=("ActBackwardKernel",),
-    library=("cuBLASLt RELU",),
-)
-def _dense_f16_relu(c):
-    _dense(c, (29,), 7, "float16", "relu", False)
-
-
-@case("dense_native_f32_bias_only", "dense", "native", targets=_DENSE_T, library=("cuBLASLt BIAS/BGRADA",))
-def _dense_f32_bias(c):
-    _dense(c, (9, 40), 24, "float32", None, True)
-
-
-@case(
-    "dense_native_split_forward_smem_bwd_f16",
-    "dense",
-    "native",
-    targets=_DENSE_T,
-    native=("ActForwardKernel", "ActBackwardKernel", "ReducePartialsKernel"),
-    library=("cuBLASLt",),
+    "dense_native_split_forward_smem_bwd_f16", "dense", "native", targets=_DENSE_T, native=_ACT, library=("cuBLASLt",)
 )
 def _dense_split_smem(c):
     # benchmark hooks: the split training forward (BIAS GEMM + our relu kernel in place) and backward
@@ -419,6 +387,12 @@ def _dense_split_smem(c):
 
 
 # --- softmax (native) -------------------------------------------------------------------------
+
+_SOFTMAX_OPS = {  # mode: (te_ops function, FFI targets)
+    "none": ("scaled_softmax", ("te_softmax_fwd", "te_softmax_bwd")),
+    "causal": ("scaled_upper_triang_masked_softmax", ("te_softmax_fwd", "te_softmax_bwd")),
+    "mask": ("scaled_masked_softmax", ("te_masked_softmax_fwd", "te_masked_softmax_bwd")),
+}
 
 
 def _softmax_config(c: Ctx, dtype, rows, cols, mode, scale, kernel, long=False):
@@ -431,134 +405,53 @@ def _softmax_config(c: Ctx, dtype, rows, cols, mode, scale, kernel, long=False):
         raise CaseFailure(f"softmax launch is {cfg}, expected kernel {kernel} (long row kernel: {long})")
 
 
-def _softmax_vjp(c: Ctx, fn, x, *extra, tol=None):
-    c.vjp(lambda impl: lambda x, *e: fn(x, *e, impl), [x, *extra], "native", argnums=(0,), tol=tol)
+def _softmax(c: Ctx, mode, shape, dtype, scale, launch=None, long=False, mask=None, tuning=None):
+    """The softmax of ``mode`` (fwd + bwd) on x of ``shape`` (values of scale 3). ``launch``: the
+    forward kernel the launch config must choose (``long``: the long-row kernel); ``mask``: (fraction
+    masked out, a row masked entirely), broadcast over heads; ``tuning``: softmax_set_tuning's values."""
+    extra = []
+    if mask is not None:
+        fraction, row = mask
+        m = c.rng.random((shape[0], 1, *shape[2:])) < fraction
+        m[row] = True
+        extra.append(m)
+    fn = getattr(te_ops, _SOFTMAX_OPS[mode][0])
+    hook = native_hook(c, "_native", "softmax_set_tuning", tuning, (0, 0)) if tuning else contextlib.nullcontext()
+    with hook:
+        if launch is not None:
+            _softmax_config(c, dtype, int(np.prod(shape[:-1])), shape[-1], mode, scale, launch, long)
+        x = c.normal(shape, dtype, 3)
+        c.vjp(lambda impl: lambda x, *m: fn(x, *m, scale, implementation=impl), [x, *extra], "native", argnums=(0,))
 
 
-@case(
-    "softmax_native_f32_short_rows",
-    "softmax",
-    "native",
-    targets=("te_softmax_fwd", "te_softmax_bwd"),
-    native=("SoftmaxForwardKernel", "SoftmaxBackwardKernel"),
-)
-def _softmax_short(c):
-    _softmax_config(c, "float32", 7, 33, "none", 0.7, "register")
-    _softmax_vjp(c, lambda x, impl: te_ops.scaled_softmax(x, 0.7, implementation=impl), c.normal((7, 33), "float32", 3))
+_SM = ("SoftmaxForwardKernel", "SoftmaxBackwardKernel")
+_SM_WR = ("SoftmaxForwardWarpRowKernel", "SoftmaxBackwardKernel")
+_SM_LONG = ("SoftmaxForwardLongKernel", "SoftmaxBackwardLongKernel")
 
-
-@case(
-    "softmax_native_bf16_cross_warp_rows",
-    "softmax",
-    "native",
-    targets=("te_softmax_fwd", "te_softmax_bwd"),
-    native=("SoftmaxForwardKernel", "SoftmaxBackwardKernel"),
-)
-def _softmax_cross_warp(c):
+# fmt: off
+SOFTMAX_CASES = {  # name: (csrc kernels, mode, x shape, dtype, scale[, launch kernel, long-row kernel, mask, tuning])
+    "softmax_native_f32_short_rows":
+        (_SM, "none", (7, 33), "float32", 0.7, "register"),
     # odd length (no vectors), > 128 elements: 256 threads per row reduce across warps in shared memory
-    _softmax_config(c, "bfloat16", 3, 1001, "none", 1.0, "register")
-    _softmax_vjp(
-        c, lambda x, impl: te_ops.scaled_softmax(x, 1.0, implementation=impl), c.normal((3, 1001), "bfloat16", 3)
-    )
-
-
-@case(
-    "softmax_native_f32_long_rows",
-    "softmax",
-    "native",
-    targets=("te_softmax_fwd", "te_softmax_bwd"),
-    native=("SoftmaxForwardLongKernel", "SoftmaxBackwardLongKernel"),
-)
-def _softmax_long(c):
-    _softmax_config(c, "float32", 2, 8201, "none", 0.5, "register", long=True)
-    _softmax_vjp(
-        c, lambda x, impl: te_ops.scaled_softmax(x, 0.5, implementation=impl), c.normal((2, 8201), "float32", 3)
-    )
-
-
-@case(
-    "softmax_native_f16_masked",
-    "softmax",
-    "native",
-    targets=("te_masked_softmax_fwd", "te_masked_softmax_bwd"),
-    native=("SoftmaxForwardKernel", "SoftmaxBackwardKernel"),
-)
-def _softmax_masked(c):
-    mask = c.rng.random((2, 1, 9, 37)) < 0.35
-    mask[0, 0, 1] = True  # a fully masked row
-    _softmax_vjp(
-        c,
-        lambda x, m, impl: te_ops.scaled_masked_softmax(x, m, 0.9, implementation=impl),
-        c.normal((2, 3, 9, 37), "float16", 3),
-        mask,
-    )
-
-
-@case(
-    "softmax_native_bf16_causal",
-    "softmax",
-    "native",
-    targets=("te_softmax_fwd", "te_softmax_bwd"),
-    native=("SoftmaxForwardKernel", "SoftmaxBackwardKernel"),
-)
-def _softmax_causal(c):
-    _softmax_vjp(
-        c,
-        lambda x, impl: te_ops.scaled_upper_triang_masked_softmax(x, 0.5, implementation=impl),
-        c.normal((2, 3, 37, 37), "bfloat16", 3),
-    )
-
-
-@case(
-    "softmax_native_bf16_warp_row",
-    "softmax",
-    "native",
-    targets=("te_softmax_fwd", "te_softmax_bwd"),
-    native=("SoftmaxForwardWarpRowKernel", "SoftmaxBackwardKernel"),
-)
-def _softmax_warp_row(c):
+    "softmax_native_bf16_cross_warp_rows":
+        (_SM, "none", (3, 1001), "bfloat16", 1.0, "register"),
+    "softmax_native_f32_long_rows":
+        (_SM_LONG, "none", (2, 8201), "float32", 0.5, "register", True),
+    "softmax_native_f16_masked":  # one row fully masked
+        (_SM, "mask", (2, 3, 9, 37), "float16", 0.9, None, False, (0.35, (0, 0, 1))),
+    "softmax_native_bf16_causal":
+        (_SM, "causal", (2, 3, 37, 37), "bfloat16", 0.5),
     # rows of 2048 bf16 (256 vectors): the default forward is warp-per-row, the backward 64 threads per row
-    _softmax_config(c, "bfloat16", 5, 2048, "none", 0.7, "warp-row")
-    _softmax_vjp(
-        c, lambda x, impl: te_ops.scaled_softmax(x, 0.7, implementation=impl), c.normal((5, 2048), "bfloat16", 3)
-    )
-
-
-@case(
-    "softmax_native_f32_warp_row_masked_tuned",
-    "softmax",
-    "native",
-    targets=("te_masked_softmax_fwd", "te_masked_softmax_bwd"),
-    native=("SoftmaxForwardWarpRowKernel", "SoftmaxBackwardKernel"),
-)
-def _softmax_warp_row_masked(c):
-    mask = c.rng.random((2, 1, 9, 64)) < 0.3
-    mask[1, 0, 2] = True
-    with native_hook(c, "_native", "softmax_set_tuning", (32, 16), (0, 0)):  # force warp-per-row
-        _softmax_config(c, "float32", 2 * 2 * 9, 64, "mask", 0.9, "warp-row")
-        _softmax_vjp(
-            c,
-            lambda x, m, impl: te_ops.scaled_masked_softmax(x, m, 0.9, implementation=impl),
-            c.normal((2, 2, 9, 64), "float32", 3),
-            mask,
-        )
-
-
-@case(
-    "softmax_native_bf16_warp_row_packed_causal_tuned",
-    "softmax",
-    "native",
-    targets=("te_softmax_fwd", "te_softmax_bwd"),
-    native=("SoftmaxForwardWarpRowKernel", "SoftmaxBackwardKernel"),
-)
-def _softmax_packed(c):
-    with native_hook(c, "_native", "softmax_set_tuning", (32, -16), (0, 0)):  # force the packed bf16 variant
-        _softmax_config(c, "bfloat16", 2 * 2 * 40, 40, "causal", 0.5, "warp-row-packed")
-        _softmax_vjp(
-            c,
-            lambda x, impl: te_ops.scaled_upper_triang_masked_softmax(x, 0.5, implementation=impl),
-            c.normal((2, 2, 40, 40), "bfloat16", 3),
-        )
+    "softmax_native_bf16_warp_row":
+        (_SM_WR, "none", (5, 2048), "bfloat16", 0.7, "warp-row"),
+    "softmax_native_f32_warp_row_masked_tuned":  # tuning (32, 16) forces warp-per-row
+        (_SM_WR, "mask", (2, 2, 9, 64), "float32", 0.9, "warp-row", False, (0.3, (1, 0, 2)), (32, 16)),
+    "softmax_native_bf16_warp_row_packed_causal_tuned":  # tuning (32, -16) forces the packed bf16 variant
+        (_SM_WR, "causal", (2, 2, 40, 40), "bfloat16", 0.5, "warp-row-packed", False, None, (32, -16)),
+}
+# fmt: on
+for _name, (_kernels, *_args) in SOFTMAX_CASES.items():
+    case(_name, "softmax", "native", targets=_SOFTMAX_OPS[_args[0]][1], native=_kernels)(bound(_softmax, *_args))
 
 
 # --- rms_norm / layer_norm (Triton) ---------------------------------------------------------------
@@ -584,44 +477,20 @@ def _norm(c: Ctx, kind, shape, dtype, res, zc=False, param_dtype="float32"):
     c.vjp(make, args, "triton")
 
 
-@case(
-    "rms_norm_triton_residual_bf16",
-    "normalization",
-    "triton",
-    triton=(NORM + "norm_fwd_kernel", NORM + "norm_bwd_kernel"),
-)
-def _rms_res(c):
-    _norm(c, "rms", (37, 72), "bfloat16", True, zc=True)
+_FUSED = (NORM + "norm_fwd_kernel", NORM + "norm_bwd_kernel")
+_LOOPED = (NORM + "norm_fwd_looped_kernel", NORM + "norm_bwd_looped_kernel", NORM + "norm_dparam_kernel")
 
-
-@case(
-    "layer_norm_triton_f32_bf16_params",
-    "normalization",
-    "triton",
-    triton=(NORM + "norm_fwd_kernel", NORM + "norm_bwd_kernel"),
-)
-def _layer_f32(c):
-    _norm(c, "layer", (5, 7, 33), "float32", False, param_dtype="bfloat16")
-
-
-@case(
-    "layer_norm_triton_looped_residual_f16",
-    "normalization",
-    "triton",
-    triton=(NORM + "norm_fwd_looped_kernel", NORM + "norm_bwd_looped_kernel", NORM + "norm_dparam_kernel"),
-)
-def _layer_looped(c):
-    _norm(c, "layer", (3, 8200), "float16", True)  # rows longer than MAX_FUSED_H, a partial last chunk
-
-
-@case(
-    "rms_norm_triton_looped_bf16",
-    "normalization",
-    "triton",
-    triton=(NORM + "norm_fwd_looped_kernel", NORM + "norm_bwd_looped_kernel", NORM + "norm_dparam_kernel"),
-)
-def _rms_looped(c):
-    _norm(c, "rms", (2, 8208), "bfloat16", False)  # H % 16 == 0: the vectorised variant
+# fmt: off
+NORM_CASES = {  # name: (Triton kernels, rms | layer, x shape, dtype, residual[, zero-centered gamma, gamma dtype])
+    "rms_norm_triton_residual_bf16": (_FUSED, "rms", (37, 72), "bfloat16", True, True),
+    "layer_norm_triton_f32_bf16_params": (_FUSED, "layer", (5, 7, 33), "float32", False, False, "bfloat16"),
+    # rows longer than MAX_FUSED_H, a partial last chunk
+    "layer_norm_triton_looped_residual_f16": (_LOOPED, "layer", (3, 8200), "float16", True),
+    "rms_norm_triton_looped_bf16": (_LOOPED, "rms", (2, 8208), "bfloat16", False),  # H % 16 == 0: vectorised variant
+}
+# fmt: on
+for _name, (_kernels, *_args) in NORM_CASES.items():
+    case(_name, "normalization", "triton", triton=_kernels)(bound(_norm, *_args))
 
 
 # --- grouped_dense (Triton / Gluon) -----------------------------------------------------------------
@@ -639,25 +508,20 @@ def _grouped(c: Ctx, m, k, n, sizes, dtype, bias, tol=None):
     c.vjp(make, args, "triton", argnums=(0, 1, 3) if bias else (0, 1), tol=tol)
 
 
-@case(
-    "grouped_dense_triton_odd_k_bias_bf16",
-    "grouped_dense",
-    "triton",
-    triton=(GDT + "grouped_gemm_kernel", GDT + "grouped_wgrad_kernel"),
-)
-def _gd_triton(c):
+_GD_TRITON = (GDT + "grouped_gemm_kernel", GDT + "grouped_wgrad_kernel")
+_GD_WS = (GDG + "grouped_gemm_ws_kernel", GDT + "grouped_wgrad_kernel")
+
+# fmt: off
+GROUPED_CASES = {  # name: (implementation label, Triton/Gluon kernels, M, K, N, group sizes, dtype, bias)
     # K = 72 and N = 40 are not multiples of BK: the masked K loop; an empty group; rows past the groups
-    _grouped(c, 37, 72, 40, [10, 0, 20, 5], "bfloat16", True)
-
-
-@case(
-    "grouped_dense_gluon_ws_f16",
-    "grouped_dense",
-    "triton (Gluon warp-specialized)",
-    triton=(GDG + "grouped_gemm_ws_kernel", GDT + "grouped_wgrad_kernel"),
-)
-def _gd_ws(c):
-    _grouped(c, 37, 128, 192, [0, 30, 7], "float16", False)  # the default forward and dx kernel on Hopper
+    "grouped_dense_triton_odd_k_bias_bf16":
+        ("triton", _GD_TRITON, 37, 72, 40, [10, 0, 20, 5], "bfloat16", True),
+    "grouped_dense_gluon_ws_f16":  # the default forward and dx kernel on Hopper
+        ("triton (Gluon warp-specialized)", _GD_WS, 37, 128, 192, [0, 30, 7], "float16", False),
+}
+# fmt: on
+for _name, (_label, _kernels, *_args) in GROUPED_CASES.items():
+    case(_name, "grouped_dense", _label, triton=_kernels)(bound(_grouped, *_args))
 
 
 @case(
@@ -674,12 +538,7 @@ def _gd_pingpong(c):
         _grouped(c, 45, 128, 128, [5, 0, 33, 0], "bfloat16", False)
 
 
-@case(
-    "grouped_dense_triton_tma_bias_bf16",
-    "grouped_dense",
-    "triton (TMA descriptors)",
-    triton=(GDT + "grouped_gemm_kernel", GDT + "grouped_wgrad_kernel"),
-)
+@case("grouped_dense_triton_tma_bias_bf16", "grouped_dense", "triton (TMA descriptors)", triton=_GD_TRITON)
 def _gd_tma(c):
     from te_ops.grouped_dense import triton as gd
 
@@ -689,8 +548,6 @@ def _gd_tma(c):
 
 
 # --- fused_attention (native: cuDNN graphs; the kernels are cuDNN's) --------------------------------
-
-_FA_T = ("te_fused_attention_fwd", "te_fused_attention_bwd")
 
 
 def _attention(c: Ctx, b, sq, sk, hq, hk, d, dtype, bias_shape=None, **kw):
@@ -717,33 +574,24 @@ def _attention(c: Ctx, b, sq, sk, hq, hk, d, dtype, bias_shape=None, **kw):
     c.vjp(make, args, "native", argnums=tuple(range(n_diff)), tol=1e-1, l2=True)  # cuDNN: bf16 P, fp32 sums
 
 
-@case("fused_attention_native_padding_causal_bf16", "fused_attention", "native", targets=_FA_T, library=("cuDNN SDPA",))
-def _fa_padding(c):
-    _attention(
-        c,
-        2,
-        37,
-        29,
-        4,
-        4,
-        64,
-        "bfloat16",
-        mask_type="padding_causal",
-        ints=dict(q_seqlens=[37, 21], kv_seqlens=[11, 29]),
-    )
+_SEGMENTS = np.zeros((2, 45), np.int32)  # 3 segments (13, 18, 14 tokens); 4 segments (12, 12, 12, 9 tokens)
+_SEGMENTS[0, :13], _SEGMENTS[0, 13:31], _SEGMENTS[0, 31:] = 1, 2, 3
+_SEGMENTS[1] = np.repeat(np.arange(4), 12)[:45] + 10
 
-
-@case("fused_attention_native_bias_causal_f16", "fused_attention", "native", targets=_FA_T, library=("cuDNN SDPA",))
-def _fa_bias(c):
-    _attention(c, 2, 40, 40, 4, 4, 64, "float16", bias_shape=(1, 4, 40, 40), mask_type="causal")
-
-
-@case("fused_attention_native_gqa_segments_bf16", "fused_attention", "native", targets=_FA_T, library=("cuDNN SDPA",))
-def _fa_gqa_segments(c):
-    seg = np.zeros((2, 45), np.int32)
-    seg[0, :13], seg[0, 13:31], seg[0, 31:] = 1, 2, 3
-    seg[1] = np.repeat(np.arange(4), 12)[:45] + 10
-    _attention(c, 2, 45, 45, 4, 2, 64, "bfloat16", ints=dict(q_segment_ids=seg, kv_segment_ids=seg))
+# fmt: off
+ATTENTION_CASES = {  # name: (B, Sq, Skv, Hq, Hkv, D, dtype, options of _attention)
+    "fused_attention_native_padding_causal_bf16":
+        (2, 37, 29, 4, 4, 64, "bfloat16",
+         dict(mask_type="padding_causal", ints=dict(q_seqlens=[37, 21], kv_seqlens=[11, 29]))),
+    "fused_attention_native_bias_causal_f16":
+        (2, 40, 40, 4, 4, 64, "float16", dict(bias_shape=(1, 4, 40, 40), mask_type="causal")),
+    "fused_attention_native_gqa_segments_bf16":
+        (2, 45, 45, 4, 2, 64, "bfloat16", dict(ints=dict(q_segment_ids=_SEGMENTS, kv_segment_ids=_SEGMENTS))),
+}
+# fmt: on
+_FA = dict(targets=("te_fused_attention_fwd", "te_fused_attention_bwd"), library=("cuDNN SDPA",))
+for _name, (*_args, _options) in ATTENTION_CASES.items():
+    case(_name, "fused_attention", "native", **_FA)(bound(_attention, *_args, **_options))
 
 
 # --- router (native) ------------------------------------------------------------------------------
@@ -879,38 +727,23 @@ _PERM_ROUTING = (
     PMT + "zero_holes_kernel",
     PMT + "inv_kernel",
 )
+_PERM_TRITON = (*_PERM_ROUTING, PMT + "dispatch_kernel", PMT + "combine_kernel")
+_PERM_GLUON = (*_PERM_ROUTING, PMG + "dispatch_kernel", PMG + "combine_kernel")
+_PERM_BWD = (PMT + "dispatch_bwd_kernel", PMT + "combine_bwd_kernel")
 
-
-@case(
-    "permute_triton_probs_drops_bf16",
-    "permutation",
-    "triton",
-    triton=_PERM_ROUTING
-    + (PMT + "dispatch_kernel", PMT + "combine_kernel", PMT + "dispatch_bwd_kernel", PMT + "combine_bwd_kernel"),
-)
-def _perm_probs(c):
-    _permute(c, "triton", 37, 6, 72, 2, "bfloat16", capacity=60)  # 72 routed pairs, 12 dropped
-
-
-@case(
-    "permute_triton_align_no_probs_f32",
-    "permutation",
-    "triton",
-    triton=_PERM_ROUTING + (PMT + "dispatch_kernel", PMT + "combine_kernel", PMT + "combine_bwd_noprobs_kernel"),
-)
-def _perm_align(c):
-    _permute(c, "triton", 29, 5, 33, 2, "float32", capacity=58, align=8, probs=False)  # odd H, padded blocks
-
-
-@case(
-    "permute_gluon_probs_f16",
-    "permutation",
-    "gluon",
-    triton=_PERM_ROUTING
-    + (PMG + "dispatch_kernel", PMG + "combine_kernel", PMT + "dispatch_bwd_kernel", PMT + "combine_bwd_kernel"),
-)
-def _perm_gluon(c):
-    _permute(c, "gluon", 37, 4, 136, 2, "float16", capacity=70)  # 4 tokens per program, a partial last one
+# fmt: off
+# name: (Triton/Gluon kernels, implementation, tokens, experts, H, topk, dtype, capacity[, align, probs])
+PERMUTE_CASES = {
+    "permute_triton_probs_drops_bf16":  # 72 routed pairs, 12 dropped
+        ((*_PERM_TRITON, *_PERM_BWD), "triton", 37, 6, 72, 2, "bfloat16", 60),
+    "permute_triton_align_no_probs_f32":  # odd H, padded blocks
+        ((*_PERM_TRITON, PMT + "combine_bwd_noprobs_kernel"), "triton", 29, 5, 33, 2, "float32", 58, 8, False),
+    "permute_gluon_probs_f16":  # 4 tokens per program, a partial last one
+        ((*_PERM_GLUON, *_PERM_BWD), "gluon", 37, 4, 136, 2, "float16", 70),
+}
+# fmt: on
+for _name, (_kernels, *_args) in PERMUTE_CASES.items():
+    case(_name, "permutation", _args[0], triton=_kernels)(bound(_permute, *_args))
 
 
 @case("sort_chunks_triton_f16", "permutation", "triton", triton=(PMT + "chunk_src_kernel", PMT + "row_gather_kernel"))
