@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -135,14 +136,15 @@ def _routing(rng: np.random.Generator, t: int, e: int, k: int) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------------------------
-# The ops: one builder per op, returning the step, its inputs and the native keys it warms
+# The ops: a builder per op family (a table of shapes and options) or per special op, returning
+# the step, its inputs and the native keys it warms
 # ----------------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass
 class Case:
     step: Callable[..., Any]  # jit-able fwd+bwd (or forward-only for quantizers) step
-    args: tuple
+    args: tuple  # None entries are empty pytrees: no input buffer
     keys: dict[str, int]  # native handler -> distinct (shape, config) keys the step warms
     loose: frozenset[int] = frozenset()  # output leaves compared within the tolerance table
 
@@ -168,6 +170,12 @@ def _op(name: str, kind: str, why: Callable[[], str | None], gpu_impl: str):
     return register
 
 
+def _ops(kind: str, why: Callable[[], str | None], gpu_impl: str, build: Callable[..., Case], table: dict) -> None:
+    """One op per row of ``table`` (name: the arguments of ``build`` before ``impl``), in the table's order."""
+    for name, cfg in table.items():
+        _op(name, kind, why, gpu_impl)(functools.partial(build, *cfg))
+
+
 # ---- native dense: every (activation, bias) has its own shape, so each op warms its own keys ----
 
 DENSE_CASES = {  # name: (seed, x shape, N, dtype, activation, bias)
@@ -179,129 +187,91 @@ DENSE_CASES = {  # name: (seed, x shape, N, dtype, activation, bias)
 }
 
 
-def _dense_builder(seed, x_shape, n, dtype, act, with_bias):
-    def build(impl: str) -> Case:
-        from te_ops.dense import dense
-        from te_ops.dense.reference import SAVES_PRE_ACTIVATION
+def _build_dense(seed, x_shape, n, dtype, act, with_bias, impl: str) -> Case:
+    from te_ops.dense import dense
+    from te_ops.dense.reference import SAVES_PRE_ACTIVATION
 
-        rng = np.random.default_rng(seed)
-        k = x_shape[-1]
-        x = _dev(_np(rng, x_shape), dtype)
-        w = _dev(_np(rng, (k, n), 1 / np.sqrt(k)), dtype)
-        b = _dev(_np(rng, (n,)), dtype) if with_bias else None
-        ct = _dev(_np(rng, (*x_shape[:-1], n)), dtype)
+    rng = np.random.default_rng(seed)
+    k = x_shape[-1]
+    x = _dev(_np(rng, x_shape), dtype)
+    w = _dev(_np(rng, (k, n), 1 / np.sqrt(k)), dtype)
+    b = _dev(_np(rng, (n,)), dtype) if with_bias else None
+    ct = _dev(_np(rng, (*x_shape[:-1], n)), dtype)
 
-        def step(x, w, b, ct):
-            primals = (x, w) if b is None else (x, w, b)
-            y, vjp = jax.vjp(lambda *a: dense(*a, activation=act, implementation=impl), *primals)
-            return y, vjp(ct)
+    def step(x, w, b, ct):
+        primals = (x, w) if b is None else (x, w, b)
+        y, vjp = jax.vjp(lambda *a: dense(*a, activation=act, implementation=impl), *primals)
+        return y, vjp(ct)
 
-        fwd = "dense_fwd_aux" if act in SAVES_PRE_ACTIVATION else "dense_fwd"
-        return Case(step, (x, w, b, ct), {fwd: 1, "dense_bwd": 1})
-
-    return build
+    fwd = "dense_fwd_aux" if act in SAVES_PRE_ACTIVATION else "dense_fwd"
+    return Case(step, (x, w, b, ct), {fwd: 1, "dense_bwd": 1})
 
 
-for _name, _cfg in DENSE_CASES.items():
-    _op(_name, "native", _why_native("_native_cublaslt", "dense"), "native")(_dense_builder(*_cfg))
+_ops("native", _why_native("_native_cublaslt", "dense"), "native", _build_dense, DENSE_CASES)
 
 
 # ---- native softmax ----------------------------------------------------------------------------
 
-
-@_op("scaled_softmax_bf16", "native", _why_native("_native", "softmax"), "native")
-def _build_scaled_softmax(impl: str) -> Case:
-    from te_ops import scaled_softmax
-
-    rng = np.random.default_rng(11)
-    x = _dev(_np(rng, (3, 5, 37, 77), 3.0), jnp.bfloat16)
-    g = _dev(_np(rng, (3, 5, 37, 77)), jnp.bfloat16)
-
-    def step(x, g):
-        y, vjp = jax.vjp(lambda x: scaled_softmax(x, 0.37, implementation=impl), x)
-        return y, vjp(g)
-
-    return Case(step, (x, g), {"scaled_softmax_fwd": 1, "scaled_softmax_bwd": 1})
+SOFTMAX_CASES = {  # name: (seed, te_ops function, x shape, dtype, scale)
+    "scaled_softmax_bf16": (11, "scaled_softmax", (3, 5, 37, 77), jnp.bfloat16, 0.37),
+    "scaled_masked_softmax_f16": (12, "scaled_masked_softmax", (2, 3, 29, 83), jnp.float16, 0.5),
+    "scaled_upper_triang_softmax_f32": (13, "scaled_upper_triang_masked_softmax", (2, 3, 45, 45), jnp.float32, 1.3),
+}
 
 
-@_op("scaled_masked_softmax_f16", "native", _why_native("_native", "softmax"), "native")
-def _build_masked_softmax(impl: str) -> Case:
-    from te_ops import scaled_masked_softmax
+def _build_softmax(seed, function, shape, dtype, scale, impl: str) -> Case:
+    import te_ops
 
-    rng = np.random.default_rng(12)
-    x = _dev(_np(rng, (2, 3, 29, 83), 3.0), jnp.float16)
-    mask = _dev(rng.random((2, 1, 29, 83)) < 0.3)  # True = masked out; broadcast over heads
-    g = _dev(_np(rng, (2, 3, 29, 83)), jnp.float16)
+    softmax = getattr(te_ops, function)
+    masked = function == "scaled_masked_softmax"
+    rng = np.random.default_rng(seed)
+    x = _dev(_np(rng, shape, 3.0), dtype)
+    # True = masked out; broadcast over heads
+    mask = _dev(rng.random((shape[0], 1, *shape[2:])) < 0.3) if masked else None
+    g = _dev(_np(rng, shape), dtype)
 
     def step(x, mask, g):
-        y, vjp = jax.vjp(lambda x: scaled_masked_softmax(x, mask, 0.5, implementation=impl), x)
-        return y, vjp(g)
-
-    return Case(step, (x, mask, g), {"scaled_masked_softmax_fwd": 1, "scaled_masked_softmax_bwd": 1})
-
-
-@_op("scaled_upper_triang_softmax_f32", "native", _why_native("_native", "softmax"), "native")
-def _build_causal_softmax(impl: str) -> Case:
-    from te_ops import scaled_upper_triang_masked_softmax
-
-    rng = np.random.default_rng(13)
-    x = _dev(_np(rng, (2, 3, 45, 45), 3.0))
-    g = _dev(_np(rng, (2, 3, 45, 45)))
-
-    def step(x, g):
-        y, vjp = jax.vjp(lambda x: scaled_upper_triang_masked_softmax(x, 1.3, implementation=impl), x)
+        m = () if mask is None else (mask,)
+        y, vjp = jax.vjp(lambda x: softmax(x, *m, scale, implementation=impl), x)
         return y, vjp(g)
 
     # the causal launch shares the scaled_softmax handlers (mode is part of the key)
-    return Case(step, (x, g), {"scaled_softmax_fwd": 1, "scaled_softmax_bwd": 1})
+    handler = "scaled_masked_softmax" if masked else "scaled_softmax"
+    return Case(step, (x, mask, g), {f"{handler}_fwd": 1, f"{handler}_bwd": 1})
+
+
+_ops("native", _why_native("_native", "softmax"), "native", _build_softmax, SOFTMAX_CASES)
 
 
 # ---- native router -----------------------------------------------------------------------------
 
+# DeepSeek-V3-like grouped selection
+_GROUPED_TOPK = dict(score_function="sigmoid", num_groups=8, group_topk=4, scaling_factor=2.5, compact_routing_map=True)
+TOPK_CASES = {  # name: (seed, tokens, experts, dtype, topk, expert bias, options)
+    "router_topk_softmax_f32": (21, 203, 64, jnp.float32, 6, False, dict(score_function="softmax")),
+    "router_topk_grouped_sigmoid_bias_bf16": (22, 150, 128, jnp.bfloat16, 8, True, _GROUPED_TOPK),
+}
 
-@_op("router_topk_softmax_f32", "native", _why_native("_native", "router"), "native")
-def _build_topk_softmax(impl: str) -> Case:
+
+def _build_topk(seed, t, e, dtype, topk, with_bias, options, impl: str) -> Case:
     from te_ops import fused_topk_with_score_function
 
-    rng = np.random.default_rng(21)
-    logits = _dev(_np(rng, (203, 64), 2.0))
-    ct = _dev(_np(rng, (203, 64)))
-
-    def step(logits, ct):
-        f = lambda z: fused_topk_with_score_function(z, 6, score_function="softmax", implementation=impl)
-        probs, vjp, rmap = jax.vjp(f, logits, has_aux=True)  # (probs, routing_map): the map is aux
-        return probs, rmap, vjp(ct)
-
-    return Case(step, (logits, ct), {"router_topk_fwd": 1, "router_topk_bwd": 1})
-
-
-@_op("router_topk_grouped_sigmoid_bias_bf16", "native", _why_native("_native", "router"), "native")
-def _build_topk_grouped(impl: str) -> Case:
-    from te_ops import fused_topk_with_score_function
-
-    rng = np.random.default_rng(22)
-    logits = _dev(_np(rng, (150, 128), 2.0), jnp.bfloat16)
-    bias = _dev(_np(rng, (128,), 0.1))
-    ct = _dev(_np(rng, (150, 128)), jnp.bfloat16)
+    rng = np.random.default_rng(seed)
+    logits = _dev(_np(rng, (t, e), 2.0), dtype)
+    bias = _dev(_np(rng, (e,), 0.1)) if with_bias else None
+    ct = _dev(_np(rng, (t, e)), dtype)
 
     def step(logits, bias, ct):
         def f(z):
-            return fused_topk_with_score_function(
-                z,
-                8,
-                score_function="sigmoid",
-                num_groups=8,
-                group_topk=4,
-                scaling_factor=2.5,
-                expert_bias=bias,
-                compact_routing_map=True,
-                implementation=impl,
-            )
+            return fused_topk_with_score_function(z, topk, expert_bias=bias, implementation=impl, **options)
 
-        probs, vjp, rmap = jax.vjp(f, logits, has_aux=True)
+        probs, vjp, rmap = jax.vjp(f, logits, has_aux=True)  # (probs, routing_map): the map is aux
         return probs, rmap, vjp(ct)
 
     return Case(step, (logits, bias, ct), {"router_topk_fwd": 1, "router_topk_bwd": 1})
+
+
+_ops("native", _why_native("_native", "router"), "native", _build_topk, TOPK_CASES)
 
 
 @_op("router_aux_scores_sigmoid_f16", "native", _why_native("_native", "router"), "native")
@@ -345,182 +315,150 @@ def _build_aux_loss(impl: str) -> Case:
 # and with GQA/MQA the K/V heads' gradients are sums over query heads), so the gradients may differ
 # run to run in the last bits: they are compared within the tolerance table. The forward is exact.
 
+ATTENTION_CASES = {  # name: (seed, (B, Sq, Skv, Hq, Hkv, D), dtype, mask type, bias, q_seqlens, kv_seqlens)
+    "fused_attention_gqa_causal_bf16": (31, (2, 100, 100, 4, 2, 64), jnp.bfloat16, "causal", False, None, None),
+    "fused_attention_bias_padding_f16": (32, (2, 80, 120, 2, 2, 64), jnp.float16, "padding", True, [80, 43], [57, 120]),
+}
 
-@_op("fused_attention_gqa_causal_bf16", "native", _why_attention, "native")
-def _build_attention_gqa(impl: str) -> Case:
+
+def _build_attention(seed, dims, dtype, mask_type, with_bias, q_seqlens, kv_seqlens, impl: str) -> Case:
     from te_ops import fused_attention
 
-    rng = np.random.default_rng(31)
-    q = _dev(_np(rng, (2, 100, 4, 64)), jnp.bfloat16)
-    k = _dev(_np(rng, (2, 100, 2, 64)), jnp.bfloat16)
-    v = _dev(_np(rng, (2, 100, 2, 64)), jnp.bfloat16)
-    g = _dev(_np(rng, (2, 100, 4, 64)), jnp.bfloat16)
-
-    def step(q, k, v, g):
-        f = lambda q, k, v: fused_attention(q, k, v, mask_type="causal", implementation=impl)
-        out, vjp = jax.vjp(f, q, k, v)
-        return out, vjp(g)
-
-    keys = {"fused_attention_fwd": 1, "fused_attention_bwd": 1}
-    return Case(step, (q, k, v, g), keys, loose=frozenset({1, 2, 3}))
-
-
-@_op("fused_attention_bias_padding_f16", "native", _why_attention, "native")
-def _build_attention_bias(impl: str) -> Case:
-    from te_ops import fused_attention
-
-    rng = np.random.default_rng(32)
-    q = _dev(_np(rng, (2, 80, 2, 64)), jnp.float16)
-    k = _dev(_np(rng, (2, 120, 2, 64)), jnp.float16)
-    v = _dev(_np(rng, (2, 120, 2, 64)), jnp.float16)
-    bias = _dev(_np(rng, (2, 1, 80, 120)), jnp.float16)
-    g = _dev(_np(rng, (2, 80, 2, 64)), jnp.float16)
-    q_len = _dev(np.array([80, 43], np.int32))
-    kv_len = _dev(np.array([57, 120], np.int32))
+    b, sq, skv, hq, hkv, d = dims
+    rng = np.random.default_rng(seed)
+    q = _dev(_np(rng, (b, sq, hq, d)), dtype)
+    k = _dev(_np(rng, (b, skv, hkv, d)), dtype)
+    v = _dev(_np(rng, (b, skv, hkv, d)), dtype)
+    bias = _dev(_np(rng, (b, 1, sq, skv)), dtype) if with_bias else None
+    g = _dev(_np(rng, (b, sq, hq, d)), dtype)
+    q_len, kv_len = (None if s is None else _dev(np.array(s, np.int32)) for s in (q_seqlens, kv_seqlens))
 
     def step(q, k, v, bias, g, q_len, kv_len):
-        def f(q, k, v, b):
-            return fused_attention(
-                q, k, v, bias=b, mask_type="padding", q_seqlens=q_len, kv_seqlens=kv_len, implementation=impl
-            )
-
-        out, vjp = jax.vjp(f, q, k, v, bias)
+        kw = dict(mask_type=mask_type, q_seqlens=q_len, kv_seqlens=kv_len, implementation=impl)
+        f = lambda q, k, v, *b: fused_attention(q, k, v, bias=b[0] if b else None, **kw)
+        out, vjp = jax.vjp(f, q, k, v, *(() if bias is None else (bias,)))
         return out, vjp(g)
 
     keys = {"fused_attention_fwd": 1, "fused_attention_bwd": 1}
-    return Case(step, (q, k, v, bias, g, q_len, kv_len), keys, loose=frozenset({1, 2, 3, 4}))
+    loose = {1, 2, 3} if bias is None else {1, 2, 3, 4}  # the gradients
+    return Case(step, (q, k, v, bias, g, q_len, kv_len), keys, loose=frozenset(loose))
+
+
+_ops("native", _why_attention, "native", _build_attention, ATTENTION_CASES)
 
 
 # ---- Triton normalization ----------------------------------------------------------------------
 
-
-@_op("rms_norm_residual_bf16", "triton", _why_triton, "triton")
-def _build_rms_norm(impl: str) -> Case:
-    from te_ops import rms_norm
-
-    rng = np.random.default_rng(41)
-    x = _dev(_np(rng, (3, 37, 320)), jnp.bfloat16)
-    r = _dev(_np(rng, (3, 37, 320)), jnp.bfloat16)
-    gamma = _dev(1 + _np(rng, (320,), 0.1))
-    gy = _dev(_np(rng, (3, 37, 320)), jnp.bfloat16)
-    gh = _dev(_np(rng, (3, 37, 320)), jnp.bfloat16)
-
-    def step(x, r, gamma, gy, gh):
-        f = lambda x, r, w: tuple(rms_norm(x, w, residual=r, implementation=impl))  # (y, h)
-        out, vjp = jax.vjp(f, x, r, gamma)
-        return out, vjp((gy, gh))
-
-    return Case(step, (x, r, gamma, gy, gh), {})
+NORM_CASES = {  # name: (seed, te_ops function, x shape, x scale, dtype, gamma/beta dtype, residual, zero-centered)
+    "rms_norm_residual_bf16": (41, "rms_norm", (3, 37, 320), 1.0, jnp.bfloat16, jnp.float32, True, False),
+    # H not a multiple of 16: scalar accesses
+    "layer_norm_zero_centered_f16": (42, "layer_norm", (129, 200), 2.0, jnp.float16, jnp.float16, False, True),
+    # H > MAX_FUSED_H: the looped kernels and the dparam kernel
+    "rms_norm_long_rows_f32": (43, "rms_norm", (7, 9000), 1.0, jnp.float32, jnp.bfloat16, False, False),
+}
 
 
-@_op("layer_norm_zero_centered_f16", "triton", _why_triton, "triton")
-def _build_layer_norm(impl: str) -> Case:
-    from te_ops import layer_norm
+def _build_norm(seed, function, shape, x_scale, dtype, param_dtype, with_residual, zero_centered, impl: str) -> Case:
+    import te_ops
 
-    rng = np.random.default_rng(42)
-    x = _dev(_np(rng, (129, 200), 2.0), jnp.float16)  # H not a multiple of 16: scalar accesses
-    gamma = _dev(_np(rng, (200,), 0.1), jnp.float16)
-    beta = _dev(_np(rng, (200,), 0.1), jnp.float16)
-    gy = _dev(_np(rng, (129, 200)), jnp.float16)
+    norm = getattr(te_ops, function)
+    rng = np.random.default_rng(seed)
+    h = shape[-1]
+    x = _dev(_np(rng, shape, x_scale), dtype)
+    r = _dev(_np(rng, shape), dtype) if with_residual else None
+    gamma = _np(rng, (h,), 0.1)
+    gamma = _dev(gamma if zero_centered else 1 + gamma, param_dtype)
+    beta = _dev(_np(rng, (h,), 0.1), param_dtype) if function == "layer_norm" else None
+    gy = _dev(_np(rng, shape), dtype)
+    gh = _dev(_np(rng, shape), dtype) if with_residual else None
 
-    def step(x, gamma, beta, gy):
-        f = lambda x, w, b: layer_norm(x, w, b, zero_centered_gamma=True, implementation=impl)
-        y, vjp = jax.vjp(f, x, gamma, beta)
-        return y, vjp(gy)
+    def step(x, r, gamma, beta, gy, gh):
+        def f(x, r, gamma, beta):
+            params = (gamma,) if beta is None else (gamma, beta)
+            out = norm(x, *params, residual=r, zero_centered_gamma=zero_centered, implementation=impl)
+            return out if r is None else tuple(out)  # (y, h)
 
-    return Case(step, (x, gamma, beta, gy), {})
+        # a None primal (no residual, no beta) is an empty pytree: no gradient leaf
+        out, vjp = jax.vjp(f, x, r, gamma, beta)
+        return out, vjp(gy if gh is None else (gy, gh))
+
+    return Case(step, (x, r, gamma, beta, gy, gh), {})
 
 
-@_op("rms_norm_long_rows_f32", "triton", _why_triton, "triton")
-def _build_rms_norm_long(impl: str) -> Case:
-    from te_ops import rms_norm
-
-    rng = np.random.default_rng(43)
-    x = _dev(_np(rng, (7, 9000)))  # H > MAX_FUSED_H: the looped kernels and the dparam kernel
-    gamma = _dev(1 + _np(rng, (9000,), 0.1), jnp.bfloat16)
-    gy = _dev(_np(rng, (7, 9000)))
-
-    def step(x, gamma, gy):
-        y, vjp = jax.vjp(lambda x, w: rms_norm(x, w, implementation=impl), x, gamma)
-        return y, vjp(gy)
-
-    return Case(step, (x, gamma, gy), {})
+_ops("triton", _why_triton, "triton", _build_norm, NORM_CASES)
 
 
 # ---- Triton grouped_dense ----------------------------------------------------------------------
 
-
-def _grouped_builder(seed, m, k, n, sizes, dtype, with_bias):
-    def build(impl: str) -> Case:
-        from te_ops import grouped_dense
-
-        rng = np.random.default_rng(seed)
-        g = len(sizes)
-        x = _dev(_np(rng, (m, k)), dtype)
-        kernels = _dev(_np(rng, (g, k, n), 1 / np.sqrt(k)), dtype)
-        bias = _dev(_np(rng, (g, n)), dtype) if with_bias else None
-        gs = _dev(np.asarray(sizes, np.int32))
-        ct = _dev(_np(rng, (m, n)), dtype)
-
-        def step(x, kernels, bias, gs, ct):
-            primals = (x, kernels) if bias is None else (x, kernels, bias)
-            y, vjp = jax.vjp(lambda x, kk, *b: grouped_dense(x, kk, gs, *b, implementation=impl), *primals)
-            return y, vjp(ct)
-
-        return Case(step, (x, kernels, bias, gs, ct), {})
-
-    return build
-
-
 # K a multiple of 64: the Gluon warp-specialized kernel on Hopper; K = 200: the Triton kernel.
 # An empty group and rows past the groups (sum < M) in the first.
-_op("grouped_dense_bias_bf16", "triton", _why_triton, "triton")(
-    _grouped_builder(51, 301, 192, 160, [60, 0, 97, 81, 40], jnp.bfloat16, True)
-)
-_op("grouped_dense_k200_f16", "triton", _why_triton, "triton")(
-    _grouped_builder(52, 257, 200, 136, [100, 120, 37], jnp.float16, False)
-)
+GROUPED_CASES = {  # name: (seed, M, K, N, group sizes, dtype, bias)
+    "grouped_dense_bias_bf16": (51, 301, 192, 160, [60, 0, 97, 81, 40], jnp.bfloat16, True),
+    "grouped_dense_k200_f16": (52, 257, 200, 136, [100, 120, 37], jnp.float16, False),
+}
+
+
+def _build_grouped(seed, m, k, n, sizes, dtype, with_bias, impl: str) -> Case:
+    from te_ops import grouped_dense
+
+    rng = np.random.default_rng(seed)
+    g = len(sizes)
+    x = _dev(_np(rng, (m, k)), dtype)
+    kernels = _dev(_np(rng, (g, k, n), 1 / np.sqrt(k)), dtype)
+    bias = _dev(_np(rng, (g, n)), dtype) if with_bias else None
+    gs = _dev(np.asarray(sizes, np.int32))
+    ct = _dev(_np(rng, (m, n)), dtype)
+
+    def step(x, kernels, bias, gs, ct):
+        primals = (x, kernels) if bias is None else (x, kernels, bias)
+        y, vjp = jax.vjp(lambda x, kk, *b: grouped_dense(x, kk, gs, *b, implementation=impl), *primals)
+        return y, vjp(ct)
+
+    return Case(step, (x, kernels, bias, gs, ct), {})
+
+
+_ops("triton", _why_triton, "triton", _build_grouped, GROUPED_CASES)
 
 
 # ---- Triton / Gluon permutation ----------------------------------------------------------------
 
-
-def _permutation_builder(seed, t, e, h, k, n0, align):
-    def build(impl: str) -> Case:
-        from te_ops import token_combine, token_dispatch
-        from te_ops.permutation import reference as pref
-
-        rng = np.random.default_rng(seed)
-        rm = _routing(rng, t, e, k)
-        n = pref.out_rows(n0, e, align)
-        x = _dev(_np(rng, (t, h)), jnp.bfloat16)
-        probs = _dev((rng.random((t, e)) * rm).astype(np.float32))
-        w = _dev(_np(rng, (n, h)), jnp.bfloat16)
-        g_out = _dev(_np(rng, (n, h)), jnp.bfloat16)
-        g_pp = _dev(_np(rng, (n,)))
-        g_y = _dev(_np(rng, (t, h)), jnp.bfloat16)
-
-        def step(x, probs, rm, w, g_out, g_pp, g_y):
-            def f(x, p):
-                res = token_dispatch(x, rm, n0, probs=p, align_size=align, implementation=impl)
-                y = token_combine(res.out * w, res.row_id_map, merging_probs=p, implementation=impl)
-                aux = (res.row_id_map, res.pad_offsets, res.tokens_per_expert, res.num_dropped)
-                return (res.out, res.permuted_probs, y), aux
-
-            outs, vjp, aux = jax.vjp(f, x, probs, has_aux=True)
-            return outs, aux, vjp((g_out, g_pp, g_y))
-
-        return Case(step, (x, probs, _dev(rm), w, g_out, g_pp, g_y), {})
-
-    return build
+PERMUTATION_CASES = {  # name: (GPU implementation, seed, tokens, experts, H, topk, num_out_tokens, align_size)
+    "token_dispatch_combine_triton": ("triton", 61, 203, 16, 96, 3, 609, 16),  # padded expert blocks, every pair kept
+    # H not a multiple of 16, 760 routed pairs into 500 rows (the expert-major tail dropped)
+    "token_dispatch_combine_gluon": ("gluon", 62, 190, 24, 136, 4, 500, None),
+}
 
 
-# Triton: padded expert blocks, every pair kept. Gluon: H not a multiple of 16, 760 routed pairs
-# into 500 rows (the expert-major tail dropped).
-_op("token_dispatch_combine_triton", "triton", _why_triton, "triton")(_permutation_builder(61, 203, 16, 96, 3, 609, 16))
-_op("token_dispatch_combine_gluon", "triton", _why_gluon_permutation, "gluon")(
-    _permutation_builder(62, 190, 24, 136, 4, 500, None)
-)
+def _build_permutation(seed, t, e, h, k, n0, align, impl: str) -> Case:
+    from te_ops import token_combine, token_dispatch
+    from te_ops.permutation import reference as pref
+
+    rng = np.random.default_rng(seed)
+    rm = _routing(rng, t, e, k)
+    n = pref.out_rows(n0, e, align)
+    x = _dev(_np(rng, (t, h)), jnp.bfloat16)
+    probs = _dev((rng.random((t, e)) * rm).astype(np.float32))
+    w = _dev(_np(rng, (n, h)), jnp.bfloat16)
+    g_out = _dev(_np(rng, (n, h)), jnp.bfloat16)
+    g_pp = _dev(_np(rng, (n,)))
+    g_y = _dev(_np(rng, (t, h)), jnp.bfloat16)
+
+    def step(x, probs, rm, w, g_out, g_pp, g_y):
+        def f(x, p):
+            res = token_dispatch(x, rm, n0, probs=p, align_size=align, implementation=impl)
+            y = token_combine(res.out * w, res.row_id_map, merging_probs=p, implementation=impl)
+            aux = (res.row_id_map, res.pad_offsets, res.tokens_per_expert, res.num_dropped)
+            return (res.out, res.permuted_probs, y), aux
+
+        outs, vjp, aux = jax.vjp(f, x, probs, has_aux=True)
+        return outs, aux, vjp((g_out, g_pp, g_y))
+
+    return Case(step, (x, probs, _dev(rm), w, g_out, g_pp, g_y), {})
+
+
+for _name, (_gpu_impl, *_cfg) in PERMUTATION_CASES.items():
+    _why = _why_triton if _gpu_impl == "triton" else _why_gluon_permutation
+    _op(_name, "triton", _why, _gpu_impl)(functools.partial(_build_permutation, *_cfg))
 
 
 @_op("sort_chunks_by_index_triton", "triton", _why_triton, "triton")
@@ -543,37 +481,29 @@ def _build_sort_chunks(impl: str) -> Case:
 
 # ---- Triton FP8 --------------------------------------------------------------------------------
 
+FP8_QUANTIZE_CASES = {  # name: (seed, x shape, x scale, dtype, recipe, the two roles quantized)
+    # partial edge blocks in both directions; "x": 1 x 128 tiles, "w": 128 x 128 blocks
+    "fp8_quantize_block_bf16": (71, (200, 300), 3.0, jnp.bfloat16, "BlockScaling", ("x", "w")),
+    # "x": E4M3, "g": E5M2 (hybrid formats)
+    "fp8_quantize_current_f32": (72, (130, 257), 5.0, jnp.float32, "CurrentScaling", ("x", "g")),
+}
 
-@_op("fp8_quantize_block_bf16", "triton", _why_fp8, "triton")
-def _build_fp8_block(impl: str) -> Case:
+
+def _build_fp8_quantize(seed, shape, scale, dtype, recipe, roles, impl: str) -> Case:
     from te_ops import fp8
 
-    rng = np.random.default_rng(71)
-    x = _dev(_np(rng, (200, 300), 3.0), jnp.bfloat16)  # partial edge blocks in both directions
+    rng = np.random.default_rng(seed)
+    x = _dev(_np(rng, shape, scale), dtype)
 
     def step(x):
-        r = fp8.BlockScaling()
-        qx = fp8.quantize(x, r, "x", implementation=impl)  # 1 x 128 tiles
-        qw = fp8.quantize(x, r, "w", implementation=impl)  # 128 x 128 blocks
-        return qx.data, qx.scale_inv, qw.data, qw.scale_inv
+        r = getattr(fp8, recipe)()
+        q1, q2 = (fp8.quantize(x, r, role, implementation=impl) for role in roles)
+        return q1.data, q1.scale_inv, q2.data, q2.scale_inv
 
     return Case(step, (x,), {})
 
 
-@_op("fp8_quantize_current_f32", "triton", _why_fp8, "triton")
-def _build_fp8_current(impl: str) -> Case:
-    from te_ops import fp8
-
-    rng = np.random.default_rng(72)
-    x = _dev(_np(rng, (130, 257), 5.0))
-
-    def step(x):
-        r = fp8.CurrentScaling()
-        qx = fp8.quantize(x, r, "x", implementation=impl)  # E4M3
-        qg = fp8.quantize(x, r, "g", implementation=impl)  # E5M2 (hybrid formats)
-        return qx.data, qx.scale_inv, qg.data, qg.scale_inv
-
-    return Case(step, (x,), {})
+_ops("triton", _why_fp8, "triton", _build_fp8_quantize, FP8_QUANTIZE_CASES)
 
 
 @_op("fp8_quantize_delayed_f16", "triton", _why_fp8, "triton")
@@ -608,38 +538,36 @@ def _build_fp8_dact(impl: str) -> Case:
     return Case(step, (dy, z), {})
 
 
-def _fp8_dense_builder(seed, x_shape, n, dtype, act, with_bias):
-    def build(impl: str) -> Case:
-        from te_ops import fp8
-
-        rng = np.random.default_rng(seed)
-        k = x_shape[-1]
-        x = _dev(_np(rng, x_shape), dtype)
-        w = _dev(_np(rng, (k, n), 1 / np.sqrt(k)), dtype)
-        b = _dev(_np(rng, (n,)), dtype) if with_bias else None
-        ct = _dev(_np(rng, (*x_shape[:-1], n)), dtype)
-
-        def step(x, w, b, ct):
-            def f(x, w, *bb):
-                bias = bb[0] if bb else None
-                return fp8.fp8_dense(x, w, fp8.BlockScaling(), bias=bias, activation=act, implementation=impl)
-
-            y, vjp = jax.vjp(f, *((x, w) if b is None else (x, w, b)))
-            return y, vjp(ct)
-
-        return Case(step, (x, w, b, ct), {})
-
-    return build
-
-
 # K % 16 == 0 and N % 8 == 0: the Gluon block-scaled GEMM on Hopper for y (the wgrad GEMM reduces
 # over M = 150 and takes the Triton kernel); K = 200: the Triton GEMM for y and dx.
-_op("fp8_dense_block_gelu_tanh_bias_bf16", "triton", _why_fp8, "triton")(
-    _fp8_dense_builder(75, (3, 50, 384), 200, jnp.bfloat16, "gelu_tanh", True)
-)
-_op("fp8_dense_block_k200_f16", "triton", _why_fp8, "triton")(
-    _fp8_dense_builder(76, (77, 200), 136, jnp.float16, None, False)
-)
+FP8_DENSE_CASES = {  # name: (seed, x shape, N, dtype, activation, bias), block scaling
+    "fp8_dense_block_gelu_tanh_bias_bf16": (75, (3, 50, 384), 200, jnp.bfloat16, "gelu_tanh", True),
+    "fp8_dense_block_k200_f16": (76, (77, 200), 136, jnp.float16, None, False),
+}
+
+
+def _build_fp8_dense(seed, x_shape, n, dtype, act, with_bias, impl: str) -> Case:
+    from te_ops import fp8
+
+    rng = np.random.default_rng(seed)
+    k = x_shape[-1]
+    x = _dev(_np(rng, x_shape), dtype)
+    w = _dev(_np(rng, (k, n), 1 / np.sqrt(k)), dtype)
+    b = _dev(_np(rng, (n,)), dtype) if with_bias else None
+    ct = _dev(_np(rng, (*x_shape[:-1], n)), dtype)
+
+    def step(x, w, b, ct):
+        def f(x, w, *bb):
+            bias = bb[0] if bb else None
+            return fp8.fp8_dense(x, w, fp8.BlockScaling(), bias=bias, activation=act, implementation=impl)
+
+        y, vjp = jax.vjp(f, *((x, w) if b is None else (x, w, b)))
+        return y, vjp(ct)
+
+    return Case(step, (x, w, b, ct), {})
+
+
+_ops("triton", _why_fp8, "triton", _build_fp8_dense, FP8_DENSE_CASES)
 
 
 @_op("fp8_grouped_dense_block_bf16", "triton", _why_fp8, "triton")
