@@ -31,9 +31,8 @@ TARGET_TBPS = 3.8
 ALL_SECTIONS = "dense,grouped_fb,quant,gemm,grouped,torch"
 # the block-scaled dense GEMM routes timed in fp8_dense fwd+bwd (te_ops.fp8.triton.GEMM_KERNEL)
 BLOCK_DENSE_KERNELS = {"tiled": "Triton tiled GEMM", "gluon": "Gluon warp-specialized GEMM"}
-# ("gluon", STAGES, GROUP_M, producer registers, maxnreg, split consumers) of the Gluon block-scaled GEMM
-GLUON_CONFIGS = [("gluon", 4, 8, 32, 168, False), ("gluon", 4, 8, 32, 168, True), ("gluon", 5, 8, 32, 168, True),
-                 ("gluon", 3, 8, 32, 168, True)]  # fmt: skip
+# ("gluon", STAGES, GROUP_M, producer registers, maxnreg) of the Gluon block-scaled GEMM
+GLUON_CONFIGS = [("gluon", 4, 8, 32, 168), ("gluon", 5, 8, 32, 168), ("gluon", 3, 8, 32, 168)]
 SECTIONS = set(filter(None, os.environ.get("FP8_BENCH_SECTIONS", ALL_SECTIONS).split(",")))
 L2_BYTES = 60 * 2**20
 CASES = [  # (name, shape, block)

@@ -433,11 +433,12 @@ def _sharded_grouped_gemm(out_dtype, num_programs, config, partition, kernel=Non
 # multiple of 16, N a multiple of 8 (16-byte TMA rows), 128 x 128 tiles. "triton": always the Triton
 # kernel (GROUPED_GEMM_CONFIG). Timed side by side in benchmarks/fp8.py.
 GROUPED_GEMM_KERNEL = "gluon"
-# (STAGES, GROUP_M, producer registers, maxnreg, split) of the Gluon kernel; split: the two consumer
-# warpgroups as two partitions on the tile's two 64-row halves (gluon_kernels.py says why)
-# H100, 2026-12-06 (benchmarks/fp8.py): split 913 vs 851 TFLOP/s at 16384x4096x14336, 886 vs 813 grouped
-# K7168 N4096 G32; 3 or 5 stages within 2%. 24 producer registers spill.
-GLUON_GEMM_CONFIG = (4, 8, 32, 168, True)
+# (STAGES, GROUP_M, producer registers, maxnreg) of the Gluon kernel (its two consumer warpgroups are
+# separate partitions on the tile's two 64-row halves: gluon_kernels.py says why)
+# H100, 2026-12-06 (benchmarks/fp8.py): 913 TFLOP/s at 16384x4096x14336, 886 grouped K7168 N4096 G32
+# (the variant with both warpgroups in one partition: 851 and 813, removed); 3 or 5 stages within 2%.
+# 24 producer registers spill.
+GLUON_GEMM_CONFIG = (4, 8, 32, 168)
 
 
 # The Gluon kernel takes every call it can since the GPU tests ran its bias epilogue and E5M2
@@ -482,16 +483,11 @@ def _gluon_grouped_gemm(a, sa_t, b, sb, gs, out_dtype, num_programs, gcfg, bias=
 
     m, k = a.shape
     g, n, _ = b.shape
-    stages, group_m, producer_regs, maxnreg, *split = gcfg
-    split = bool(split and split[0])
+    stages, group_m, producer_regs, maxnreg = gcfg
     bm = bn = 128
     grid = num_programs or max(1, min(gd.num_sms(), (-(-m // bm) + g + 1) * -(-n // bn)))
-    if split:  # the two consumer warpgroups as separate partitions (one 4-warp default + one 4-warp worker)
-        kernel, warps, extra = _gk().grouped_block_scaled_gemm_split_kernel, 4, {"CONSUMER_REGS": 256 - producer_regs}
-    else:
-        kernel, warps, extra = _gk().grouped_block_scaled_gemm_ws_kernel, 8, {"NUM_WARPS": 8}
     return tb.triton_call(
-        kernel,
+        _gk().grouped_block_scaled_gemm_split_kernel,  # one 4-warp default + one 4-warp consumer partition
         a,
         sa_t,
         b,
@@ -514,9 +510,9 @@ def _gluon_grouped_gemm(a, sa_t, b, sb, gs, out_dtype, num_programs, gcfg, bias=
             BLOCK_G=max(16, 1 << max(0, (g - 1).bit_length())),
             HAS_BIAS=bias is not None,
             PRODUCER_REGS=producer_regs,
-            **extra,
+            CONSUMER_REGS=256 - producer_regs,
         ),  # fmt: skip
-        num_warps=warps,
+        num_warps=4,
         num_stages=1,
         maxnreg=maxnreg,
         scratch_bytes_per_program=gd.TMA_SCRATCH_BYTES,

@@ -1017,12 +1017,12 @@ def _fp8_grouped_delayed(c):
 
 
 @case(
-    "fp8_grouped_gemm_gluon_ws_e5m2",
+    "fp8_grouped_gemm_gluon_e5m2",
     "fp8",
-    "triton (Gluon warp-specialized, unsplit)",
-    triton=(F8G + "grouped_block_scaled_gemm_ws_kernel",),
+    "triton (Gluon warp-specialized)",
+    triton=(F8G + "grouped_block_scaled_gemm_split_kernel",),
 )
-def _fp8_grouped_ws(c):
+def _fp8_grouped_gluon_e5m2(c):
     from te_ops.fp8 import grouped as fg
     from te_ops.fp8 import reference as ref
 
@@ -1038,7 +1038,7 @@ def _fp8_grouped_ws(c):
                 return fg._grouped_reference(qa, qb, s, jnp.float32)
             from te_ops.fp8 import triton as tri
 
-            cfg = ("gluon", *tri.GLUON_GEMM_CONFIG[:4], False)  # the two consumer warpgroups in one partition
+            cfg = ("gluon", *tri.GLUON_GEMM_CONFIG)  # the Gluon kernel with E5M2 activations, partial tiles
             return tri.grouped_block_scaled_gemm(qa, qb, s, jnp.float32, config=cfg)
 
         return f
