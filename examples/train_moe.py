@@ -27,6 +27,9 @@ schedule (the first N steps of the full run, losses in summary.json; its checkpo
     python examples/train_moe.py --dtype bfloat16 --fp8 block --save-every 100     # FP8, checkpoints
     python examples/train_moe.py --dtype bfloat16 --fp8 block --resume examples/out/train_moe/checkpoints/step_100
 
+examples/train_moe_nnx.py and examples/train_moe_eqx.py train the same model with te_layers' Flax NNX and
+Equinox modules (this file's data pipeline, optimizer, training loop and outputs; no checkpoints).
+
 benchmarks/train_moe.py times this model against the same architecture written in plain JAX (cuDNN
 attention with capacity-padded batched-einsum experts, and XLA attention with ``jax.lax.ragged_dot``
 experts), in one process on the same batches.
@@ -235,12 +238,13 @@ def model_config(cfg: dict) -> dict:
     return {k: (jnp.dtype(cfg[k]).name if k == "dtype" else cfg.get(k, MODEL_DEFAULTS.get(k))) for k in MODEL_KEYS}
 
 
-def describe_fp8(name: str) -> str:
-    """The run header's line for ``--fp8 name``: which recipe runs where."""
+def describe_fp8(name: str, state: str = f"the {tel.FP8_COLLECTION!r} collection") -> str:
+    """The run header's line for ``--fp8 name``: which recipe runs where (``state``: where the delayed-scaling
+    state lives)."""
     if name == "none":
         return "fp8 none (every GEMM in the compute dtype)"
     recipe = FP8_RECIPES[name]
-    where = f" (state in the {tel.FP8_COLLECTION!r} collection)" if name == "delayed" else ""
+    where = f" (state in {state})" if name == "delayed" else ""
     return f"fp8 {name}: attention projections and experts {recipe!r}{where}"
 
 
@@ -362,15 +366,101 @@ def plot_losses(path, steps, losses, val_curve, title):
     plt.close(fig)
 
 
+def print_header(args, n_params: int, corpus: dict, windows: np.ndarray, fp8_state: str | None = None):
+    """The run header: model and batch sizes, the --fp8 recipe (``fp8_state``: where delayed scaling keeps its
+    state, see :func:`describe_fp8`), --stop-at, the corpus."""
+    print(f"te_layers MoE LM: {n_params:,} parameters, {args.layers} layers, {args.experts} experts top-"
+          f"{args.topk}, batch {args.batch} x seq {args.seq}, {args.dtype}, backend {jax.default_backend()}")
+    print(describe_fp8(args.fp8) if fp8_state is None else describe_fp8(args.fp8, fp8_state))
+    if args.end < args.steps:
+        print(f"stopping after step {args.end} of the {args.steps}-step run (--stop-at)")
+    print(f"corpus {corpus['dir']}: {corpus['train_bytes']:,} train bytes, {corpus['valid_bytes']:,} held-out bytes "
+          f"({windows.shape[0] * windows.shape[1] * args.seq:,} scored per validation)")
+
+
+def train_loop(args, it, train_step, evaluate, start: int = 0, after_step=None) -> dict:
+    """Steps ``start`` .. ``args.end - 1``: ``train_step(i, x, y) -> (ce, aux)`` on the next batch of ``it`` (the
+    step keeps its own state: params, optimizer state, FP8 state), with a progress bar (training loss, tokens/s).
+    The validation loss ``evaluate() -> float`` is printed before the first step, every ``--eval-every`` steps and
+    after the last; ``after_step(n_done, val_curve)`` (e.g. a checkpoint) runs after each step, its time (like
+    validation's) not counted as training. Returns ``{"losses", "auxes", "val_curve": [(step, loss)], "seconds",
+    "tokens_per_s"}`` (tokens/s without the first, compiling step)."""
+    losses, auxes, val_curve = [], [], []
+    prog = Progress(args.end, start)
+
+    def validate(n_done):
+        v = evaluate()
+        val_curve.append((n_done, v))
+        prog.val = v
+        prog.write(f"step {n_done:5d}  validation loss {v:.4f} nats/byte ({v / math.log(2):.3f} bits/byte)")
+
+    validate(start)
+    t_start = time.perf_counter()
+    t_steady, steady_tokens, paused_s = None, 0, 0.0  # paused: validation and checkpoints, not training
+    for i in range(start, args.end):
+        x, y = next(it)
+        ce, aux = train_step(i, x, y)
+        ce = float(ce)  # syncs: the bar shows real progress
+        losses.append(ce)
+        auxes.append(float(aux))
+        if i == start:
+            t_steady = time.perf_counter()  # exclude the compile step from tokens/s
+        else:
+            steady_tokens += args.batch * args.seq
+        t_pause = time.perf_counter()
+        if (i + 1) % args.eval_every == 0 or i + 1 == args.end:
+            validate(i + 1)
+        if after_step is not None:
+            after_step(i + 1, val_curve)
+        paused_s += time.perf_counter() - t_pause
+        el = time.perf_counter() - t_steady - paused_s
+        prog.update(i, ce, steady_tokens / el if el > 0 and steady_tokens else 0.0)
+    prog.close()
+    total = time.perf_counter() - t_start
+    tok_s = steady_tokens / max(time.perf_counter() - t_steady - paused_s, 1e-9)
+    return dict(losses=losses, auxes=auxes, val_curve=val_curve, seconds=total, tokens_per_s=tok_s)
+
+
+def finish(args, run: dict, corpus: dict, n_params: int, title: str, start: int = 0, checkpoints=None, save=None):
+    """The summary of a :func:`train_loop` ``run``: writes the loss curve (``--out/loss.png``), prints the
+    train and validation losses, writes ``--out/summary.json`` and returns the summary dict.
+    ``checkpoints`` (train_moe.py: the periodic checkpoints' paths) adds the keys ``checkpoint`` (what
+    ``save()`` returns, called before the summary is printed) and ``checkpoints``."""
+    losses, val_curve, total, tok_s = run["losses"], run["val_curve"], run["seconds"], run["tokens_per_s"]
+    k = max(1, min(20, len(losses) // 5))
+    first, last = float(np.mean(losses[:k])), float(np.mean(losses[-k:]))
+    val_first, val_last = val_curve[0][1], val_curve[-1][1]
+    png = os.path.join(args.out, "loss.png")
+    plot_losses(png, np.arange(start + 1, args.end + 1), np.asarray(losses), val_curve, title)
+    summary = dict(first_loss=first, last_loss=last, val_loss_initial=val_first, val_loss=val_last,
+                   val_bits_per_byte=val_last / math.log(2), val_curve=val_curve, steps=args.steps,
+                   start_step=start, end_step=args.end, losses=losses, fp8=args.fp8,
+                   epochs=(args.end - start) * args.batch * args.seq / corpus["train_bytes"], tokens_per_s=tok_s,
+                   seconds=total, params=n_params, corpus=corpus, loss_png=png)  # fmt: skip
+    if checkpoints is not None:
+        summary.update(checkpoint=save() if save is not None else None, checkpoints=checkpoints)
+    print(f"train loss {first:.4f} -> {last:.4f} (mean of first/last {k} steps); validation loss {val_first:.4f} -> "
+          f"{val_last:.4f} nats/byte ({val_last / math.log(2):.3f} bits/byte) on held-out text; {total:.1f}s, "
+          f"{summary['epochs']:.2f} epochs; aux loss {run['auxes'][-1]:.4f}; {tok_s:,.0f} tokens/s")
+    print(f"loss curve: {png}")
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    return summary
+
+
 # ----------------------------------------------------------------------------------------------
 
 
-def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def make_parser(description: str, out: str, linen: bool = True,
+                fp8_state: str = f"the {tel.FP8_COLLECTION!r} collection") -> argparse.ArgumentParser:
+    """This script's command line (``out``: the default --out). ``linen=False``: only the flags that
+    train_moe_nnx.py and train_moe_eqx.py share with it (data, model size, training, validation, --fp8; no
+    --norm, --expert-parallel, checkpoints or --stop-at); ``fp8_state``: where --fp8 delayed keeps its state."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--data-dir", default=None,
                     help="directory with train.txt and valid.txt; when they are missing the Python documentation "
                          f"corpus is assembled there (default: {python_docs_corpus.default_dir()})")
-    ap.add_argument("--out", default=os.path.join(HERE, "out", "train_moe"))
+    ap.add_argument("--out", default=out)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=64)
@@ -386,21 +476,25 @@ def parse_args(argv=None):
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--norm", default="te", choices=["te", "flax"],
-                    help="RMSNorm: te_layers' fused one (residual add fused in) or flax.linen.RMSNorm")
+    if linen:
+        ap.add_argument("--norm", default="te", choices=["te", "flax"],
+                        help="RMSNorm: te_layers' fused one (residual add fused in) or flax.linen.RMSNorm")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-every", type=int, default=50,
                     help="validation loss every this many steps (also before the first and after the last step)")
     ap.add_argument("--eval-tokens", type=int, default=16384,
                     help="held-out bytes scored per validation (whole batches of --batch x --seq, from the start "
                          "of valid.txt)")
-    ap.add_argument("--expert-parallel", action="store_true",
-                    help="shard the experts over all devices (mesh axis 'ep'); experts and tokens must divide")
+    if linen:
+        ap.add_argument("--expert-parallel", action="store_true",
+                        help="shard the experts over all devices (mesh axis 'ep'); experts and tokens must divide")
     ap.add_argument("--fp8", default="none", choices=list(FP8_RECIPES),
                     help="FP8 GEMMs in the attention projections and the experts (te_ops.fp8 recipes with their "
                          "defaults): current = per-tensor current scaling, delayed = per-tensor delayed scaling (per "
-                         "expert for the expert kernels; state in the 'fp8_state' collection), block = 1x128 / "
+                         f"expert for the expert kernels; state in {fp8_state}), block = 1x128 / "
                          "128x128 block scaling. Embeddings, router, norms and the attention core stay in --dtype")
+    if not linen:
+        return ap
     ap.add_argument("--no-checkpoint", action="store_true")
     ap.add_argument("--save-every", type=int, default=0,
                     help="also write a checkpoint every this many steps into --out/checkpoints/step_<N> (0: never)")
@@ -412,16 +506,26 @@ def parse_args(argv=None):
                     help="stop after step N of the --steps run: learning-rate schedule, batches and dropout keys "
                          "those of --steps, so the losses are that run's first N (validation and checkpoint at N, "
                          "--resume continues it); default: --steps")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` checked (``ap.error`` on a bad value), with ``args.end``: the last step this run trains."""
     for name in ("steps", "batch", "seq", "eval_every", "eval_tokens"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.save_every < 0:
+    if getattr(args, "save_every", 0) < 0:
         ap.error(f"--save-every must be >= 0 (0: no periodic checkpoints), got {args.save_every}")
-    if args.stop_at is not None and not 1 <= args.stop_at <= args.steps:
-        ap.error(f"--stop-at must be in 1..--steps ({args.steps}), got {args.stop_at}")
-    args.end = args.steps if args.stop_at is None else args.stop_at  # the last step this run trains
+    stop_at = getattr(args, "stop_at", None)
+    if stop_at is not None and not 1 <= stop_at <= args.steps:
+        ap.error(f"--stop-at must be in 1..--steps ({args.steps}), got {stop_at}")
+    args.end = args.steps if stop_at is None else stop_at
     return args
+
+
+def parse_args(argv=None):
+    ap = make_parser(__doc__.split("\n")[0], os.path.join(HERE, "out", "train_moe"))
+    return check_args(ap, ap.parse_args(argv))
 
 
 def resume_from(args, cfg: dict, trees: dict) -> tuple[int, dict]:
@@ -483,13 +587,7 @@ def main(argv=None):
     tx = make_optimizer(args.lr, args.steps, args.warmup)
     opt_state = jax.device_put(tx.init(params), place)  # the optimizer sees the params only
     step = make_train_step(model, tx, fp8_state=fp8_state is not None)
-    print(f"te_layers MoE LM: {n_params:,} parameters, {cfg['layers']} layers, {cfg['experts']} experts top-"
-          f"{cfg['topk']}, batch {args.batch} x seq {args.seq}, {args.dtype}, backend {jax.default_backend()}")
-    print(describe_fp8(args.fp8))
-    if args.end < args.steps:
-        print(f"stopping after step {args.end} of the {args.steps}-step run (--stop-at)")
-    print(f"corpus {corpus['dir']}: {corpus['train_bytes']:,} train bytes, {corpus['valid_bytes']:,} held-out bytes "
-          f"({windows.shape[0] * windows.shape[1] * args.seq:,} scored per validation)")
+    print_header(args, n_params, corpus, windows)
     start = 0
     if args.resume:
         start, r = resume_from(args, cfg, {"params": params, "opt_state": opt_state, tel.FP8_COLLECTION: fp8_state})
@@ -497,77 +595,40 @@ def main(argv=None):
         for _ in range(start):  # the batches the first `start` steps consumed
             next(it)
 
-    def checkpoint_meta(n_done):
-        return dict(model=model_config(cfg), seq=args.seq, step=n_done, val_loss=val_curve[-1][1],
-                    val_step=val_curve[-1][0], corpus_dir=corpus["dir"],
-                    train={k: getattr(args, k) for k in ("steps", "batch", "lr", "warmup", "seed")})  # fmt: skip
-
-    losses, auxes, saved = [], [], []
-    prog = Progress(args.end, start)
-
-    def validate(n_done):
-        v = evaluate(params, fp8_state)
-        val_curve.append((n_done, v))
-        prog.val = v
-        prog.write(f"step {n_done:5d}  validation loss {v:.4f} nats/byte ({v / math.log(2):.3f} bits/byte)")
-
-    val_curve = []
-    validate(start)
-    t_start = time.perf_counter()
-    t_steady, steady_tokens, paused_s = None, 0, 0.0  # paused: validation and checkpoints, not training
-    for i in range(start, args.end):
-        x, y = next(it)
+    def train_step(i, x, y):
+        nonlocal params, opt_state, fp8_state
         rng = jax.random.fold_in(jax.random.key(args.seed), i)
         if fp8_state is None:
             params, opt_state, ce, aux = step(params, opt_state, x, y, rng)
         else:
             params, fp8_state, opt_state, ce, aux = step(params, fp8_state, opt_state, x, y, rng)
-        ce = float(ce)  # syncs: the bar shows real progress
-        losses.append(ce)
-        auxes.append(float(aux))
-        if i == start:
-            t_steady = time.perf_counter()  # exclude the compile step from tokens/s
-        else:
-            steady_tokens += args.batch * args.seq
-        t_pause = time.perf_counter()
-        if (i + 1) % args.eval_every == 0 or i + 1 == args.end:
-            validate(i + 1)
-        if args.save_every and (i + 1) % args.save_every == 0:
-            d = os.path.join(args.out, "checkpoints", f"step_{i + 1}")
-            saved.append(save_checkpoint(d, params, checkpoint_meta(i + 1), opt_state, fp8_state))
-        paused_s += time.perf_counter() - t_pause
-        el = time.perf_counter() - t_steady - paused_s
-        prog.update(i, ce, steady_tokens / el if el > 0 and steady_tokens else 0.0)
-    prog.close()
-    total = time.perf_counter() - t_start
-    tok_s = steady_tokens / max(time.perf_counter() - t_steady - paused_s, 1e-9)
+        return ce, aux
 
-    k = max(1, min(20, len(losses) // 5))
-    first, last = float(np.mean(losses[:k])), float(np.mean(losses[-k:]))
-    val_first, val_last = val_curve[0][1], val_curve[-1][1]
-    png = os.path.join(args.out, "loss.png")
+    def checkpoint_meta(n_done, val_curve):
+        return dict(model=model_config(cfg), seq=args.seq, step=n_done, val_loss=val_curve[-1][1],
+                    val_step=val_curve[-1][0], corpus_dir=corpus["dir"],
+                    train={k: getattr(args, k) for k in ("steps", "batch", "lr", "warmup", "seed")})  # fmt: skip
+
+    saved = []
+
+    def after_step(n_done, val_curve):
+        if args.save_every and n_done % args.save_every == 0:
+            d = os.path.join(args.out, "checkpoints", f"step_{n_done}")
+            saved.append(save_checkpoint(d, params, checkpoint_meta(n_done, val_curve), opt_state, fp8_state))
+
+    run = train_loop(args, it, train_step, lambda: evaluate(params, fp8_state), start, after_step)
+
+    def save_final():
+        if args.no_checkpoint:
+            return None
+        meta = checkpoint_meta(args.end, run["val_curve"])
+        return save_checkpoint(os.path.join(args.out, "checkpoint"), params, meta, opt_state, fp8_state)
+
     title = "te_layers MoE LM (byte level)" + ("" if args.fp8 == "none" else f", fp8 {args.fp8}")
-    plot_losses(png, np.arange(start + 1, args.end + 1), np.asarray(losses), val_curve, title)
-    summary = dict(first_loss=first, last_loss=last, val_loss_initial=val_first, val_loss=val_last,
-                   val_bits_per_byte=val_last / math.log(2), val_curve=val_curve, steps=args.steps,
-                   start_step=start, end_step=args.end, losses=losses, fp8=args.fp8,
-                   epochs=(args.end - start) * args.batch * args.seq / corpus["train_bytes"], tokens_per_s=tok_s,
-                   seconds=total, params=n_params, corpus=corpus, loss_png=png, checkpoint=None,
-                   checkpoints=saved)  # fmt: skip
-    if not args.no_checkpoint:
-        summary["checkpoint"] = save_checkpoint(os.path.join(args.out, "checkpoint"), params,
-                                                checkpoint_meta(args.end), opt_state, fp8_state)  # fmt: skip
-
-    print(f"train loss {first:.4f} -> {last:.4f} (mean of first/last {k} steps); validation loss {val_first:.4f} -> "
-          f"{val_last:.4f} nats/byte ({val_last / math.log(2):.3f} bits/byte) on held-out text; {total:.1f}s, "
-          f"{summary['epochs']:.2f} epochs; aux loss {auxes[-1]:.4f}; {tok_s:,.0f} tokens/s")
-    print(f"loss curve: {png}")
+    summary = finish(args, run, corpus, n_params, title, start, checkpoints=saved, save=save_final)
     if summary["checkpoint"]:
         print(f"checkpoint: {summary['checkpoint']}  (sample: python examples/sample.py --checkpoint "
               f"{summary['checkpoint']})")
-
-    with open(os.path.join(args.out, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
     return summary
 
 
