@@ -21,7 +21,10 @@ FP8: Dense, the MultiHeadAttention projections and the MoEBlock experts take ``f
 ``te_ops.fp8`` recipe); :func:`fp8_recipe` sets one recipe for a whole model (a layer's own ``fp8=``
 wins; ``fp8=False`` keeps a layer in high precision). Delayed-scaling state is kept the way each
 framework keeps state: the ``"fp8_state"`` collection (Linen), ``te_layers.nnx.FP8State`` variables
-(NNX), ``eqx.nn.State`` (Equinox).
+(NNX), ``eqx.nn.State`` (Equinox). The context is read when a layer is called: a layer that holds
+delayed-scaling state from the context but is called outside every :func:`fp8_recipe` block runs in
+high precision, leaves its state as it is, and warns (``fp8_recipe(None)`` does the same on purpose,
+without the warning).
 """
 
 from te_layers._fp8 import current_fp8_recipe, fp8_recipe

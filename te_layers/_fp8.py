@@ -3,7 +3,9 @@ delayed-scaling state shared by the Linen, NNX and Equinox modules (framework-fr
 
 Which recipe a layer runs with is decided when the layer is called (traced): the layer's own
 ``fp8=`` argument when it is a recipe, else the innermost :func:`fp8_recipe` context, else none
-(high precision). ``fp8=False`` keeps a layer in high precision even inside a context.
+(high precision). ``fp8=False`` keeps a layer in high precision even inside a context. A layer
+built under a DelayedScaling context holds state for it; called outside every context it runs in high
+precision without touching that state, and warns (:func:`warn_if_state_unused`).
 
 Delayed scaling needs per-layer state (amax histories and scales of the layer's activation,
 kernel and output gradient). ``te_ops.fp8.fp8_dense`` returns the updated state as the
@@ -36,6 +38,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import os
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -58,6 +62,9 @@ ROLES = ("x", "w", "g")
 STATE_COLLECTION = "fp8_state"  # the Linen variable collection
 
 _CONTEXT: contextvars.ContextVar[Any] = contextvars.ContextVar("te_layers_fp8_recipe", default=None)
+# True inside any fp8_recipe(...) block, fp8_recipe(None) included: tells "no context at all" (a layer
+# holding delayed-scaling state warns) from "FP8 turned off on purpose" (it does not).
+_ENTERED: contextvars.ContextVar[bool] = contextvars.ContextVar("te_layers_fp8_recipe_entered", default=False)
 
 
 def _desc(v: Any) -> str:
@@ -83,6 +90,12 @@ def fp8_recipe(recipe: CurrentScaling | DelayedScaling | BlockScaling | None) ->
     the calls (NNX, Equinox: delayed scaling needs the state created at construction) or the jitted
     step's body. Contexts nest; ``fp8_recipe(None)`` turns FP8 off inside an outer context.
 
+    A layer that holds delayed-scaling state (built, or Linen: ``init``-ed, under a DelayedScaling
+    recipe without its own ``fp8=``) but is called outside every ``fp8_recipe`` block runs in high
+    precision and its state is neither used nor updated; it then warns (a ``UserWarning`` at trace
+    time, naming the layer). Call it inside the context, or build it with ``fp8=`` so it does not
+    depend on the context; inside ``fp8_recipe(None)`` it runs in high precision without the warning.
+
     Args:
       recipe: a ``te_ops.fp8`` ``CurrentScaling``, ``DelayedScaling`` or ``BlockScaling``, or None.
 
@@ -96,16 +109,52 @@ def fp8_recipe(recipe: CurrentScaling | DelayedScaling | BlockScaling | None) ->
             "te_layers.fp8_recipe: recipe must be None or a te_ops.fp8 CurrentScaling, DelayedScaling or "
             f"BlockScaling, got {_desc(recipe)}."
         )
-    token = _CONTEXT.set(recipe)
+    token, entered = _CONTEXT.set(recipe), _ENTERED.set(True)
     try:
         yield recipe
     finally:
+        _ENTERED.reset(entered)
         _CONTEXT.reset(token)
 
 
 def current_fp8_recipe() -> CurrentScaling | DelayedScaling | BlockScaling | None:
     """The recipe of the innermost :func:`fp8_recipe` context (None outside any)."""
     return _CONTEXT.get()
+
+
+# Frames skipped when the warning below picks the line it is reported at: the user's call of the layer,
+# not te_layers or the framework / JAX code between (jit tracing, Linen's method wrappers, nnx transforms).
+def _package_dirs(*names: str) -> tuple[str, ...]:
+    import importlib.util
+
+    out = []
+    for n in names:
+        spec = importlib.util.find_spec(n)
+        if spec is not None and spec.origin:
+            out.append(os.path.dirname(spec.origin) + os.sep)
+    return tuple(out)
+
+
+_SKIP_FRAMES = _package_dirs("te_layers", "flax", "equinox", "jax")
+
+
+def warn_if_state_unused(layer: str, fp8: Any, recipe: Any, holds_state: bool) -> None:
+    """Warn when a layer that holds delayed-scaling state runs without it: ``fp8`` is None (the layer
+    follows the context), no :func:`fp8_recipe` block is active (``recipe`` resolved to None) and
+    ``holds_state``. Called when the layer is called (traced). Python's default warning filter shows
+    it once per layer class and call site."""
+    if not holds_state or recipe is not None or fp8 is not None or _ENTERED.get():
+        return
+    warnings.warn(
+        err(layer, "this layer holds delayed-scaling FP8 state (it was built, or Linen: init-ed, under a "
+                   "DelayedScaling recipe) but is called with no te_layers.fp8_recipe context active, so it runs in "
+                   "high precision and its FP8 state is neither used nor updated. Call it (the jitted step, or "
+                   "apply) inside `with te_layers.fp8_recipe(DelayedScaling(...)):` as at construction, or build it "
+                   "with fp8=DelayedScaling(...) so that it does not depend on the context; to run it in high "
+                   "precision on purpose, call it inside te_layers.fp8_recipe(None)."),
+        UserWarning,
+        skip_file_prefixes=_SKIP_FRAMES,
+    )  # fmt: skip
 
 
 def resolve(layer: str, fp8: Any, *, grouped: bool = False, name: str = "fp8"):

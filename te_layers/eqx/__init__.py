@@ -14,7 +14,10 @@ FP8: ``Dense``, the ``MultiHeadAttention`` projections and the ``MoEBlock`` expe
 ``te_ops.fp8`` recipe, None = the :func:`te_layers.fp8_recipe` context, False = high precision). A
 Dense or MoEBlock built with DelayedScaling holds an ``eqx.nn.StateIndex`` (``fp8_index``): call it
 as ``y, state = dense(x, state)`` (``(out, aux), state = moe(x, state)``) and update the state with
-:func:`fp8_value_and_grad` (``te_layers.eqx.fp8``).
+:func:`fp8_value_and_grad` (``te_layers.eqx.fp8``). One that got DelayedScaling from the context
+(``fp8=None``) must be called inside the context too: called outside every ``fp8_recipe`` block it
+runs in high precision, its state entry is not updated, and it warns (``te_layers.fp8_recipe(None)``:
+no warning).
 
 Configuration is checked in ``__init__`` (``__check_init__`` for the field-only modules) and inputs when a
 module is called, with the same messages as the Linen and NNX modules (``te_layers.<Layer>: ...``).
@@ -91,6 +94,7 @@ class Dense(eqx.Module):
     def __call__(self, x: jax.Array, state: eqx.nn.State | None = None):
         x = V.dense_input("Dense", x, self.dtype, self.kernel.shape[0])
         recipe = F.resolve("Dense", self.fp8)
+        F.warn_if_state_unused("Dense", self.fp8, recipe, self.fp8_index is not None)
         tree = None
         if isinstance(recipe, F.DelayedScaling):
             if state is None or self.fp8_index is None:
@@ -174,6 +178,7 @@ class NormDense(eqx.Module):
     def __call__(self, x: jax.Array, state: eqx.nn.State | None = None):
         x = V.dense_input("NormDense", x, self.dtype, self.kernel.shape[0])
         recipe = F.resolve("NormDense", self.fp8)
+        F.warn_if_state_unused("NormDense", self.fp8, recipe, self.fp8_index is not None)
         tree = None
         if isinstance(recipe, F.DelayedScaling):
             if state is None or self.fp8_index is None:
@@ -444,6 +449,7 @@ class MoEBlock(eqx.Module):
         x = V.token_input("MoEBlock", x, self.dtype, self.wi.shape[1])
         bias = None if self.router.expert_bias is None else jax.lax.stop_gradient(self.router.expert_bias)
         recipe = F.resolve("MoEBlock", self.fp8, grouped=True)
+        F.warn_if_state_unused("MoEBlock", self.fp8, recipe, self.fp8_index is not None)
         tree = None
         if isinstance(recipe, F.DelayedScaling):
             if state is None or self.fp8_index is None:

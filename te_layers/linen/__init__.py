@@ -13,6 +13,9 @@ FP8: ``Dense``, the ``MultiHeadAttention`` projections and the ``MoEBlock`` expe
 Delayed scaling keeps each Dense's (and each MoEBlock's experts') state in the ``"fp8_state"``
 collection; the training step differentiates with respect to it and keeps the "gradient" as the next state
 (:func:`fp8_value_and_grad`, :func:`fp8_update`, :func:`fp8_accumulate` in ``te_layers.linen.fp8``).
+A layer (``fp8=None``) that finds its state in the ``"fp8_state"`` collection passed to ``apply`` but
+is called with no ``te_layers.fp8_recipe`` context active runs in high precision, leaves the state
+as it is, and warns (``te_layers.fp8_recipe(None)``: no warning).
 
 Configuration is checked when a module is constructed (``__post_init__``) and inputs when it is called,
 with the same messages as the NNX and Equinox modules (``te_layers.<Layer>: ...``).
@@ -187,8 +190,11 @@ class NormDense(nn.Module):
 
 
 def _fp8_state(mod: nn.Module, recipe):
-    """The Dense's delayed-scaling state tree from the ``"fp8_state"`` collection (created by init)."""
+    """The Dense's delayed-scaling state tree from the ``"fp8_state"`` collection (created by init);
+    warns when the collection holds it but no recipe is active (:func:`te_layers._fp8.warn_if_state_unused`)."""
     if not isinstance(recipe, F.DelayedScaling):
+        held = recipe is None and all(mod.has_variable(FP8_COLLECTION, r) for r in F.ROLES)
+        F.warn_if_state_unused(type(mod).__name__, mod.fp8, recipe, held)
         return None
     if not mod.is_initializing() and not all(mod.has_variable(FP8_COLLECTION, r) for r in F.ROLES):
         F.check_state_tree(type(mod).__name__, None, recipe, f"the {FP8_COLLECTION!r} collection passed to apply")
@@ -200,8 +206,10 @@ def _fp8_state(mod: nn.Module, recipe):
 
 def _moe_fp8_state(mod: nn.Module, recipe):
     """The MoEBlock experts' delayed-scaling state from ``"fp8_state"``: variables ``wi`` and ``wo``
-    (one per grouped GEMM), created by init."""
+    (one per grouped GEMM), created by init; warns as :func:`_fp8_state`."""
     if not isinstance(recipe, F.DelayedScaling):
+        held = recipe is None and all(mod.has_variable(FP8_COLLECTION, k) for k in F.MOE_GEMMS)
+        F.warn_if_state_unused("MoEBlock", mod.fp8, recipe, held)
         return None
     where = f"the {FP8_COLLECTION!r} collection"
     if not mod.is_initializing() and not all(mod.has_variable(FP8_COLLECTION, k) for k in F.MOE_GEMMS):

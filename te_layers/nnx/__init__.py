@@ -15,7 +15,9 @@ skip it) updated in place on training calls.
 FP8: ``Dense``, the ``MultiHeadAttention`` projections and the ``MoEBlock`` experts take ``fp8=`` (a
 ``te_ops.fp8`` recipe, None = the :func:`te_layers.fp8_recipe` context, False = high precision).
 A Dense or MoEBlock built with DelayedScaling holds an :class:`FP8State` variable, updated by
-:func:`fp8_value_and_grad` (``te_layers.nnx.fp8``).
+:func:`fp8_value_and_grad` (``te_layers.nnx.fp8``). One that got it from the context (``fp8=None``)
+must be called inside the context too: called outside every ``fp8_recipe`` block it runs in high
+precision, its FP8State is not updated, and it warns (``te_layers.fp8_recipe(None)``: no warning).
 
 Configuration is checked in ``__init__`` and inputs when a module is called, with the same messages as
 the Linen and Equinox modules (``te_layers.<Layer>: ...``).
@@ -103,6 +105,7 @@ class Dense(nnx.Module):
         x = V.dense_input("Dense", x, self.dtype, self.in_features)
         bias = None if self.bias is None else self.bias[...]
         recipe = F.resolve("Dense", self.fp8)
+        F.warn_if_state_unused("Dense", self.fp8, recipe, self.fp8_state is not None)
         state = None
         if isinstance(recipe, F.DelayedScaling):
             state = None if self.fp8_state is None else self.fp8_state.get_value()
@@ -164,6 +167,7 @@ class NormDense(nnx.Module):
         norm_bias = None if self.norm_bias is None else self.norm_bias[...]
         bias = None if self.bias is None else self.bias[...]
         recipe = F.resolve("NormDense", self.fp8)
+        F.warn_if_state_unused("NormDense", self.fp8, recipe, self.fp8_state is not None)
         state = None
         if isinstance(recipe, F.DelayedScaling):
             state = None if self.fp8_state is None else self.fp8_state.get_value()
@@ -396,6 +400,7 @@ class MoEBlock(nnx.Module):
         x = V.token_input("MoEBlock", x, self.dtype, self.in_features)
         det = self.deterministic if deterministic is None else deterministic
         recipe = F.resolve("MoEBlock", self.fp8, grouped=True)
+        F.warn_if_state_unused("MoEBlock", self.fp8, recipe, self.fp8_state is not None)
         state = None
         if isinstance(recipe, F.DelayedScaling):
             state = None if self.fp8_state is None else self.fp8_state.get_value()

@@ -4,6 +4,8 @@ fp8_recipe context against the argument, microbatch / scan accumulation of the s
 
 from __future__ import annotations
 
+import warnings
+
 import equinox as eqx
 import flax.linen as nn
 import jax
@@ -711,3 +713,85 @@ def test_helpers_reject_wrong_arguments():
         te_eqx.fp8_value_and_grad(lambda m, s: 0.0)(None, {})
     with pytest.raises(ValueError, match=r"needs at least one"):
         te_linen.fp8_accumulate()
+
+
+# ----------------------------------------------------------------------------------------------
+# A layer holding delayed-scaling state called with no recipe active warns
+# ----------------------------------------------------------------------------------------------
+
+_UNUSED = "this layer holds delayed-scaling FP8 state"
+
+
+def _state_warnings(fn):
+    """``fn()``'s result and the messages of the unused-FP8-state warnings it raised."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = fn()
+    return out, [str(w.message) for w in caught if _UNUSED in str(w.message)]
+
+
+def _built_in_context(framework, layer):
+    """``call(x)`` of a ``layer`` created (Linen: init-ed) inside fp8_recipe(DelayedScaling()) with fp8=None."""
+    x = _x(11, (2, 8, KIN))
+    with te_layers.fp8_recipe(RECIPES["delayed"]):
+        if framework == "linen":
+            mod = {"Dense": te_linen.Dense(KOUT), "NormDense": te_linen.NormDense(KOUT),
+                   "MoEBlock": te_linen.MoEBlock(num_experts=4, topk=2, ffn_dim=16)}[layer]  # fmt: skip
+            variables = mod.init(jax.random.key(0), x)
+            assert "fp8_state" in variables
+            return lambda: mod.apply(variables, x, mutable=["intermediates"])
+        if framework == "nnx":
+            rngs = nnx.Rngs(0)
+            mod = {"Dense": lambda: te_nnx.Dense(KIN, KOUT, rngs=rngs),
+                   "NormDense": lambda: te_nnx.NormDense(KIN, KOUT, rngs=rngs),
+                   "MoEBlock": lambda: te_nnx.MoEBlock(KIN, 4, 2, 16, rngs=rngs)}[layer]()  # fmt: skip
+            assert mod.fp8_state is not None
+            return lambda: nnx.capture(mod, te_nnx.AuxLoss)(x)
+        key = jax.random.key(0)
+        cls, args = {"Dense": (te_eqx.Dense, (KIN, KOUT)), "NormDense": (te_eqx.NormDense, (KIN, KOUT)),
+                     "MoEBlock": (te_eqx.MoEBlock, (KIN, 4, 2, 16))}[layer]  # fmt: skip
+        mod, state = eqx.nn.make_with_state(cls)(*args, key=key)
+        assert mod.fp8_index is not None
+        return lambda: mod(x, state)
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("layer", ["Dense", "NormDense", "MoEBlock"])
+def test_delayed_state_called_without_recipe_warns(framework, layer):
+    call = _built_in_context(framework, layer)
+    _, msgs = _state_warnings(call)
+    assert msgs, "no warning for a layer holding delayed-scaling state called outside any fp8_recipe"
+    assert msgs[0].startswith(f"te_layers.{layer}: ") and "fp8=" in msgs[0] and "fp8_recipe" in msgs[0], msgs[0]
+    for ctx in (RECIPES["delayed"], None):  # inside the context, or high precision on purpose: no warning
+        with te_layers.fp8_recipe(ctx):
+            _, msgs = _state_warnings(call)
+        assert not msgs, (ctx, msgs)
+
+
+def test_delayed_state_without_recipe_nnx_step_warns_and_state_stays():
+    """The case that used to be silent: an NNX Dense built in the context, stepped outside it, runs in
+    high precision and its amax history stays zeros (now with a warning); inside the context the step
+    records amaxes, and a layer without state (or built with its own fp8=) never warns."""
+    x = _x(12, (4, KIN))
+
+    def loss(m, x):
+        return jnp.sum(m(x) ** 2)
+
+    with te_layers.fp8_recipe(RECIPES["delayed"]):
+        d = te_nnx.Dense(KIN, KOUT, rngs=nnx.Rngs(0))
+    _, msgs = _state_warnings(lambda: te_nnx.fp8_value_and_grad(loss)(d, x))
+    assert len(msgs) == 1 and msgs[0].startswith("te_layers.Dense: ")
+    np.testing.assert_array_equal(np.asarray(d.fp8_state.get_value()["x"]["amax_history"]), 0.0)
+    with te_layers.fp8_recipe(RECIPES["delayed"]):
+        _, msgs = _state_warnings(lambda: te_nnx.fp8_value_and_grad(loss)(d, x))
+    assert not msgs and float(d.fp8_state.get_value()["x"]["amax_history"][0]) > 0
+
+    own = te_nnx.Dense(KIN, KOUT, fp8=RECIPES["delayed"], rngs=nnx.Rngs(0))
+    plain = te_nnx.Dense(KIN, KOUT, rngs=nnx.Rngs(0))
+    for m in (own, plain):
+        _, msgs = _state_warnings(lambda m=m: te_nnx.fp8_value_and_grad(loss)(m, x))
+        assert not msgs
+    with te_layers.fp8_recipe(RECIPES["delayed"]):
+        mha = te_nnx.MultiHeadAttention(KIN, 2, 8, rngs=nnx.Rngs(0))
+    _, msgs = _state_warnings(lambda: mha(_x(13, (2, 8, KIN))))
+    assert msgs and all(m.startswith("te_layers.Dense: ") for m in msgs)  # its projections
