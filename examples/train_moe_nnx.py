@@ -6,8 +6,8 @@ embedding; the same data, optimizer, validation windows, progress output, loss.p
 (imported from train_moe.py), and the same flags for the model size, batch, seq, steps, lr, dtype,
 eval-every and ``--fp8 {none,current,delayed,block}``. What is NNX-specific is all in this file:
 
-* the model is built eagerly from ``nnx.Rngs``; ``deterministic`` (dropout off) is a module attribute, set
-  for validation by ``model.eval()`` and reset by ``model.train()``;
+* the model is built eagerly from ``nnx.Rngs``; ``deterministic`` (dropout off) is a module attribute,
+  set for validation on ``nnx.view(model, deterministic=True)``, a view that shares the model's variables;
 * the MoE aux losses are sown as ``te_layers.nnx.AuxLoss``: the loss captures them with ``nnx.capture``
   and sums them with ``te_layers.nnx.collect_aux_loss``;
 * ``nnx.Optimizer(model, tx, wrt=nnx.Param)`` and an ``nnx.jit`` step that updates model and optimizer
@@ -111,11 +111,10 @@ def train(argv=None):
     n_params = sum(int(p.size) for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
     tm.print_header(args, n_params, corpus, windows, fp8_state="te_layers.nnx.FP8State variables")
 
+    eval_model = nnx.view(model, deterministic=True)  # dropout off; shares the (trained) variables
+
     def evaluate():
-        model.eval()  # deterministic=True: dropout off
-        loss = float(np.mean([float(eval_loss(model, w)) for w in windows]))
-        model.train()
-        return loss
+        return float(np.mean([float(eval_loss(eval_model, w)) for w in windows]))
 
     run = tm.train_loop(args, it, lambda i, x, y: train_step(model, optimizer, x, y), evaluate)
     title = "te_layers MoE LM, Flax NNX (byte level)" + ("" if args.fp8 == "none" else f", fp8 {args.fp8}")

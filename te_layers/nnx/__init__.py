@@ -4,8 +4,11 @@ MoEBlock, NormDense (RMSNorm or LayerNorm, then Dense); RMSNorm, LayerNorm (in `
 Conventions: input sizes given at construction, parameters created eagerly from ``rngs``
 (``rngs.params``), ``nnx.Param`` carrying ``out_sharding`` logical axis metadata (what
 ``nnx.with_partitioning`` attaches; resolved with ``nnx.get_partition_spec`` and logical axis rules),
-dropout keys from a forked ``rngs.dropout`` stream, ``deterministic`` as an attribute switched by
-``model.train()`` / ``model.eval()`` (or overridden per call). MoE aux losses are sown as
+dropout keys from a forked ``rngs.dropout`` stream, ``deterministic`` as an attribute switched in place
+by ``model.train()`` / ``model.eval()``, set on a view by ``nnx.view(model, deterministic=True)``
+(``set_view``, as flax's own nnx.Dropout and nnx.MultiHeadAttention), or overridden per call
+(``deterministic=``); it turns dropout off (DotProductAttention, MultiHeadAttention) and the
+expert-bias update off (TopKRouter, MoEBlock). MoE aux losses are sown as
 :class:`AuxLoss` (an ``nnx.Intermediate``): capture them with
 ``nnx.capture(fn, te_layers.nnx.AuxLoss)`` and sum the captured state with :func:`collect_aux_loss`
 (which also pops them from a module they were sown into outside ``nnx.capture``). The
@@ -73,6 +76,12 @@ def _dropout_stream(rngs: nnx.Rngs | None, rate: float):
     if rate > 0 and rngs is not None:
         return rngs.dropout.fork()
     return nnx.data(None)
+
+
+def _set_deterministic(mod: nnx.Module, deterministic: bool | None) -> None:
+    """``set_view`` of the modules with a ``deterministic`` attribute (what ``nnx.view`` calls)."""
+    if deterministic is not None:
+        mod.deterministic = V.flag(type(mod).__name__, "deterministic", deterministic)
 
 
 class Dense(nnx.Module):
@@ -203,6 +212,15 @@ class DotProductAttention(nnx.Module):
         self.dropout_rate, self.deterministic = dropout_rate, deterministic
         self.rngs = _dropout_stream(rngs, dropout_rate)
 
+    def set_view(self, deterministic: bool | None = None):
+        """Used by ``nnx.view``: ``nnx.view(model, deterministic=True)`` returns a view of the model
+        (sharing its variables) with dropout off, as ``model.eval()`` does in place.
+
+        Args:
+          deterministic: True turns dropout off, False on; None leaves the attribute as it is.
+        """
+        _set_deterministic(self, deterministic)
+
     def __call__(self, q, k, v, *, bias=None, q_seqlens=None, kv_seqlens=None, q_segment_ids=None,
                  kv_segment_ids=None, q_segment_pos=None, kv_segment_pos=None, deterministic: bool | None = None,
                  rngs=None):  # fmt: skip
@@ -273,6 +291,15 @@ class MultiHeadAttention(nnx.Module):
         self.out = proj(num_heads * d, out_features or in_features, out_kernel_axes)
         self.rngs = _dropout_stream(rngs, dropout_rate)
 
+    def set_view(self, deterministic: bool | None = None):
+        """Used by ``nnx.view``: ``nnx.view(model, deterministic=True)`` returns a view of the model
+        (sharing its variables) with dropout off, as ``model.eval()`` does in place.
+
+        Args:
+          deterministic: True turns dropout off, False on; None leaves the attribute as it is.
+        """
+        _set_deterministic(self, deterministic)
+
     def __call__(self, x, inputs_kv=None, *, segment_ids=None, segment_pos=None, seqlens=None, positions=None,
                  bias=None, deterministic: bool | None = None, rngs=None):  # fmt: skip
         x, inputs_kv = V.mha_inputs(
@@ -336,6 +363,16 @@ class TopKRouter(nnx.Module):
                           kernel_axes, rngs)  # fmt: skip
         self.kernel, self.expert_bias = p.kernel, p.expert_bias
 
+    def set_view(self, deterministic: bool | None = None):
+        """Used by ``nnx.view``: ``nnx.view(model, deterministic=True)`` returns a view of the model
+        (sharing its variables) with the expert-bias update (aux-loss-free balancing) off, as
+        ``model.eval()`` does in place.
+
+        Args:
+          deterministic: True turns the update off, False on; None leaves the attribute as it is.
+        """
+        _set_deterministic(self, deterministic)
+
     def __call__(self, x: jax.Array, *, deterministic: bool | None = None) -> C.RouterOutput:
         x = V.token_input("TopKRouter", x, None, self.in_features, router=True)
         det = self.deterministic if deterministic is None else deterministic
@@ -395,6 +432,16 @@ class MoEBlock(nnx.Module):
         f2 = ffn_dim * (2 if gated else 1)
         self.wi = _param(rngs, kernel_init, (num_experts, in_features, f2), param_dtype, wi_axes)
         self.wo = _param(rngs, kernel_init, (num_experts, ffn_dim, in_features), param_dtype, wo_axes)
+
+    def set_view(self, deterministic: bool | None = None):
+        """Used by ``nnx.view``: ``nnx.view(model, deterministic=True)`` returns a view of the model
+        (sharing its variables) with the expert-bias update (aux-loss-free balancing) off, as
+        ``model.eval()`` does in place.
+
+        Args:
+          deterministic: True turns the update off, False on; None leaves the attribute as it is.
+        """
+        _set_deterministic(self, deterministic)
 
     def __call__(self, x: jax.Array, *, deterministic: bool | None = None) -> jax.Array:
         x = V.token_input("MoEBlock", x, self.dtype, self.in_features)

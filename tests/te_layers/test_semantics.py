@@ -140,3 +140,71 @@ def test_partitioning_metadata_in_every_framework():
 
     e = te_eqx.logical_axes(te_eqx.MoEBlock(16, 4, 2, 8, key=jax.random.key(0)))
     assert e.wi == P("expert", "embed", "mlp") and e.router.kernel == P("embed", None)
+
+
+# ----------------------------------------------------------------------------------------------
+# NNX: nnx.view(model, deterministic=...) (set_view), as for flax's nnx.Dropout / MultiHeadAttention
+# ----------------------------------------------------------------------------------------------
+
+
+def _nnx_mode_modules():
+    """Every te_layers.nnx module with a ``deterministic`` flag, with a call that shows it: dropout on
+    (DotProductAttention, MultiHeadAttention), the expert-bias update on (TopKRouter, MoEBlock)."""
+    x = jax.random.normal(jax.random.key(20), (2, 8, 16))
+    q = jax.random.normal(jax.random.key(21), (2, 8, 2, 8))
+    bias = dict(score_function="sigmoid", use_expert_bias=True, expert_bias_update_rate=0.1)
+    return {
+        "DotProductAttention": (te_nnx.DotProductAttention(dropout_rate=0.5, rngs=nnx.Rngs(0)), lambda m: m(q, q, q)),
+        "MultiHeadAttention": (te_nnx.MultiHeadAttention(16, 2, 8, dropout_rate=0.5, rngs=nnx.Rngs(0)),
+                               lambda m: m(x)),
+        "TopKRouter": (te_nnx.TopKRouter(16, 4, 2, rngs=nnx.Rngs(0), **bias), lambda m: m(x).probs),
+        "MoEBlock": (te_nnx.MoEBlock(16, 4, 2, 8, rngs=nnx.Rngs(0), **bias), lambda m: m(x)),
+    }  # fmt: skip
+
+
+def _nnx_changes(mod, call):
+    """Whether a call is non-deterministic: two calls differ (dropout) or the expert bias moved."""
+    if hasattr(mod, "dropout_rate"):
+        return not np.array_equal(np.asarray(call(mod)), np.asarray(call(mod)))
+    bias = mod.expert_bias if isinstance(mod, te_nnx.TopKRouter) else mod.router.expert_bias
+    before = np.asarray(bias[...])
+    nnx.capture(call, te_nnx.AuxLoss)(mod)
+    return not np.array_equal(np.asarray(bias[...]), before)
+
+
+@pytest.mark.parametrize("name", ["DotProductAttention", "MultiHeadAttention", "TopKRouter", "MoEBlock"])
+def test_nnx_view_deterministic(name):
+    mod, call = _nnx_mode_modules()[name]
+    view = nnx.view(mod, deterministic=True)  # raised "Unused keys found in nnx.view: ['deterministic']"
+    assert view.deterministic is True and mod.deterministic is False  # a view: the model is untouched
+    assert not _nnx_changes(view, call), "deterministic=True view still runs dropout / moves the expert bias"
+    assert _nnx_changes(mod, call)
+    mod.eval()
+    assert _nnx_changes(nnx.view(mod, deterministic=False), call) and mod.deterministic is True
+    with pytest.raises(TypeError, match=f"te_layers.{name}: deterministic must be a bool"):
+        nnx.view(mod, deterministic=1)
+
+
+def test_nnx_view_deterministic_on_a_model_equals_eval():
+    """On a model holding several te_layers modules (nested, and next to flax's nnx.Dropout) the view
+    switches all of them, and its output is model.eval()'s."""
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.attn = te_nnx.MultiHeadAttention(16, 2, 8, dropout_rate=0.5, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+            self.moe = te_nnx.MoEBlock(16, 4, 2, 8, score_function="sigmoid", use_expert_bias=True, rngs=rngs)
+
+        def __call__(self, x):
+            return self.moe(self.drop(self.attn(x)))
+
+    x = jax.random.normal(jax.random.key(22), (2, 8, 16))
+    model = Model(nnx.Rngs(0))
+    view = nnx.view(model, deterministic=True)
+    fwd = nnx.jit(nnx.capture(lambda m, x: m(x), te_nnx.AuxLoss))
+    (y1, _), (y2, _) = fwd(view, x), fwd(view, x)
+    np.testing.assert_array_equal(np.asarray(y1), np.asarray(y2))
+    assert not np.any(np.asarray(model.moe.router.expert_bias[...]))
+    assert not any(m.deterministic for m in (model.attn, model.drop, model.moe))
+    model.eval()
+    np.testing.assert_array_equal(np.asarray(fwd(model, x)[0]), np.asarray(y1))
