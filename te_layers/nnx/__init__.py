@@ -10,8 +10,9 @@ by ``model.train()`` / ``model.eval()``, set on a view by ``nnx.view(model, dete
 (``deterministic=``); it turns dropout off (DotProductAttention, MultiHeadAttention) and the
 expert-bias update off (TopKRouter, MoEBlock). MoE aux losses are sown as
 :class:`AuxLoss` (an ``nnx.Intermediate``): capture them with
-``nnx.capture(fn, te_layers.nnx.AuxLoss)`` and sum the captured state with :func:`collect_aux_loss`
-(which also pops them from a module they were sown into outside ``nnx.capture``). The
+``nnx.capture(fn, te_layers.nnx.AuxLoss)`` and sum the captured state with :func:`collect_aux_loss`.
+Outside ``nnx.capture`` nothing is sown: a call leaves the module unchanged (no variable that grows
+per call, no ``nnx.jit`` retrace, no flax DeprecationWarning). The
 aux-loss-free expert bias is an :class:`ExpertBias` variable (not an ``nnx.Param``, so optimisers
 skip it) updated in place on training calls.
 
@@ -28,6 +29,8 @@ the Linen and Equinox modules (``te_layers.<Layer>: ...``).
 
 from __future__ import annotations
 
+import inspect
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -61,6 +64,19 @@ class TokensPerExpert(nnx.Intermediate):
 
 class ExpertBias(nnx.Variable):
     """Aux-loss-free balancing bias ``[E]``: not trained by gradients, updated from token counts."""
+
+
+_SOW_HAS_CAPTURE_NOOP = "capture_noop" in inspect.signature(nnx.Module.sow).parameters
+
+
+def _sow(mod: nnx.Module, variable_type: type[nnx.Variable], name: str, value: Any) -> None:
+    """``mod.sow`` into the enclosing ``nnx.capture`` only. Outside one the module is left as it is:
+    flax's deprecated fallback would store the value as a variable on the module that grows by one
+    entry per call (and so changes the module's state: an ``nnx.jit`` retrace on every call)."""
+    if _SOW_HAS_CAPTURE_NOOP:
+        mod.sow(variable_type, name, value, capture_noop=True)
+    elif hasattr(mod, "__captures__"):  # a flax without capture_noop: the test its sow makes
+        mod.sow(variable_type, name, value)
 
 
 def _param(rngs: nnx.Rngs, init: Initializer, shape, dtype, axes: Axes) -> nnx.Param:
@@ -349,7 +365,8 @@ class TopKRouter(nnx.Module):
     Router options (keywords, see :class:`te_layers._common.RouterConfig`): score_function,
     use_pre_softmax, num_groups, group_topk, scaling_factor, aux_loss_coeff, use_expert_bias,
     expert_bias_update_rate. Returns a ``RouterOutput(probs, routing_map, aux_loss, tokens_per_expert)``;
-    the aux loss is also sown as :class:`AuxLoss`.
+    with ``aux_loss_coeff`` the aux loss is also sown as :class:`AuxLoss` into an enclosing
+    ``nnx.capture`` (outside one nothing is stored on the module).
     """
 
     def __init__(self, in_features: int, num_experts: int, topk: int, *, param_dtype: Any = jnp.float32,
@@ -380,7 +397,7 @@ class TopKRouter(nnx.Module):
         logits = C.router_logits(x.reshape(-1, x.shape[-1]), self.kernel[...])
         r = C.route(logits, self.cfg, bias)
         if self.cfg.aux_loss_coeff:
-            self.sow(AuxLoss, "aux_loss", r.aux_loss)
+            _sow(self, AuxLoss, "aux_loss", r.aux_loss)
         if self.expert_bias is not None and not det:
             self.expert_bias[...] = C.updated_expert_bias(bias, r.tokens_per_expert, self.cfg.expert_bias_update_rate)
         return r
@@ -392,7 +409,9 @@ class MoEBlock(nnx.Module):
     Parameters: ``router.kernel [H, E]``, ``wi [E, H, 2F]`` (gated) or ``[E, H, F]``, ``wo [E, F, H]``.
     With ``expert_axis`` the experts are sharded over that mesh axis (``mesh`` or the mesh set with
     ``jax.set_mesh``) and tokens exchanged by all-to-all. Returns ``[..., H]``; the aux loss is sown
-    as :class:`AuxLoss` and the token counts as :class:`TokensPerExpert`. ``fp8``: the experts'
+    as :class:`AuxLoss` and the token counts as :class:`TokensPerExpert` into an enclosing
+    ``nnx.capture`` (outside one nothing is stored on the module: repeated calls leave its state, and
+    an ``nnx.jit`` of them traces once). ``fp8``: the experts'
     recipe (CurrentScaling, DelayedScaling or 1 x 128 / 128 x 128 BlockScaling), None (the
     context's) or False. ``fp8_dispatch`` (default True): with FP8 experts, quantize the tokens once
     and dispatch the FP8 rows (``te_ops.fp8.fp8_dispatch_grouped_dense``); with ``expert_axis`` the
@@ -454,18 +473,37 @@ class MoEBlock(nnx.Module):
             F.check_moe_state_tree("MoEBlock", state, recipe, self.wi.shape[0], "its FP8State variable (moe.fp8_state)")
         r = C.moe_apply(x, self.router.kernel[...], self.wi[...], self.wo[...], self.cfg, self.router.bias_value(),
                         dtype=self.dtype, mesh=self.mesh, fp8=recipe, fp8_state=state)  # fmt: skip
-        self.sow(AuxLoss, "aux_loss", r.aux_loss)
-        self.sow(TokensPerExpert, "tokens_per_expert", r.tokens_per_expert)
+        _sow(self, AuxLoss, "aux_loss", r.aux_loss)
+        _sow(self, TokensPerExpert, "tokens_per_expert", r.tokens_per_expert)
         self.router.update(self.cfg.router, r.tokens_per_expert, det)
         return r.out
 
 
 def collect_aux_loss(captured: Any) -> jax.Array:
     """Sum of the :class:`AuxLoss` values in ``captured``: the state ``nnx.capture(fn, AuxLoss)``
-    returned, or a module (its sown losses and token counts are popped)."""
+    returned, or a module (any :class:`AuxLoss` / :class:`TokensPerExpert` variables stored on it are
+    popped).
+
+    te_layers' modules sow only into an enclosing ``nnx.capture``: called outside one they leave
+    the module unchanged, so a module holds no aux loss of theirs. Given a module with an aux-loss
+    layer (MoEBlock, TopKRouter with ``aux_loss_coeff``) and nothing stored on it, this returns 0
+    with a warning: capture the loss instead.
+    """
     if isinstance(captured, nnx.Module):
         losses = nnx.pop(captured, AuxLoss)
         nnx.pop(captured, TokensPerExpert)
+        if not jax.tree.leaves(losses) and any(
+            isinstance(m, MoEBlock) or (isinstance(m, TopKRouter) and m.cfg.aux_loss_coeff)
+            for _, m in nnx.iter_modules(captured)
+        ):
+            warnings.warn(
+                "te_layers.nnx.collect_aux_loss: got a module with no aux loss stored on it; te_layers.nnx "
+                "modules sow their aux loss only inside nnx.capture (a call outside it leaves the module "
+                "unchanged). Capture it: `y, sown = nnx.capture(fn, te_layers.nnx.AuxLoss)(model, x)`, then "
+                "collect_aux_loss(sown).",
+                UserWarning,
+                stacklevel=2,
+            )
     else:
         losses = captured
     leaves = jax.tree.leaves(losses)

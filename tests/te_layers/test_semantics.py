@@ -1,5 +1,7 @@
 """The layers against direct jnp formulations, and framework-specific state (aux loss, expert bias)."""
 
+import warnings
+
 import equinox as eqx
 import flax.linen as nn
 import jax
@@ -208,3 +210,55 @@ def test_nnx_view_deterministic_on_a_model_equals_eval():
     assert not any(m.deterministic for m in (model.attn, model.drop, model.moe))
     model.eval()
     np.testing.assert_array_equal(np.asarray(fwd(model, x)[0]), np.asarray(y1))
+
+
+# ----------------------------------------------------------------------------------------------
+# NNX: aux losses are sown into nnx.capture only; a call outside it leaves the module unchanged
+# ----------------------------------------------------------------------------------------------
+
+
+def _nnx_snapshot(mod):
+    graphdef, state = nnx.split(mod)
+    return graphdef, [np.asarray(a) for a in jax.tree.leaves(state)]
+
+
+@pytest.mark.parametrize("layer", ["MoEBlock", "TopKRouter"])
+def test_nnx_aux_loss_outside_capture_leaves_the_module_unchanged(layer):
+    x = jax.random.normal(jax.random.key(23), (2, 8, 16))
+    if layer == "MoEBlock":
+        mod = te_nnx.MoEBlock(16, 4, 2, 8, aux_loss_coeff=0.1, rngs=nnx.Rngs(0))
+        want = C.moe_apply(x, mod.router.kernel[...], mod.wi[...], mod.wo[...], mod.cfg).aux_loss
+    else:
+        mod = te_nnx.TopKRouter(16, 4, 2, aux_loss_coeff=0.1, rngs=nnx.Rngs(0))
+        want = C.route(C.router_logits(x.reshape(-1, 16), mod.kernel[...]), mod.cfg).aux_loss
+    capture = nnx.jit(nnx.capture(lambda m, x: m(x), te_nnx.AuxLoss, te_nnx.TokensPerExpert))
+    _, sown, _ = capture(mod, x)
+    np.testing.assert_allclose(float(te_nnx.collect_aux_loss(sown)), float(want), rtol=1e-6)
+    assert float(want) > 0
+
+    traces = 0
+
+    @nnx.jit
+    def forward(m, x):
+        nonlocal traces
+        traces += 1
+        return m(x)
+
+    before = _nnx_snapshot(mod)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            forward(mod, x)
+        mod(x)  # eager too
+    assert traces == 1, f"{traces} traces for 4 calls: the module's state changed between calls"
+    assert not [w for w in caught if "sow" in str(w.message)], [str(w.message) for w in caught]
+    after = _nnx_snapshot(mod)
+    assert after[0] == before[0] and not nnx.state(mod, te_nnx.AuxLoss)
+    for a, b in zip(after[1], before[1], strict=True):
+        np.testing.assert_array_equal(a, b)
+
+    _, sown, counts = capture(mod, x)  # capture is as before: one aux loss (and token count) per call
+    assert len(jax.tree.leaves(sown)) == 1 and len(jax.tree.leaves(counts)) == (layer == "MoEBlock")
+    np.testing.assert_allclose(float(te_nnx.collect_aux_loss(sown)), float(want), rtol=1e-6)
+    with pytest.warns(UserWarning, match="sow their aux loss only inside nnx.capture"):
+        assert float(te_nnx.collect_aux_loss(mod)) == 0.0  # nothing on the module: say so, not a silent 0
