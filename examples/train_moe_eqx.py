@@ -62,7 +62,7 @@ class Block(eqx.Module):
                                 fp8=c["fp8"], key=km)  # fmt: skip
 
     def __call__(self, x, state: eqx.nn.State, *, key=None):
-        a, state = self.attn(self.ln1(x), state=state, key=key)
+        a, state = self.attn(self.ln1(x), state, key=key)
         h, x = self.ln2(a, residual=x)  # h = norm(x + a), x = x + a
         (y, aux), state = self.moe(h, state)
         return x + y, aux.aux_loss, state

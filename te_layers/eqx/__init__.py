@@ -13,11 +13,13 @@ of ``PartitionSpec`` (logical names) shaped like the model.
 FP8: ``Dense``, the ``MultiHeadAttention`` projections and the ``MoEBlock`` experts take ``fp8=`` (a
 ``te_ops.fp8`` recipe, None = the :func:`te_layers.fp8_recipe` context, False = high precision). A
 Dense or MoEBlock built with DelayedScaling holds an ``eqx.nn.StateIndex`` (``fp8_index``): call it
-as ``y, state = dense(x, state)`` (``(out, aux), state = moe(x, state)``) and update the state with
+as ``y, state = dense(x, state)`` (``(out, aux), state = moe(x, state)``; MultiHeadAttention
+``out, state = mha(x, state)`` too, or ``state=``) and update the state with
 :func:`fp8_value_and_grad` (``te_layers.eqx.fp8``). One that got DelayedScaling from the context
 (``fp8=None``) must be called inside the context too: called outside every ``fp8_recipe`` block it
 runs in high precision, its state entry is not updated, and it warns (``te_layers.fp8_recipe(None)``:
-no warning).
+no warning). Layers that hold no state (RMSNorm, LayerNorm, Softmax) refuse an ``eqx.nn.State`` in
+their second argument with an error that says so.
 
 Configuration is checked in ``__init__`` (``__check_init__`` for the field-only modules) and inputs when a
 module is called, with the same messages as the Linen and NNX modules (``te_layers.<Layer>: ...``).
@@ -40,7 +42,7 @@ from te_layers import _norm
 from te_layers import _validation as V
 from te_layers._norm import NormDenseOutput
 from te_layers.eqx.fp8 import fp8_accumulate, fp8_update, fp8_value_and_grad
-from te_layers.eqx.norm import LayerNorm, RMSNorm
+from te_layers.eqx.norm import LayerNorm, RMSNorm, _refuse_state
 
 Initializer = Callable[..., jax.Array]
 Axes = Sequence[str | None] | None
@@ -208,6 +210,7 @@ class Softmax(eqx.Module):
         V.check_softmax("Softmax", variant=self.variant, scale=self.scale)
 
     def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+        _refuse_state("Softmax", "mask", mask, "y = softmax(x)` or `softmax(x, mask)")
         x, mask = V.softmax_inputs("Softmax", x, mask, self.variant)
         return C.softmax_apply(x, variant=self.variant, scale=self.scale, mask=mask)
 
@@ -254,7 +257,10 @@ class MultiHeadAttention(eqx.Module):
 
     Call: ``mha(x, inputs_kv=None, *, segment_ids=None, segment_pos=None, seqlens=None, positions=None, bias=None,
     key=None, inference=None, state=None)`` -> ``[B, S, out_features or in_features]``, or ``(out, state)``
-    when ``state`` (an ``eqx.nn.State``, needed by delayed-scaling ``fp8``) is given.
+    when ``state`` (an ``eqx.nn.State``, needed by delayed-scaling ``fp8``) is given. The state may
+    also be passed positionally, ``out, state = mha(x, state)``, like the other layers that take one
+    (Dense, NormDense, MoEBlock): an ``eqx.nn.State`` in the ``inputs_kv`` position is the state
+    (cross-attention with a state: ``mha(x, inputs_kv, state=state)``).
     """
 
     qkv: Dense | None
@@ -307,6 +313,14 @@ class MultiHeadAttention(eqx.Module):
 
     def __call__(self, x, inputs_kv=None, *, segment_ids=None, segment_pos=None, seqlens=None, positions=None,
                  bias=None, key=None, inference: bool | None = None, state: eqx.nn.State | None = None):  # fmt: skip
+        if isinstance(inputs_kv, eqx.nn.State):  # mha(x, state), as dense(x, state) / moe(x, state)
+            if state is not None:
+                raise TypeError(
+                    V.err("MultiHeadAttention", "got an eqx.nn.State both as inputs_kv (the second positional "
+                                                "argument) and as state=; pass it once: `out, state = mha(x, state)`, "
+                                                "or `mha(x, inputs_kv, state=state)` for cross-attention.")
+                )  # fmt: skip
+            inputs_kv, state = None, inputs_kv
         in_features = (self.qkv if self.qkv is not None else self.query).kernel.shape[0]
         x, inputs_kv = V.mha_inputs(
             "MultiHeadAttention", x, inputs_kv, dtype=self.out.dtype, in_features=in_features,

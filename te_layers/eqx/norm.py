@@ -2,7 +2,8 @@
 ``te_layers.eqx``). ``num_features`` at construction; parameters ``scale [H]`` (and ``bias [H]``),
 logical axes in ``param_axes`` (read by ``te_layers.eqx.logical_axes``). Call ``norm(x)`` -> y, or
 ``norm(x, residual)`` -> ``NormOutput(y, h)`` with ``h = x + residual``. The initialisers are
-deterministic, so ``key`` is optional (accepted for symmetry with the other layers)."""
+deterministic, so ``key`` is optional (accepted for symmetry with the other layers). The norms hold no
+state: an ``eqx.nn.State`` passed as ``norm(x, state)`` is refused with an error that says so."""
 
 from __future__ import annotations
 
@@ -22,6 +23,18 @@ Axes = Sequence[str | None] | None
 
 def _axes(a: Axes):
     return None if a is None else tuple(a)
+
+
+def _refuse_state(layer: str, name: str, value: Any, call: str) -> None:
+    """A clear error for an ``eqx.nn.State`` passed positionally to a layer that holds none (it would
+    land in ``name``): the layers that take a state (Dense, NormDense, MultiHeadAttention, MoEBlock)
+    take it as ``layer(x, state)``, these take none."""
+    if isinstance(value, eqx.nn.State):
+        raise TypeError(
+            V.err(layer, f"got an eqx.nn.State as {name}; {layer} holds no state and takes none: call it as "
+                         f"`{call}` and keep the state for the layers that take one (Dense, NormDense, "
+                         "MultiHeadAttention, MoEBlock).")
+        )  # fmt: skip
 
 
 class RMSNorm(eqx.Module):
@@ -50,6 +63,7 @@ class RMSNorm(eqx.Module):
         self.param_axes = {"scale": _axes(scale_axes)}
 
     def __call__(self, x: jax.Array, residual: jax.Array | None = None):
+        _refuse_state("RMSNorm", "residual", residual, "y = norm(x)` or `norm(x, residual)")
         x, residual = V.norm_inputs("RMSNorm", x, residual, self.dtype, self.scale.shape[0])
         return _norm.norm_apply("rms", x, self.scale, None, residual, epsilon=self.epsilon,
                                 zero_centered_gamma=self.zero_centered_gamma, dtype=self.dtype)  # fmt: skip
@@ -86,6 +100,7 @@ class LayerNorm(eqx.Module):
                            "bias": _axes(bias_axes if bias_axes is not None else scale_axes)}  # fmt: skip
 
     def __call__(self, x: jax.Array, residual: jax.Array | None = None):
+        _refuse_state("LayerNorm", "residual", residual, "y = norm(x)` or `norm(x, residual)")
         x, residual = V.norm_inputs("LayerNorm", x, residual, self.dtype, self.scale.shape[0])
         return _norm.norm_apply("layer", x, self.scale, self.bias, residual, epsilon=self.epsilon,
                                 zero_centered_gamma=self.zero_centered_gamma, dtype=self.dtype)  # fmt: skip

@@ -795,3 +795,45 @@ def test_delayed_state_without_recipe_nnx_step_warns_and_state_stays():
         mha = te_nnx.MultiHeadAttention(KIN, 2, 8, rngs=nnx.Rngs(0))
     _, msgs = _state_warnings(lambda: mha(_x(13, (2, 8, KIN))))
     assert msgs and all(m.startswith("te_layers.Dense: ") for m in msgs)  # its projections
+
+
+# ----------------------------------------------------------------------------------------------
+# Equinox: MultiHeadAttention takes the state positionally, like Dense / NormDense / MoEBlock
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fused_qkv", [True, False])
+def test_eqx_mha_takes_the_state_positionally(fused_qkv):
+    x = _x(14, (A.B, A.S, A.H))
+    with te_layers.fp8_recipe(DELAYED):
+        mha, state = eqx.nn.make_with_state(te_eqx.MultiHeadAttention)(
+            A.H, A.NH, A.D, num_kv_heads=A.NKV, fused_qkv=fused_qkv, key=jax.random.key(3))  # fmt: skip
+        out_kw, st_kw = mha(x, state=state)
+        out_pos, st_pos = mha(x, state)  # was: the state taken as inputs_kv ("inputs_kv must be None ...")
+        _exact(out_pos, out_kw)
+
+        def loss(positional):
+            def fn(m, st, x):
+                return _loss_of((m(x, st) if positional else m(x, state=st))[0])
+
+            leaves, treedef = jax.tree.flatten(state)  # a copy: fp8_update consumes the state it is given
+            fresh = jax.tree.unflatten(treedef, leaves)
+            return te_eqx.fp8_value_and_grad(fn)(mha, fresh, x)
+
+        (v_pos, g_pos, new_pos), (v_kw, g_kw, new_kw) = loss(True), loss(False)
+        _exact(v_pos, v_kw)
+        for a, b in zip(jax.tree.leaves((g_pos, new_pos)), jax.tree.leaves((g_kw, new_kw)), strict=True):
+            _exact(a, b)
+        assert float(new_pos.get(mha.out.fp8_index)["x"]["amax_history"][0]) > 0
+        with pytest.raises(TypeError, match=r"MultiHeadAttention: got an eqx.nn.State both as inputs_kv .* state="):
+            mha(x, state, state=state)
+        if not fused_qkv:  # cross-attention with a state: inputs_kv positional, state keyword
+            kv = _x(15, (A.B, A.S + 3, A.H))
+            out, _ = mha(x, kv, state=state)
+            assert out.shape == x.shape
+
+    plain = te_eqx.MultiHeadAttention(A.H, A.NH, A.D, num_kv_heads=A.NKV, key=jax.random.key(3))
+    empty = eqx.nn.State(plain)  # no delayed scaling: the state passes through
+    out, st = plain(x, empty)
+    _exact(out, plain(x))
+    assert st is empty

@@ -720,3 +720,17 @@ def test_moe_zero_tokens_gradient(framework):
     assert float(value) == 0.0
     leaves = jax.tree.leaves(grads)
     assert leaves and all(not np.any(np.asarray(g)) for g in leaves)
+
+
+# ----------------------------------------------------------------------------------------------
+# Equinox: layers that hold no state refuse an eqx.nn.State passed as ``layer(x, state)``
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layer,slot", [("RMSNorm", "residual"), ("LayerNorm", "residual"), ("Softmax", "mask")])
+def test_eqx_stateless_layers_refuse_a_state(layer, slot):
+    module = {"RMSNorm": lambda: te_eqx.RMSNorm(H), "LayerNorm": lambda: te_eqx.LayerNorm(H),
+              "Softmax": lambda: te_eqx.Softmax()}[layer]()  # fmt: skip
+    state = eqx.nn.State(te_eqx.Dense(H, 8, key=jax.random.key(0)))
+    with pytest.raises(TypeError, match=rf"^te_layers\.{layer}: got an eqx.nn.State as {slot}; {layer} holds no state"):
+        module(_x((B, S, H)), state)
