@@ -120,7 +120,7 @@ def _block_quantize_local(x, block, fmt, power_of_2, margin) -> QuantizedTensor:
 
 # warps of the 128 x 128-tile fused activation-backward quantize kernel (dact_dbias_quantize), and
 # rows per slice of its two-pass walk over the tile (0: the whole tile at once; see DUAL_SUB)
-QUANT_TILE_WARPS = 16
+QUANT_TILE_WARPS = 8
 DACT_SUB = 0
 DACT_UNROLL = 1
 # warps of the 128 x 128-tile dual quantize kernel. Fewer warps, more programs per SM, more loads in
