@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -204,6 +205,8 @@ def load(results_dir: Path = RESULTS) -> dict[str, list[Result]]:
         for path in sorted(dev_dir.glob("*.json")):
             data = json.loads(path.read_text())
             op = data.get("op", path.stem)
+            if re.fullmatch(r"train_moe_b\d+", op):  # benchmarks/train_moe.py --batch N: same layout
+                op = "train_moe"
             if "summary" in data:
                 rows = tuple(_summary(op, data))
             elif op in READERS:
