@@ -16,7 +16,12 @@ te_layers step reported beside the plain-JAX model's.
   tests/gpu/cmdbuf.py: fusions and te_ops' custom calls in CUDA graphs), each appended to ``$XLA_FLAGS``.
   Passes when the 20 float32 losses are bit-identical. A second run with command buffers off (the control,
   ``--no-cmdbuf-control`` skips it) tells a command-buffer difference from run-to-run nondeterminism.
-  On CPU the flags do nothing; the check still runs.
+  So that only command buffers differ, every child (off, on and the control) is made deterministic run to
+  run: ``--xla_gpu_deterministic_ops=true`` (XLA's scatter-adds and other atomics made deterministic, and
+  te_ops.fused_attention's cuDNN backward, which follows that flag, uses cuDNN's deterministic algorithm)
+  and ``--xla_gpu_autotune_level=0`` (no timed GEMM autotuning) are appended too, and the native dense
+  op's timed cuBLASLt candidate choice is pinned to candidate 0 (``dense_force_candidate(0)``, as
+  tests/gpu/test_concurrency_gpu.py does). On CPU the flags do nothing; the check still runs.
 * Part C: peak device memory of a training step, benchmarks/train_moe.py's configuration (d1024 L4 16/4
   heads E16 top-2 ffn2048 bf16, 16 x 1024 tokens) and models (its ``build_models`` and ``Runner``):
   ``te_layers`` and ``strong_cf1.25`` (cuDNN attention, capacity-padded einsum experts, capacity factor
@@ -70,15 +75,28 @@ TINY = dict(fa.TINY, steps=20, eval_every=5, last_steps=5, train_every=2)
 # Part B: command buffers off (an empty list) and on, as tests/gpu/cmdbuf.py's CMDBUF_FLAGS.
 CMDBUF_OFF = "--xla_gpu_enable_command_buffer="
 CMDBUF_ON = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
-CMDBUF_RUNS = {"off": CMDBUF_OFF, "on": CMDBUF_ON, "off_repeat": CMDBUF_OFF}
+# Every Part B child: deterministic run to run (XLA's deterministic ops, which te_ops.fused_attention's cuDNN
+# backward follows; no timed GEMM autotuning), so that only the command-buffer flags differ between them. The
+# child also pins native dense's timed cuBLASLt candidate (cmdbuf_child).
+DETERMINISM_FLAGS = "--xla_gpu_deterministic_ops=true --xla_gpu_autotune_level=0"
+DENSE_CANDIDATE = 0
+CMDBUF_RUNS = {
+    "off": f"{CMDBUF_OFF} {DETERMINISM_FLAGS}",
+    "on": f"{CMDBUF_ON} {DETERMINISM_FLAGS}",
+    "off_repeat": f"{CMDBUF_OFF} {DETERMINISM_FLAGS}",
+}
 MEMORY_MODELS = "te_layers,strong_cf1.25"
 CHILD_MARK = "LONG_RUN_CHILD "
 DEFINITIONS = {
     "part_a": "examples/train_moe.py main() with config (fp8 none); no_nan: every training and validation loss "
     "finite; train_curve: [step, loss] every train_every steps; train_losses_first: steps 1..20 exactly",
-    "part_b": "float32 training losses of steps 1..steps in fresh processes, XLA_FLAGS + flags_appended; "
-    "identical: off and on bit-identical; control_off_repeat_identical: off twice; part_a_first_steps_equal: "
-    "each run vs Part A's first losses (Part A ran in the parent with its XLA_FLAGS; informational)",
+    "part_b": "float32 training losses of steps 1..steps in fresh processes, XLA_FLAGS + flags_appended: the "
+    "command-buffer flags (off / on) plus, in every run, --xla_gpu_deterministic_ops=true (XLA's deterministic "
+    "ops; te_ops.fused_attention's cuDNN backward follows it with cuDNN's deterministic algorithm) and "
+    "--xla_gpu_autotune_level=0 (no timed GEMM autotuning), and native dense's cuBLASLt candidate pinned "
+    "(dense_candidate_pinned), so that only command buffers differ; identical: off and on bit-identical; "
+    "control_off_repeat_identical: off twice; part_a_first_steps_equal: each run vs Part A's first losses "
+    "(Part A ran in the parent with its XLA_FLAGS, without these flags; informational)",
     "part_c": "per model a fresh process (XLA_PYTHON_CLIENT_PREALLOCATE=false): init, then memory_steps training "
     "steps; peak_bytes_in_use: device memory_stats() peak of the process (null: backend without statistics); "
     "memory_analysis: the compiled step's, estimated_peak_bytes = argument + output - alias + temp",
@@ -97,12 +115,27 @@ def cmdbuf_child(cfg: dict, n: int) -> dict:
     import jax
 
     t0 = time.perf_counter()
+    pinned = pin_dense_candidate()
     ex = load_example()
     with tempfile.TemporaryDirectory(prefix="long_run_cmdbuf_") as tmp:
         with fa.without_plot_if_no_matplotlib(ex):
             summary = ex.main(fa.example_argv(cfg, "none", tmp) + ["--stop-at", str(n)])
     return {"losses": [float(v) for v in summary["losses"]], "backend": jax.default_backend(),
-            "xla_flags": os.environ.get("XLA_FLAGS", ""), "seconds": time.perf_counter() - t0}  # fmt: skip
+            "xla_flags": os.environ.get("XLA_FLAGS", ""), "seconds": time.perf_counter() - t0,
+            "dense_candidate_pinned": pinned}  # fmt: skip
+
+
+def pin_dense_candidate() -> int | None:
+    """Pins native dense's cuBLASLt algorithm to candidate DENSE_CANDIDATE instead of the fastest one it times
+    (a timing-based choice that can differ between processes), as tests/gpu/test_concurrency_gpu.py does. The
+    candidate pinned, or None where the extension (or the hook) is absent, e.g. on CPU."""
+    from te_ops._core import native
+
+    cublaslt = native._loaded.get("_native_cublaslt")
+    if not hasattr(cublaslt, "dense_force_candidate"):
+        return None
+    cublaslt.dense_force_candidate(DENSE_CANDIDATE)
+    return DENSE_CANDIDATE
 
 
 def _memory_stats(dev) -> dict | None:
@@ -262,9 +295,12 @@ def part_b(cfg: dict, n: int, control: bool, timeout: float) -> dict:
             continue
         argv = ["--cmdbuf-child", "--cmdbuf-steps", str(n), *config_argv(cfg)]
         report, info = run_child(f"command buffers {name}", argv, child_env(flags), timeout)
-        runs[name] = {"flags_appended": flags, **info, "losses": None if report is None else report["losses"],
-                      "xla_flags": None if report is None else report["xla_flags"],
-                      "backend": None if report is None else report["backend"]}  # fmt: skip
+        rep = report or {}
+        runs[name] = {
+            "flags_appended": flags,
+            **info,
+            **{k: rep.get(k) for k in ("losses", "xla_flags", "backend", "dense_candidate_pinned")},
+        }
         if report is not None:
             print(
                 f"  {name:<10} {info['seconds']:.1f}s  losses {report['losses'][0]:.6f} .. {report['losses'][-1]:.6f}"

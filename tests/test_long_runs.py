@@ -164,8 +164,11 @@ def test_long_run_tiny(tmp_path, monkeypatch):
     b = rec["part_b"]
     assert b["errors"] == [] and list(b["runs"]) == ["off", "on"] and b["steps"] == 5
     off, on = b["runs"]["off"], b["runs"]["on"]
-    assert off["xla_flags"].endswith(lr.CMDBUF_OFF + " --xla_backend_optimization_level=0")
+    assert off["xla_flags"].endswith(lr.CMDBUF_RUNS["off"] + " --xla_backend_optimization_level=0")
     assert lr.CMDBUF_ON in on["xla_flags"] and on["rc"] == 0
+    # both children deterministic run to run (only command buffers differ); CPU: no cuBLASLt to pin
+    assert all(lr.DETERMINISM_FLAGS in r["xla_flags"] for r in (off, on))
+    assert off["dense_candidate_pinned"] is None and on["dense_candidate_pinned"] is None
     assert len(off["losses"]) == 5 and _finite(off["losses"])
     assert b["identical"] is True and b["max_abs_diff"] == 0.0 and off["losses"] == on["losses"]
     # the children ran the first steps of Part A's run (same init, batches, schedule); compiled differently, so
@@ -229,3 +232,11 @@ def test_long_run_uses_the_projects_command_buffer_flags():
 
     assert lr.CMDBUF_ON == CMDBUF_FLAGS
     assert lr.CMDBUF_OFF == "--xla_gpu_enable_command_buffer="
+    # every Part B child: XLA's deterministic ops (which fused_attention's cuDNN backward follows) and no timed
+    # GEMM autotuning, so that only the command-buffer flags differ between off, on and the control
+    assert lr.DETERMINISM_FLAGS.split() == ["--xla_gpu_deterministic_ops=true", "--xla_gpu_autotune_level=0"]
+    assert lr.CMDBUF_RUNS == {
+        "off": lr.CMDBUF_OFF + " " + lr.DETERMINISM_FLAGS,
+        "on": lr.CMDBUF_ON + " " + lr.DETERMINISM_FLAGS,
+        "off_repeat": lr.CMDBUF_OFF + " " + lr.DETERMINISM_FLAGS,
+    }

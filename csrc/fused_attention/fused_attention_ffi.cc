@@ -45,6 +45,7 @@ struct Common {
   int32_t stats = 1;
   int32_t need_dbias = 0;
   int32_t bottom_right = 0;  // diagonal band aligned at the bottom-right corner (TOP_LEFT otherwise)
+  int32_t deterministic = 0;  // backward: cuDNN's deterministic algorithm
 };
 
 ffi::Error FillConfig(const char* op, int device, bool backward, const AnyBuffer& q, const AnyBuffer& k,
@@ -88,6 +89,7 @@ ffi::Error FillConfig(const char* op, int device, bool backward, const AnyBuffer
   cfg->padding = c.padding != 0;
   cfg->stats = backward || c.stats != 0;
   cfg->dbias = backward && c.has_bias && c.need_dbias != 0;
+  cfg->deterministic = backward && c.deterministic != 0;
   if (c.has_bias) {
     auto bd = bias.dimensions();
     if (bd.size() != 4 || (bd[0] != 1 && bd[0] != cfg->b) || (bd[1] != 1 && bd[1] != cfg->hq) || bd[2] != cfg->sq ||
@@ -224,11 +226,12 @@ ffi::Error BwdImpl(cudaStream_t stream, int32_t device, AnyBuffer q, AnyBuffer k
                    ffi::RemainingArgs, Result<AnyBuffer> dq, Result<AnyBuffer> dk, Result<AnyBuffer> dv,
                    Result<AnyBuffer> dbias, Result<AnyBuffer> workspace, float scale, float dropout, int32_t has_bias,
                    int32_t padding, int32_t left_bound, int32_t right_bound, int32_t need_dbias,
-                   int32_t bottom_right) {
+                   int32_t bottom_right, int32_t deterministic) {
   const char* op = kBwdName;
   Config cfg;
   Common c{has_bias, padding, left_bound, right_bound, scale, dropout, 1, need_dbias};
   c.bottom_right = bottom_right;
+  c.deterministic = deterministic;
   TE_RETURN_IF_ERROR(FillConfig(op, device, true, q, k, v, bias, q_len, kv_len, seed, c, &cfg));
   if (lse.element_type() != ffi::DataType::F32 || NumElements(lse) != cfg.b * cfg.hq * cfg.sq) {
     return Invalid(op, "lse must be float32 [B, Hq, Sq], got " + ShapeStr(lse.dimensions()));
@@ -314,8 +317,9 @@ auto BindBwd() {
       .template Attr<int32_t>("padding")
       .template Attr<int32_t>("left_bound")
       .template Attr<int32_t>("right_bound")
-      .template Attr<int32_t>("need_dbias")     // the bias is the user's (not only the segment mask)
-      .template Attr<int32_t>("bottom_right");  // 1: BOTTOM_RIGHT diagonal alignment, 0: TOP_LEFT
+      .template Attr<int32_t>("need_dbias")      // the bias is the user's (not only the segment mask)
+      .template Attr<int32_t>("bottom_right")    // 1: BOTTOM_RIGHT diagonal alignment, 0: TOP_LEFT
+      .template Attr<int32_t>("deterministic");  // 1: cuDNN's deterministic backward (no atomic dQ accumulation)
 }
 
 constexpr ExecutionStage kInit = ExecutionStage::kInitialize;

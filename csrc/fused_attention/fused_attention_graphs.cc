@@ -30,7 +30,8 @@ std::string Config::Key() const {
          "," + Str(sk) + "," + Str(hq) + "," + Str(hk) + "," + Str(d) + "," + Str(dv) + "|bias" + Str(bias_b) + "x" +
          Str(bias_h) + "|pad" + Str(static_cast<int>(padding)) + "|lb" + Str(left_bound) + "|rb" + Str(right_bound) +
          "|br" + Str(static_cast<int>(bottom_right)) + "|s" + scale_hex + "|p" + drop_hex + "|st" +
-         Str(static_cast<int>(backward || stats)) + "|db" + Str(static_cast<int>(backward && dbias));
+         Str(static_cast<int>(backward || stats)) + "|db" + Str(static_cast<int>(backward && dbias)) + "|det" +
+         Str(static_cast<int>(backward && deterministic));
 }
 
 std::string Config::Describe() const {
@@ -46,6 +47,7 @@ std::string Config::Describe() const {
   if (dropout > 0.f) s += " dropout=" + Str(dropout);
   if (!backward && !stats) s += " inference";
   if (backward && dbias) s += " dbias";
+  if (backward && deterministic) s += " deterministic";
   return s;
 }
 
@@ -182,6 +184,7 @@ std::string Build(const Config& cfg, cudnnHandle_t handle, Entry* entry) {
                                .set_data_type(fe::DataType_t::FLOAT));
     auto attrs = fe::graph::SDPA_backward_attributes().set_name("te_sdpa_bwd");
     SetCommon(cfg, *g, attrs, &seq_q, &seq_kv, &seed, &offset, &bias);
+    if (cfg.deterministic) attrs.set_deterministic_algorithm(true);  // ordered dQ accumulation, no atomics
     if (cfg.has_bias() && cfg.dbias) {
       auto dbias = g->tensor(fe::graph::Tensor_attributes()
                                  .set_name("dbias")
@@ -313,8 +316,9 @@ std::string Execute(const Config& cfg, const Entry& entry, cudaStream_t stream, 
 //
 // ints: device, io (0 bf16, 1 f16), backward, b, sq, sk, hq, hk, d, dv, bias_b, bias_h, padding,
 //       left_bound, right_bound, stats (forward: 1 training, 0 inference), dbias (backward: 1 = compute the
-//       bias gradient), bottom_right (1: band aligned at the bottom-right corner). Returns 0 when supported
-//       (workspace set), 1 when not (err filled), 2 on bad arguments.
+//       bias gradient), bottom_right (1: band aligned at the bottom-right corner), deterministic (backward:
+//       1 = cuDNN's deterministic algorithm; it can change the workspace size and the verdict). Returns 0 when
+//       supported (workspace set), 1 when not (err filled), 2 on bad arguments.
 extern "C" __attribute__((visibility("default"))) int te_fused_attention_query(const int64_t* ints, int n_ints,
                                                                                  double scale, double dropout,
                                                                                  int64_t* workspace, char* err,
@@ -327,7 +331,7 @@ extern "C" __attribute__((visibility("default"))) int te_fused_attention_query(c
     }
     return code;
   };
-  if (ints == nullptr || n_ints != 18) return fail("te_fused_attention_query: expected 18 ints", 2);
+  if (ints == nullptr || n_ints != 19) return fail("te_fused_attention_query: expected 19 ints", 2);
   Config cfg;
   cfg.device = static_cast<int>(ints[0]);
   cfg.io = ints[1] == 0 ? IoType::kBF16 : IoType::kF16;
@@ -347,6 +351,7 @@ extern "C" __attribute__((visibility("default"))) int te_fused_attention_query(c
   cfg.stats = ints[15] != 0;
   cfg.dbias = cfg.backward && cfg.bias_b > 0 && ints[16] != 0;
   cfg.bottom_right = ints[17] != 0;
+  cfg.deterministic = cfg.backward && ints[18] != 0;
   cfg.scale = static_cast<float>(scale);
   cfg.dropout = static_cast<float>(dropout);
   auto entry = GetOrBuild(cfg);

@@ -41,6 +41,7 @@ struct Config {
   float dropout = 0.f;             // probability of dropping; > 0 needs seed/offset int64 [1] tensors
   bool stats = true;               // forward: write the softmax statistics (training); false = inference
   bool dbias = false;              // backward: also compute the bias gradient (only for a user bias)
+  bool deterministic = false;      // backward: cuDNN's deterministic algorithm (no atomic dQ accumulation)
 
   bool has_bias() const { return bias_b > 0; }
   std::string Key() const;

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import os
 from typing import Any
 
 import jax
@@ -168,13 +169,17 @@ def _unpack(present, arrays):
 
 
 @functools.cache
-def _build(mask_type, window, scale, dropout_rate, implementation, present):
+def _build(mask_type, window, scale, dropout_rate, implementation, present, deterministic):
     statics = dict(mask_type=mask_type, window=window, scale=scale, dropout_rate=dropout_rate)
+    bwd_statics = dict(statics, deterministic=deterministic)  # the backward's algorithm choice
+    # Every stage's support check sees it: cuDNN may refuse (or size the workspace differently for) the
+    # deterministic backward, and forward and backward must then fall back to the reference together.
+    desc_statics = bwd_statics
 
     def fwd_impl(q, k, v, *optional):
         opt = _unpack(present, optional)
         args = (q, k, v, *(opt[n] for n in OPTIONAL))
-        out, res = FAMILY.dispatch(implementation, "forward", args, statics, _call_desc(q, k, v, opt, statics))
+        out, res = FAMILY.dispatch(implementation, "forward", args, statics, _call_desc(q, k, v, opt, desc_statics))
         return out, res.lse
 
     def infer_impl(q, k, v, *optional):  # primal outside autodiff: no statistics (cuDNN inference graph)
@@ -185,7 +190,7 @@ def _build(mask_type, window, scale, dropout_rate, implementation, present):
             "forward",
             args,
             {**statics, "need_stats": False},
-            _call_desc(q, k, v, opt, statics),
+            _call_desc(q, k, v, opt, desc_statics),
         )
         return out
 
@@ -207,7 +212,7 @@ def _build(mask_type, window, scale, dropout_rate, implementation, present):
             opt["kv_segment_pos"],
         )
         dq, dk, dv, dbias = FAMILY.dispatch(
-            implementation, "backward", (res, g), statics, _call_desc(q, k, v, opt, statics)
+            implementation, "backward", (res, g), bwd_statics, _call_desc(q, k, v, opt, desc_statics)
         )
         return (dq, dk, dv) + ((dbias,) if opt["bias"] is not None else ())
 
@@ -232,6 +237,35 @@ def _build(mask_type, window, scale, dropout_rate, implementation, present):
 
     op.defvjp(op_fwd, op_bwd)
     return op
+
+
+_DETERMINISM_FLAGS = ("--xla_gpu_deterministic_ops", "--xla_gpu_exclude_nondeterministic_ops")
+
+
+def xla_deterministic_flag() -> bool:
+    """Whether XLA_FLAGS (the environment variable, read now) turns on XLA's GPU determinism:
+    ``--xla_gpu_deterministic_ops=true`` or ``--xla_gpu_exclude_nondeterministic_ops=true`` (the last
+    occurrence of a flag wins; a bare ``--flag`` means true)."""
+    on = dict.fromkeys(_DETERMINISM_FLAGS, False)
+    for tok in os.environ.get("XLA_FLAGS", "").split():
+        name, eq, value = tok.partition("=")
+        if name in on:
+            on[name] = (not eq) or value.strip().lower() in ("true", "1")
+    return any(on.values())
+
+
+def _check_deterministic(deterministic: Any) -> bool:
+    if deterministic is None:
+        return xla_deterministic_flag()
+    if not isinstance(deterministic, bool):
+        raise TypeError(
+            _err(
+                f"deterministic must be a Python bool or None (None: follow --xla_gpu_deterministic_ops in "
+                f"XLA_FLAGS), got {type(deterministic).__name__} {deterministic!r:.60}. It is static: pass a "
+                "Python bool, not an array."
+            )
+        )
+    return bool(deterministic)
 
 
 def _check_rng(rng: Any) -> jax.Array:
@@ -278,6 +312,7 @@ def fused_attention(
     dropout_rate: float = 0.0,
     rng: jax.Array | None = None,
     implementation: str | None = None,
+    deterministic: bool | None = None,
 ) -> jax.Array:
     """Scaled dot-product attention, fused: ``softmax(scale * q k^T + bias, masked) v``.
 
@@ -353,6 +388,15 @@ def fused_attention(
       dropout_rate: static float in [0, 1); needs ``rng``.
       rng: JAX PRNG key (typed or raw uint32[2]); same key, same result.
       implementation: None (best available), "native" or "reference".
+      deterministic: static bool or None. True: the native (cuDNN) backward uses cuDNN's
+        deterministic algorithm (dQ accumulated in a fixed order instead of with atomics), so
+        repeated runs on the same inputs give bit-identical gradients; it can be slower, and where
+        cuDNN has no deterministic kernel for the configuration, ``implementation=None`` runs the
+        reference. False: cuDNN's default backward, whose dQ may differ in the last bits run to run.
+        None (default): True when the XLA_FLAGS environment variable holds
+        ``--xla_gpu_deterministic_ops=true`` (or ``--xla_gpu_exclude_nondeterministic_ops=true``) at
+        trace time, else False. The reference path ignores it (its XLA ops follow that flag); the
+        forward is the same either way.
 
     Returns:
       ``[B, Sq, Hq, Dv]`` in q's dtype.
@@ -410,6 +454,7 @@ def fused_attention(
             )
         )
     window = _check_window(window_size)
+    deterministic = _check_deterministic(deterministic)
     if scale is None:
         scale = 1.0 / math.sqrt(d)
     scale = static_float(OP, "scale", scale)
@@ -445,4 +490,5 @@ def fused_attention(
         opt["seed"] = dropout_seeds(_check_rng(rng), b, hq)
     present = tuple(opt[n] is not None for n in OPTIONAL)
     optional = tuple(opt[n] for n in OPTIONAL if opt[n] is not None)
-    return _build(mask_type, window, scale, dropout_rate, implementation, present)(*match_vma(q, k, v, optional))
+    op = _build(mask_type, window, scale, dropout_rate, implementation, present, deterministic)
+    return op(*match_vma(q, k, v, optional))

@@ -23,7 +23,10 @@ Mapping of the te_ops semantics onto cuDNN:
   takes no bias) -> the causal and window rules go into that additive mask too ("folded"), and cuDNN
   gets no diagonal band (its band compares indices, not positions);
 * dropout -> cuDNN Philox dropout; int64 seed and offset read on the device from the first of the
-  op's per-(batch, head) uint32[4] seeds of this shard (so shards draw different masks).
+  op's per-(batch, head) uint32[4] seeds of this shard (so shards draw different masks);
+* deterministic (backward) -> ``set_deterministic_algorithm(true)`` on the SDPA backward node (dQ is
+  otherwise accumulated with atomics, so its low bits vary run to run); part of the support query,
+  since it can change cuDNN's verdict and the workspace size.
 
 Rows (queries) with no visible key, keys that no query sees, and the gradient entries of masked bias
 positions are set to exactly 0 here with cheap ``where`` ops (cuDNN leaves some of them unwritten or
@@ -131,9 +134,14 @@ def _graph_config(
     )  # fmt: skip
 
 
-def _ints(cfg, backward: bool, *, stats: bool = True, dbias: bool = False, device: int = 0) -> tuple[int, ...]:
+def _ints(
+    cfg, backward: bool, *, stats: bool = True, dbias: bool = False, deterministic: bool = False, device: int = 0
+) -> tuple[int, ...]:
     io, *rest, bottom_right = cfg
-    return (device, io, int(backward), *rest, int(stats or backward), int(backward and dbias), bottom_right)
+    return (
+        device, io, int(backward), *rest, int(stats or backward), int(backward and dbias), bottom_right,
+        int(backward and deterministic),
+    )  # fmt: skip
 
 
 def unsupported_reason(
@@ -149,6 +157,7 @@ def unsupported_reason(
     window=None,
     scale=1.0,
     dropout_rate=0.0,
+    deterministic=False,
     **_,
 ) -> str | None:
     if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
@@ -170,7 +179,8 @@ def unsupported_reason(
         has_positions=has_positions,
     )
     for backward in (False, True):
-        why, _ = query(_ints(cfg, backward, dbias=bias_shape is not None), float(scale), float(dropout_rate))
+        ints = _ints(cfg, backward, dbias=bias_shape is not None, deterministic=bool(deterministic))
+        why, _ = query(ints, float(scale), float(dropout_rate))
         if why is not None:
             kind = "backward" if backward else "forward"
             return f"cuDNN cannot run this {kind} configuration: {why}"
@@ -255,11 +265,13 @@ def _operands(q, bias_total, q_seqlens, kv_seqlens, seed, mask_type):
     )
 
 
-def _attrs(cfg, scale, dropout_rate, has_bias, stats=None, need_dbias=None):
+def _attrs(cfg, scale, dropout_rate, has_bias, stats=None, need_dbias=None, deterministic=None):
     _, _, _, _, _, _, _, _, _, _, padding, left_bound, right_bound, bottom_right = cfg
     extra = {} if stats is None else {"stats": np.int32(stats)}
     if need_dbias is not None:
         extra["need_dbias"] = np.int32(need_dbias)
+    if deterministic is not None:  # backward only
+        extra["deterministic"] = np.int32(deterministic)
     return dict(
         **extra,
         scale=np.float32(scale),
@@ -378,7 +390,11 @@ def forward(
     return out, res
 
 
-def backward(res: Residuals, g, *, mask_type: str, window, scale: float, dropout_rate: float):
+def backward(
+    res: Residuals, g, *, mask_type: str, window, scale: float, dropout_rate: float, deterministic: bool = False
+):
+    """deterministic: cuDNN's deterministic backward algorithm (dQ accumulated in a fixed order, not with
+    atomics), so two runs on the same inputs give bit-identical gradients; can be slower."""
     q, k, v, bias = res.q, res.k, res.v, res.bias
     b, s_q, hq, d = q.shape
     s_k = k.shape[1]
@@ -387,7 +403,8 @@ def backward(res: Residuals, g, *, mask_type: str, window, scale: float, dropout
         res.q_segment_pos, res.kv_segment_pos,
     )  # fmt: skip
     cfg, fold = _setup(q, k, v, bias, masks)
-    why, ws = query(_ints(cfg, True, dbias=bias is not None), float(scale), float(dropout_rate))
+    ints = _ints(cfg, True, dbias=bias is not None, deterministic=deterministic)
+    why, ws = query(ints, float(scale), float(dropout_rate))
     if why is not None:
         raise RuntimeError(f"te_ops.fused_attention: cuDNN cannot run this backward configuration: {why}")
     row, col = _valid(b, s_q, s_k, masks)
@@ -415,7 +432,14 @@ def backward(res: Residuals, g, *, mask_type: str, window, scale: float, dropout
         g,
         lse.astype(jnp.float32),
         *_operands(q, bias_total, res.q_seqlens, res.kv_seqlens, res.seed, mask_type),
-        **_attrs(cfg, scale, dropout_rate, bias_total is not None, need_dbias=int(bias is not None)),
+        **_attrs(
+            cfg,
+            scale,
+            dropout_rate,
+            bias_total is not None,
+            need_dbias=int(bias is not None),
+            deterministic=int(bool(deterministic)),
+        ),
     )
     zero = jnp.zeros((), q.dtype)
     if row is not None:

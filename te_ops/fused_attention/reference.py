@@ -272,7 +272,10 @@ def forward(
     return out, res
 
 
-def backward(res: Residuals, g, *, mask_type: str, window, scale: float, dropout_rate: float):
+def backward(
+    res: Residuals, g, *, mask_type: str, window, scale: float, dropout_rate: float, deterministic: bool = False
+):
+    del deterministic  # XLA's ops here: deterministic under --xla_gpu_deterministic_ops, nothing to choose
     q, k, v, bias = res.q, res.k, res.v, res.bias
     b, s_q, hq, _ = q.shape
     hk = k.shape[2]

@@ -569,6 +569,95 @@ def test_native_glue_with_emulated_cudnn(case, monkeypatch):
         _close(gn, gr, jnp.float16, scale=8.0, msg=case)
 
 
+# ----------------------------------------------------------------------------------------------
+# deterministic=: lowered for CUDA on this CPU machine (nothing runs), the native backward's FFI call
+# carries the attribute, and the support query asks cuDNN for the same backward graph.
+# ----------------------------------------------------------------------------------------------
+
+
+def _lower_native_grad(monkeypatch, seq, **kw):
+    import re
+
+    from te_ops._core import native as core_native
+    from te_ops.fused_attention import native as nat
+
+    monkeypatch.setattr(core_native, "cuda_device_unavailable_reason", lambda: None)
+    monkeypatch.setattr(core_native, "native_unavailable_reason", lambda name="_native", op=None: None)
+    monkeypatch.setattr(core_native, "ensure_registered", lambda: None)
+    asked = []
+    monkeypatch.setattr(nat, "query", lambda ints, scale, dropout: asked.append(ints) or (None, 256))
+    # each variant its own shape: jax caches traces of the op's inner functions per shape
+    q, k, v, _ = _qkv(50, b=2, sq=seq, sk=seq, hq=4, hk=2, d=16, dtype=jnp.bfloat16)
+
+    def loss(q, k, v):
+        out = fused_attention(q, k, v, mask_type="causal", implementation="native", **kw)
+        return jnp.sum(out.astype(F32))
+
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+    calls = {}
+    for line in text.splitlines():
+        m = re.search(r"(te_fused_attention_(?:fwd|bwd))", line)
+        if m and "custom_call" in line:
+            calls.setdefault(m.group(1), []).append(line)
+    assert set(calls) == {"te_fused_attention_fwd", "te_fused_attention_bwd"}, sorted(calls)
+    (bwd,) = calls["te_fused_attention_bwd"]
+    found = re.findall(r"deterministic = (-?\d+) : i32", bwd)
+    assert len(found) == 1, bwd
+    assert not any("deterministic" in line for line in calls["te_fused_attention_fwd"])
+    backward_asks = {ints[-1] for ints in asked if ints[2] == 1}
+    return int(found[0]), backward_asks
+
+
+@pytest.mark.parametrize(
+    "deterministic, xla_flags, expected, seq",  # each case its own Sq: jax caches the op's inner traces
+    [
+        (True, None, 1, 8),
+        (False, None, 0, 16),
+        (None, None, 0, 24),
+        (None, "--xla_gpu_autotune_level=0 --xla_gpu_deterministic_ops=true", 1, 32),
+        (None, "--xla_gpu_exclude_nondeterministic_ops=true", 1, 40),
+        (None, "--xla_gpu_deterministic_ops=false", 0, 48),
+        (None, "--xla_gpu_deterministic_ops=true --xla_gpu_deterministic_ops=false", 0, 56),
+        (False, "--xla_gpu_deterministic_ops=true", 0, 64),  # an explicit bool wins over the flag
+    ],
+    ids=[
+        "true",
+        "false",
+        "none_no_flag",
+        "none_flag",
+        "none_exclude_flag",
+        "none_flag_false",
+        "none_last_wins",
+        "false_over_flag",
+    ],  # fmt: skip
+)
+def test_native_backward_lowering_carries_deterministic(monkeypatch, deterministic, xla_flags, expected, seq):
+    if xla_flags is None:
+        monkeypatch.delenv("XLA_FLAGS", raising=False)
+    else:
+        monkeypatch.setenv("XLA_FLAGS", xla_flags)
+    attr, asks = _lower_native_grad(monkeypatch, seq, deterministic=deterministic)
+    assert attr == expected
+    assert asks == {expected}  # the support query asked for the backward graph that runs
+
+
+@pytest.mark.parametrize("bad", [1, 0, "true", np.True_, np.array(True), jnp.array(True)], ids=repr)
+def test_deterministic_must_be_bool_or_none(bad):
+    q, k, v, _ = _qkv(51, b=1, sq=8, sk=8, hq=2, hk=2, d=16)
+    with pytest.raises(TypeError, match="deterministic must be a Python bool or None"):
+        fused_attention(q, k, v, deterministic=bad)
+
+
+def test_deterministic_leaves_reference_values_unchanged():
+    q, k, v, g = _qkv(52, b=2, sq=16, sk=16, hq=4, hk=2, d=16)
+    fns = [
+        lambda q, k, v, d=d: fused_attention(q, k, v, mask_type="causal", implementation="reference", deterministic=d)
+        for d in (True, False)
+    ]
+    for a, b in zip(_grads(fns[0], q, k, v, g), _grads(fns[1], q, k, v, g), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_vmap_over_dropout_keys_matches_loop():
     q, k, v, _ = _qkv(40, b=2, sq=8, sk=8, hq=2, hk=2, d=16)
     keys = jax.random.split(jax.random.key(9), 3)

@@ -380,8 +380,8 @@ def test_native_glue_with_emulated_cudnn(case, monkeypatch):
         assert (gn is None) == (gr is None)
         if gr is not None:
             assert_close(gn, gr, jnp.float16, scale=8.0, err_msg=case)
-    # what cuDNN was asked for: 18 ints (te_fused_attention_query's order), a band only when not folded
-    assert asked and all(len(i) == 18 for i in asked), asked
+    # what cuDNN was asked for: 19 ints (te_fused_attention_query's order), a band only when not folded
+    assert asked and all(len(i) == 19 for i in asked), asked
     ints = asked[-1]
     left_bound, right_bound, bottom_right = ints[13], ints[14], ints[17]
     if case.endswith("_folded"):
@@ -398,6 +398,8 @@ def test_query_ints_follow_the_cpp_order():
                             v_shape=(2, 32, 2, 32), bias_shape=None, has_segments=False,
                             mask_type="padding_causal_bottom_right", window=(5, -1))  # fmt: skip
     # device, io, backward, b, sq, sk, hq, hk, d, dv, bias_b, bias_h, padding, left_bound, right_bound, stats,
-    # dbias, bottom_right
-    assert nat._ints(cfg, True, device=3) == (3, 1, 1, 2, 16, 32, 8, 2, 64, 32, 0, 0, 1, 6, 0, 1, 0, 1)
-    assert nat._ints(cfg, False, stats=False)[-3:] == (0, 0, 1)
+    # dbias, bottom_right, deterministic
+    assert nat._ints(cfg, True, device=3) == (3, 1, 1, 2, 16, 32, 8, 2, 64, 32, 0, 0, 1, 6, 0, 1, 0, 1, 0)
+    assert nat._ints(cfg, True, deterministic=True)[-1] == 1
+    assert nat._ints(cfg, False, stats=False)[-4:] == (0, 0, 1, 0)
+    assert nat._ints(cfg, False, deterministic=True)[-1] == 0  # the forward has no such choice
