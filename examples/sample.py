@@ -66,7 +66,9 @@ def restore(ckpt_dir: str):
     model = train_moe.MoELM(cfg)
     dummy = jnp.zeros((1, meta["seq"]), jnp.int32)
     shapes = jax.eval_shape(lambda: train_moe.nn.meta.unbox(model.init(jax.random.key(0), dummy)))
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    # newer jax deprecates the SingleDeviceSharding constructor for this factory; older jax may lack it
+    one_device = getattr(jax.sharding, "make_single_device_sharding", None)
+    device = (one_device or jax.sharding.SingleDeviceSharding)(jax.devices()[0])
     variables = {}
     with ocp.StandardCheckpointer() as ckptr:
         for name in ("params", train_moe.tel.FP8_COLLECTION):

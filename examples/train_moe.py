@@ -575,7 +575,9 @@ def main(argv=None):
     # Unboxed (plain arrays, no partitioning metadata): the trees a checkpoint holds and restores into. Placed
     # explicitly (one device, or replicated over the expert-parallel mesh), so that restored arrays land where
     # fresh ones do.
-    place = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    # newer jax deprecates the SingleDeviceSharding constructor for this factory; older jax may lack it
+    one_device = getattr(jax.sharding, "make_single_device_sharding", None)
+    place = (one_device or jax.sharding.SingleDeviceSharding)(jax.devices()[0])
     if args.expert_parallel:
         place = jax.sharding.NamedSharding(cfg["mesh"], jax.sharding.PartitionSpec())
     variables = nn.meta.unbox(jax.jit(model.init)(jax.random.key(args.seed),
