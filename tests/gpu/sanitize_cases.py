@@ -17,9 +17,12 @@ runs this module under compute-sanitizer (memcheck, racecheck, initcheck, syncch
 
 Output protocol (read back by ``--remaining`` / ``--report``): ``SANITIZE-BEGIN <case>``, then
 ``SANITIZE-END <case> OK|FAIL|UNAVAILABLE|TIMEOUT <seconds> [reason]``, and ``SANITIZE-DONE ...``
-once every selected case ran. Exit status: 0 all OK, 1 a case failed (or timed out: the watchdog
-of ``--case-timeout`` ends the process, so a hung kernel cannot eat the whole budget), 4 only
-UNAVAILABLE cases (an implementation this build cannot run), 2 usage errors.
+once every selected case ran. A case that fails with a sticky CUDA error (illegal address, hardware
+exception: :func:`context_lost`) ends the process after ``SANITIZE-ABORT <case>``, without
+``SANITIZE-DONE``: the script resumes the cases not begun in a fresh process. Exit status: 0 all OK,
+1 a case failed (or timed out: the watchdog of ``--case-timeout`` ends the process, so a hung kernel
+cannot eat the whole budget), 4 only UNAVAILABLE cases (an implementation this build cannot run), 2
+usage errors.
 
 Only the standard library and NumPy are imported at module level: ``--list``, ``--kernel-regex``,
 ``--remaining`` and ``--report`` run without JAX (and without a working te_ops build); cases import
@@ -1171,6 +1174,18 @@ def _record_launches() -> set[str]:
     return seen
 
 
+# CUDA errors that leave the context unusable: every later launch in the process fails with them
+_STICKY = re.compile(
+    r"ILLEGAL_ADDRESS|illegal memory access|ILLEGAL_INSTRUCTION|illegal instruction|MISALIGNED_ADDRESS|"
+    r"misaligned address|LAUNCH_FAILED|unspecified launch failure|hardware exception|HARDWARE_STACK_ERROR"
+)
+
+
+def context_lost(reason: str) -> bool:
+    """Whether a failed case's error is a sticky CUDA error (the process must not run more cases)."""
+    return _STICKY.search(reason) is not None
+
+
 def run_cases(names: list[str], dry: bool, case_timeout: float) -> int:
     _load()
     from te_ops._core.registry import ImplementationUnavailableError
@@ -1210,6 +1225,12 @@ def run_cases(names: list[str], dry: bool, case_timeout: float) -> int:
         counts[status] += 1
         reason = " ".join(reason.split())[:400]
         print(f"SANITIZE-END {name} {status} {time.perf_counter() - t0:.1f} {reason}".rstrip(), flush=True)
+        if status == "FAIL" and context_lost(reason):
+            # every later case in this process would fail on the sticky error (seen under racecheck on the
+            # H200, 2026-12-06): stop without SANITIZE-DONE, so scripts/sanitize.sh resumes the cases not
+            # begun in a fresh process and the report counts this case as the crash
+            print(f"SANITIZE-ABORT {name}: the CUDA context is unusable after this failure", flush=True)
+            return 1
     print(
         f"SANITIZE-DONE ok={counts['OK']} fail={counts['FAIL']} unavailable={counts['UNAVAILABLE']} "
         f"seconds={time.perf_counter() - t_all:.1f}",
