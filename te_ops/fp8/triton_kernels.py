@@ -204,6 +204,20 @@ def _col_sinv(scol, cols, rb, cb, R, C, sinvt_ptr, B: tl.constexpr, T_SQUARE: tl
 
 
 @triton.jit
+def _load_rows(ptr, rows, cols, R, C):
+    """The [len(rows), len(cols)] tile of an [R, C] tensor, as stored (zeros outside it)."""
+    offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
+    return tl.load(ptr + offs, mask=(rows < R)[:, None] & (cols < C)[None, :], other=0.0)
+
+
+@triton.jit
+def _dact_rows(dy_ptr, z_ptr, rows, cols, R, C, ACT: tl.constexpr):
+    """dz = dy * act'(z) in float32 on one tile (dact_dbias_quantize_kernel)."""
+    dy = _load_rows(dy_ptr, rows, cols, R, C).to(tl.float32)
+    return dy * _act_grad(_load_rows(z_ptr, rows, cols, R, C).to(tl.float32), ACT)
+
+
+@triton.jit
 def _dual_tile(x, xin, rows, cols, rb, cb, R, C, q_ptr, sinv_ptr, qt_ptr, sinvt_ptr, B: tl.constexpr,
                FMAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, MARGIN_MUL: tl.constexpr,
                POW2: tl.constexpr, HW: tl.constexpr, TRANS_WIDE: tl.constexpr, T_SQUARE: tl.constexpr):  # fmt: skip
@@ -253,11 +267,9 @@ def dual_quantize_kernel(
     rb = tl.program_id(0)
     cb = tl.program_id(1)
     cols = cb * B + tl.arange(0, B)
-    cmask = cols < C
     if SUB == 0 or SUB == B:
         rows = rb * B + tl.arange(0, B)
-        offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
-        xin = tl.load(x_ptr + offs, mask=(rows < R)[:, None] & cmask[None, :], other=0.0)
+        xin = _load_rows(x_ptr, rows, cols, R, C)
         _dual_tile(xin.to(tl.float32), xin, rows, cols, rb, cb, R, C, q_ptr, sinv_ptr, qt_ptr, sinvt_ptr, B, FMAX,
                    MBITS, EMIN, MARGIN_MUL, POW2, HW, TRANS_WIDE, T_SQUARE)  # fmt: skip
     else:
@@ -265,15 +277,13 @@ def dual_quantize_kernel(
         acc = tl.zeros((SUB, B), tl.float32)  # running elementwise max of _abs_inf(x) over the slices
         for i in tl.range(0, B // SUB, loop_unroll_factor=UNROLL):
             rows = rb * B + i * SUB + tl.arange(0, SUB)
-            offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
-            x = tl.load(x_ptr + offs, mask=(rows < R)[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+            x = _load_rows(x_ptr, rows, cols, R, C).to(tl.float32)
             ax = _row_tiles(x, rows, cols, cb, R, C, q_ptr, sinv_ptr, B, FMAX, MBITS, EMIN, MARGIN_MUL, POW2, HW)
             acc = tl.maximum(acc, ax)
         scol = _col_scales(tl.max(acc, axis=0), FMAX, MARGIN_MUL, POW2, T_SQUARE)
         for i in tl.range(0, B // SUB, loop_unroll_factor=UNROLL):
             rows = rb * B + i * SUB + tl.arange(0, SUB)
-            offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
-            xin = tl.load(x_ptr + offs, mask=(rows < R)[:, None] & cmask[None, :], other=0.0)
+            xin = _load_rows(x_ptr, rows, cols, R, C)
             _col_tiles(xin.to(tl.float32), xin, scol, rows, cols, R, C, qt_ptr, FMAX, MBITS, EMIN, HW, TRANS_WIDE)
         _col_sinv(scol, cols, rb, cb, R, C, sinvt_ptr, B, T_SQUARE)
 
@@ -334,11 +344,7 @@ def dact_dbias_quantize_kernel(
     cmask = cols < C
     if SUB == 0 or SUB == B:
         rows = rb * B + tl.arange(0, B)
-        mask = (rows < R)[:, None] & cmask[None, :]
-        offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
-        dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        x = dy * _act_grad(z, ACT)
+        x = _dact_rows(dy_ptr, z_ptr, rows, cols, R, C, ACT)
         _dual_tile(x, x, rows, cols, rb, cb, R, C, q_ptr, sinv_ptr, qt_ptr, sinvt_ptr, B, FMAX, MBITS, EMIN,
                    MARGIN_MUL, POW2, HW, False, True)  # fmt: skip
         dbias = tl.sum(x, axis=0)
@@ -348,22 +354,14 @@ def dact_dbias_quantize_kernel(
         accs = tl.zeros((SUB, B), tl.float32)  # running elementwise sums of dz
         for i in tl.range(0, B // SUB, loop_unroll_factor=UNROLL):
             rows = rb * B + i * SUB + tl.arange(0, SUB)
-            mask = (rows < R)[:, None] & cmask[None, :]
-            offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
-            dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            x = dy * _act_grad(z, ACT)
+            x = _dact_rows(dy_ptr, z_ptr, rows, cols, R, C, ACT)
             ax = _row_tiles(x, rows, cols, cb, R, C, q_ptr, sinv_ptr, B, FMAX, MBITS, EMIN, MARGIN_MUL, POW2, HW)
             acc = tl.maximum(acc, ax)
             accs += x
         scol = _col_scales(tl.max(acc, axis=0), FMAX, MARGIN_MUL, POW2, True)
         for i in tl.range(0, B // SUB, loop_unroll_factor=UNROLL):
             rows = rb * B + i * SUB + tl.arange(0, SUB)
-            mask = (rows < R)[:, None] & cmask[None, :]
-            offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
-            dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            x = dy * _act_grad(z, ACT)
+            x = _dact_rows(dy_ptr, z_ptr, rows, cols, R, C, ACT)
             _col_tiles(x, x, scol, rows, cols, R, C, qt_ptr, FMAX, MBITS, EMIN, HW, False)
         _col_sinv(scol, cols, rb, cb, R, C, sinvt_ptr, B, True)
         dbias = tl.sum(accs, axis=0)

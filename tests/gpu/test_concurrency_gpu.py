@@ -187,16 +187,21 @@ DENSE_CASES = {  # name: (seed, x shape, N, dtype, activation, bias)
 }
 
 
-def _build_dense(seed, x_shape, n, dtype, act, with_bias, impl: str) -> Case:
-    from te_ops.dense import dense
-    from te_ops.dense.reference import SAVES_PRE_ACTIVATION
-
+def _dense_args(seed, x_shape, n, dtype, with_bias):
+    """x, kernel [K, N], bias (or None) and the output cotangent of a dense case, on the device."""
     rng = np.random.default_rng(seed)
     k = x_shape[-1]
     x = _dev(_np(rng, x_shape), dtype)
     w = _dev(_np(rng, (k, n), 1 / np.sqrt(k)), dtype)
     b = _dev(_np(rng, (n,)), dtype) if with_bias else None
-    ct = _dev(_np(rng, (*x_shape[:-1], n)), dtype)
+    return x, w, b, _dev(_np(rng, (*x_shape[:-1], n)), dtype)
+
+
+def _build_dense(seed, x_shape, n, dtype, act, with_bias, impl: str) -> Case:
+    from te_ops.dense import dense
+    from te_ops.dense.reference import SAVES_PRE_ACTIVATION
+
+    x, w, b, ct = _dense_args(seed, x_shape, n, dtype, with_bias)
 
     def step(x, w, b, ct):
         primals = (x, w) if b is None else (x, w, b)
@@ -549,12 +554,7 @@ FP8_DENSE_CASES = {  # name: (seed, x shape, N, dtype, activation, bias), block 
 def _build_fp8_dense(seed, x_shape, n, dtype, act, with_bias, impl: str) -> Case:
     from te_ops import fp8
 
-    rng = np.random.default_rng(seed)
-    k = x_shape[-1]
-    x = _dev(_np(rng, x_shape), dtype)
-    w = _dev(_np(rng, (k, n), 1 / np.sqrt(k)), dtype)
-    b = _dev(_np(rng, (n,)), dtype) if with_bias else None
-    ct = _dev(_np(rng, (*x_shape[:-1], n)), dtype)
+    x, w, b, ct = _dense_args(seed, x_shape, n, dtype, with_bias)
 
     def step(x, w, b, ct):
         def f(x, w, *bb):
