@@ -94,10 +94,20 @@ def _dropout_stream(rngs: nnx.Rngs | None, rate: float):
     return nnx.data(None)
 
 
-def _set_deterministic(mod: nnx.Module, deterministic: bool | None) -> None:
-    """``set_view`` of the modules with a ``deterministic`` attribute (what ``nnx.view`` calls)."""
-    if deterministic is not None:
-        mod.deterministic = V.flag(type(mod).__name__, "deterministic", deterministic)
+class _DeterministicView(nnx.Module):
+    """Base of the modules with a ``deterministic`` attribute: ``set_view`` for ``nnx.view``."""
+
+    def set_view(self, deterministic: bool | None = None):
+        """Used by ``nnx.view``: ``nnx.view(model, deterministic=True)`` returns a view of the model
+        (sharing its variables) with this module deterministic, as ``model.eval()`` does in place:
+        attention without dropout; router and MoE block without the expert-bias update (aux-loss-free
+        balancing).
+
+        Args:
+          deterministic: True makes the module deterministic, False not; None leaves it as it is.
+        """
+        if deterministic is not None:
+            self.deterministic = V.flag(type(self).__name__, "deterministic", deterministic)
 
 
 class Dense(nnx.Module):
@@ -215,7 +225,7 @@ class Softmax(nnx.Module):
         return C.softmax_apply(x, variant=self.variant, scale=self.scale, mask=mask)
 
 
-class DotProductAttention(nnx.Module):
+class DotProductAttention(_DeterministicView):
     """Fused attention of ``q [B, Sq, Nq, D]``, ``k``/``v [B, Sk, Nkv, D]`` (GQA when Nkv < Nq)."""
 
     def __init__(self, *, mask_type: str = "none", window_size: tuple[int, int] | None = None,
@@ -227,15 +237,6 @@ class DotProductAttention(nnx.Module):
         self.mask_type, self.window_size, self.scale = mask_type, window_size, scale
         self.dropout_rate, self.deterministic = dropout_rate, deterministic
         self.rngs = _dropout_stream(rngs, dropout_rate)
-
-    def set_view(self, deterministic: bool | None = None):
-        """Used by ``nnx.view``: ``nnx.view(model, deterministic=True)`` returns a view of the model
-        (sharing its variables) with dropout off, as ``model.eval()`` does in place.
-
-        Args:
-          deterministic: True turns dropout off, False on; None leaves the attribute as it is.
-        """
-        _set_deterministic(self, deterministic)
 
     def __call__(self, q, k, v, *, bias=None, q_seqlens=None, kv_seqlens=None, q_segment_ids=None,
                  kv_segment_ids=None, q_segment_pos=None, kv_segment_pos=None, deterministic: bool | None = None,
@@ -264,7 +265,7 @@ def _dropout_key(mod, rngs, deterministic):
     return stream() if isinstance(stream, nnx.RngStream) else stream
 
 
-class MultiHeadAttention(nnx.Module):
+class MultiHeadAttention(_DeterministicView):
     """Multi-head (GQA) self- or cross-attention with optional fused QKV projection and RoPE.
 
     Call: ``mha(x, inputs_kv=None, *, segment_ids=None, segment_pos=None, seqlens=None, positions=None, bias=None,
@@ -306,15 +307,6 @@ class MultiHeadAttention(nnx.Module):
             self.value = proj(in_features, nkv * d, kernel_axes)
         self.out = proj(num_heads * d, out_features or in_features, out_kernel_axes)
         self.rngs = _dropout_stream(rngs, dropout_rate)
-
-    def set_view(self, deterministic: bool | None = None):
-        """Used by ``nnx.view``: ``nnx.view(model, deterministic=True)`` returns a view of the model
-        (sharing its variables) with dropout off, as ``model.eval()`` does in place.
-
-        Args:
-          deterministic: True turns dropout off, False on; None leaves the attribute as it is.
-        """
-        _set_deterministic(self, deterministic)
 
     def __call__(self, x, inputs_kv=None, *, segment_ids=None, segment_pos=None, seqlens=None, positions=None,
                  bias=None, deterministic: bool | None = None, rngs=None):  # fmt: skip
@@ -359,7 +351,7 @@ class _RouterParams(nnx.Module):
             )
 
 
-class TopKRouter(nnx.Module):
+class TopKRouter(_DeterministicView):
     """Router: logits = x @ kernel ``[H, E]`` (float32), then te_ops top-k routing and the aux loss.
 
     Router options (keywords, see :class:`te_layers._common.RouterConfig`): score_function,
@@ -380,16 +372,6 @@ class TopKRouter(nnx.Module):
                           kernel_axes, rngs)  # fmt: skip
         self.kernel, self.expert_bias = p.kernel, p.expert_bias
 
-    def set_view(self, deterministic: bool | None = None):
-        """Used by ``nnx.view``: ``nnx.view(model, deterministic=True)`` returns a view of the model
-        (sharing its variables) with the expert-bias update (aux-loss-free balancing) off, as
-        ``model.eval()`` does in place.
-
-        Args:
-          deterministic: True turns the update off, False on; None leaves the attribute as it is.
-        """
-        _set_deterministic(self, deterministic)
-
     def __call__(self, x: jax.Array, *, deterministic: bool | None = None) -> C.RouterOutput:
         x = V.token_input("TopKRouter", x, None, self.in_features, router=True)
         det = self.deterministic if deterministic is None else deterministic
@@ -403,7 +385,7 @@ class TopKRouter(nnx.Module):
         return r
 
 
-class MoEBlock(nnx.Module):
+class MoEBlock(_DeterministicView):
     """Mixture-of-experts FFN: router -> token_dispatch -> grouped expert FFN -> token_combine.
 
     Parameters: ``router.kernel [H, E]``, ``wi [E, H, 2F]`` (gated) or ``[E, H, F]``, ``wo [E, F, H]``.
@@ -451,16 +433,6 @@ class MoEBlock(nnx.Module):
         f2 = ffn_dim * (2 if gated else 1)
         self.wi = _param(rngs, kernel_init, (num_experts, in_features, f2), param_dtype, wi_axes)
         self.wo = _param(rngs, kernel_init, (num_experts, ffn_dim, in_features), param_dtype, wo_axes)
-
-    def set_view(self, deterministic: bool | None = None):
-        """Used by ``nnx.view``: ``nnx.view(model, deterministic=True)`` returns a view of the model
-        (sharing its variables) with the expert-bias update (aux-loss-free balancing) off, as
-        ``model.eval()`` does in place.
-
-        Args:
-          deterministic: True turns the update off, False on; None leaves the attribute as it is.
-        """
-        _set_deterministic(self, deterministic)
 
     def __call__(self, x: jax.Array, *, deterministic: bool | None = None) -> jax.Array:
         x = V.token_input("MoEBlock", x, self.dtype, self.in_features)
