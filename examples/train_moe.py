@@ -523,6 +523,22 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> argpars
     return args
 
 
+def frontend_setup(description: str, out_name: str, fp8_state: str, argv=None):
+    """What the NNX and Equinox versions of this example share before building their model: the parsed
+    and checked ``args`` (``--out`` created), the training batch iterator, the validation windows, the
+    corpus description and the model configuration ``cfg`` (dtype and FP8 recipe resolved)."""
+    ap = make_parser(description, os.path.join(HERE, "out", out_name), linen=False, fp8_state=fp8_state)
+    args = check_args(ap, ap.parse_args(argv))
+    os.makedirs(args.out, exist_ok=True)
+    train_text, valid_text, corpus = load_data(args.data_dir, args.seq)
+    it = batches(train_text, args.batch, args.seq, args.seed + 1)
+    windows = eval_windows(valid_text, args.batch, args.seq, args.eval_tokens)
+    cfg = dict(d_model=args.d_model, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
+               experts=args.experts, topk=args.topk, ffn=args.ffn, aux_coeff=args.aux_coeff, dropout=args.dropout,
+               dtype=jnp.dtype(args.dtype), fp8=FP8_RECIPES[args.fp8])  # fmt: skip
+    return args, it, windows, corpus, cfg
+
+
 def parse_args(argv=None):
     ap = make_parser(__doc__.split("\n")[0], os.path.join(HERE, "out", "train_moe"))
     return check_args(ap, ap.parse_args(argv))

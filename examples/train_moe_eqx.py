@@ -42,6 +42,7 @@ import train_moe as tm  # noqa: E402  (puts the checkout on sys.path too)
 
 from te_layers import eqx as tee  # noqa: E402
 
+FP8_STATE = "an eqx.nn.State"  # where --fp8 delayed keeps its state (the --help and header text)
 
 class Block(eqx.Module):
     ln1: tee.RMSNorm
@@ -117,23 +118,13 @@ def eval_loss(model, state, w):
 
 def train(argv=None):
     """Runs the training; returns ``(summary, model, state)`` (the trained model and its eqx.nn.State)."""
-    ap = tm.make_parser(__doc__.split("\n")[0], os.path.join(tm.HERE, "out", "train_moe_eqx"), linen=False,
-                        fp8_state="an eqx.nn.State")  # fmt: skip
-    args = tm.check_args(ap, ap.parse_args(argv))
-    os.makedirs(args.out, exist_ok=True)
-    train_text, valid_text, corpus = tm.load_data(args.data_dir, args.seq)
-    it = tm.batches(train_text, args.batch, args.seq, args.seed + 1)
-    windows = tm.eval_windows(valid_text, args.batch, args.seq, args.eval_tokens)
-
-    cfg = dict(d_model=args.d_model, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
-               experts=args.experts, topk=args.topk, ffn=args.ffn, aux_coeff=args.aux_coeff, dropout=args.dropout,
-               dtype=jnp.dtype(args.dtype), fp8=tm.FP8_RECIPES[args.fp8])  # fmt: skip
+    args, it, windows, corpus, cfg = tm.frontend_setup(__doc__.split("\n")[0], "train_moe_eqx", FP8_STATE, argv)
     model, state = eqx.nn.make_with_state(MoELM)(cfg, key=jax.random.key(args.seed))
     tx = tm.make_optimizer(args.lr, args.steps, args.warmup)
     opt_state = tx.init(eqx.filter(model, eqx.is_inexact_array))
     train_step = make_train_step(tx)
     n_params = sum(int(p.size) for p in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
-    tm.print_header(args, n_params, corpus, windows, fp8_state="an eqx.nn.State")
+    tm.print_header(args, n_params, corpus, windows, fp8_state=FP8_STATE)
 
     def step(i, x, y):
         nonlocal model, state, opt_state

@@ -41,6 +41,7 @@ from flax import nnx  # noqa: E402
 
 from te_layers import nnx as ten  # noqa: E402
 
+FP8_STATE = "te_layers.nnx.FP8State variables"  # where --fp8 delayed keeps its state (the --help and header text)
 
 class Block(nnx.Module):
     def __init__(self, c: dict, *, rngs: nnx.Rngs):
@@ -95,21 +96,11 @@ def eval_loss(model, w):
 
 def train(argv=None):
     """Runs the training; returns ``(summary, model)`` (the trained model with its FP8State, if any)."""
-    ap = tm.make_parser(__doc__.split("\n")[0], os.path.join(tm.HERE, "out", "train_moe_nnx"), linen=False,
-                        fp8_state="te_layers.nnx.FP8State variables")  # fmt: skip
-    args = tm.check_args(ap, ap.parse_args(argv))
-    os.makedirs(args.out, exist_ok=True)
-    train_text, valid_text, corpus = tm.load_data(args.data_dir, args.seq)
-    it = tm.batches(train_text, args.batch, args.seq, args.seed + 1)
-    windows = tm.eval_windows(valid_text, args.batch, args.seq, args.eval_tokens)
-
-    cfg = dict(d_model=args.d_model, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
-               experts=args.experts, topk=args.topk, ffn=args.ffn, aux_coeff=args.aux_coeff, dropout=args.dropout,
-               dtype=jnp.dtype(args.dtype), fp8=tm.FP8_RECIPES[args.fp8])  # fmt: skip
+    args, it, windows, corpus, cfg = tm.frontend_setup(__doc__.split("\n")[0], "train_moe_nnx", FP8_STATE, argv)
     model = MoELM(cfg, rngs=nnx.Rngs(args.seed))
     optimizer = nnx.Optimizer(model, tm.make_optimizer(args.lr, args.steps, args.warmup), wrt=nnx.Param)
     n_params = sum(int(p.size) for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    tm.print_header(args, n_params, corpus, windows, fp8_state="te_layers.nnx.FP8State variables")
+    tm.print_header(args, n_params, corpus, windows, fp8_state=FP8_STATE)
 
     eval_model = nnx.view(model, deterministic=True)  # dropout off; shares the (trained) variables
 
