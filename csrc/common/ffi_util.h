@@ -42,6 +42,8 @@ inline const char* DTypeName(ffi::DataType dt) {
     case ffi::DataType::S32: return "int32";
     case ffi::DataType::S64: return "int64";
     case ffi::DataType::U8: return "uint8";
+    case ffi::DataType::F8E4M3FN: return "float8_e4m3fn";
+    case ffi::DataType::F8E5M2: return "float8_e5m2";
     default: return "unsupported dtype";
   }
 }

@@ -56,4 +56,7 @@ cudaError_t LaunchReducePartials(DType dt, const float* partials, int64_t chunks
 // can rank algorithms differently).
 cudaError_t LaunchFillUniform(DType dt, void* p, int64_t count, uint32_t seed, cudaStream_t stream);
 
+// The same for FP8 GEMM timing data: `count` E4M3 (or E5M2) bytes of 256 * uniform[-1, 1).
+cudaError_t LaunchFillFp8Uniform(bool e5m2, void* p, int64_t count, uint32_t seed, cudaStream_t stream);
+
 }  // namespace te::dense

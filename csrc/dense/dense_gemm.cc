@@ -72,6 +72,8 @@ size_t ElementBytes(cudaDataType_t t) {
     case CUDA_R_32F: return 4;
     case CUDA_R_16BF:
     case CUDA_R_16F: return 2;
+    case CUDA_R_8F_E4M3:
+    case CUDA_R_8F_E5M2: return 1;
     default: return 4;
   }
 }
@@ -132,6 +134,18 @@ ffi::Error SetPointers(const char* op, GemmPlan& plan, const GemmPtrs& p) {
                                                sizeof(p.aux)),
                 plan.spec.Describe());
   }
+  if (plan.spec.scale_mode_a >= 0) {
+    TE_LT_CHECK(op,
+                cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &p.scale_a,
+                                               sizeof(p.scale_a)),
+                plan.spec.Describe());
+  }
+  if (plan.spec.scale_mode_b >= 0) {
+    TE_LT_CHECK(op,
+                cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &p.scale_b,
+                                               sizeof(p.scale_b)),
+                plan.spec.Describe());
+  }
   return ffi::Error::Success();
 }
 
@@ -155,18 +169,22 @@ int TimeCandidates(DeviceState& dev, GemmPlan& plan, const std::vector<cublasLtM
   uint64_t ar, ac, br, bc;
   StoredA(s, &ar, &ac);
   StoredB(s, &br, &bc);
-  const size_t eab = ElementBytes(s.ab_type), ed = ElementBytes(s.d_type);
+  const size_t eab = ElementBytes(s.ab_type), ebb = ElementBytes(s.BType()), ed = ElementBytes(s.d_type);
   const size_t bytes_a = static_cast<size_t>(s.lda) * ac * eab;
-  const size_t bytes_b = static_cast<size_t>(s.ldb) * bc * eab;
+  const size_t bytes_b = static_cast<size_t>(s.ldb) * bc * ebb;
   const size_t bytes_d = static_cast<size_t>(s.ldd) * s.n * ed;
   const size_t bytes_bias = HasBias(s.epilogue) ? s.m * ed + 256 : 0;
   const size_t bytes_aux = HasAux(s.epilogue) ? static_cast<size_t>(s.aux_ld) * s.n * ed : 0;
-  if (bytes_a + bytes_b + bytes_d + bytes_bias + bytes_aux > kMaxTimingScratchBytes) return 0;
+  // FP8 block scaling: scratch scale tensors of the sizes cuBLASLt reads (0 bytes otherwise)
+  const size_t bytes_sa = static_cast<size_t>(ScaleElements(s.scale_mode_a, s.m, s.k)) * sizeof(float);
+  const size_t bytes_sb = static_cast<size_t>(ScaleElements(s.scale_mode_b, s.n, s.k)) * sizeof(float);
+  if (bytes_a + bytes_b + bytes_d + bytes_bias + bytes_aux + bytes_sa + bytes_sb > kMaxTimingScratchBytes) return 0;
 
   // Timing gets its own workspace of the same size as the execute path's: the device workspace may
   // still be in use by GEMMs queued on XLA's stream, and candidates that need a workspace (split-K,
   // stream-K) must be timed with one, or they fail here and are never chosen.
   void *a = nullptr, *b = nullptr, *d = nullptr, *bias = nullptr, *aux = nullptr, *ws = nullptr;
+  void *sa = nullptr, *sb = nullptr;
   cudaStream_t stream = nullptr;
   cudaEvent_t start = nullptr, stop = nullptr;
   int best = 0;
@@ -176,6 +194,8 @@ int TimeCandidates(DeviceState& dev, GemmPlan& plan, const std::vector<cublasLtM
     if (d) cudaFree(d);
     if (bias) cudaFree(bias);
     if (aux) cudaFree(aux);
+    if (sa) cudaFree(sa);
+    if (sb) cudaFree(sb);
     if (ws) cudaFree(ws);
     if (start) cudaEventDestroy(start);
     if (stop) cudaEventDestroy(stop);
@@ -186,22 +206,28 @@ int TimeCandidates(DeviceState& dev, GemmPlan& plan, const std::vector<cublasLtM
             cudaMalloc(&d, bytes_d) == cudaSuccess &&
             (bytes_bias == 0 || cudaMalloc(&bias, bytes_bias) == cudaSuccess) &&
             (bytes_aux == 0 || cudaMalloc(&aux, bytes_aux) == cudaSuccess) &&
+            (bytes_sa == 0 || cudaMalloc(&sa, bytes_sa) == cudaSuccess) &&
+            (bytes_sb == 0 || cudaMalloc(&sb, bytes_sb) == cudaSuccess) &&
             cudaMalloc(&ws, dev.workspace_bytes) == cudaSuccess &&
             cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess &&
             cudaEventCreate(&start) == cudaSuccess && cudaEventCreate(&stop) == cudaSuccess;
   // Pseudo-random values in [-1, 1), so the candidates draw power (and the clock behaves) as with
   // real data; a constant pattern let the clock run higher than in training and ranked differently.
   auto fill = [&](void* ptr, size_t bytes, cudaDataType_t t, uint32_t seed) {
+    if (t == CUDA_R_8F_E4M3 || t == CUDA_R_8F_E5M2) {  // FP8 operands: random FP8 values of either sign
+      return LaunchFillFp8Uniform(t == CUDA_R_8F_E5M2, ptr, static_cast<int64_t>(bytes), seed, stream) == cudaSuccess;
+    }
     const DType dt = t == CUDA_R_32F ? DType::kF32 : (t == CUDA_R_16BF ? DType::kBF16 : DType::kF16);
     return LaunchFillUniform(dt, ptr, static_cast<int64_t>(bytes / ElementBytes(t)), seed, stream) == cudaSuccess;
   };
-  ok = ok && fill(a, bytes_a, s.ab_type, 1) && fill(b, bytes_b, s.ab_type, 2) &&
-       (bytes_bias == 0 || fill(bias, bytes_bias, s.d_type, 3));
+  ok = ok && fill(a, bytes_a, s.ab_type, 1) && fill(b, bytes_b, s.BType(), 2) &&
+       (bytes_bias == 0 || fill(bias, bytes_bias, s.d_type, 3)) &&
+       (bytes_sa == 0 || fill(sa, bytes_sa, CUDA_R_32F, 4)) && (bytes_sb == 0 || fill(sb, bytes_sb, CUDA_R_32F, 5));
   if (!ok) {
     cleanup();
     return 0;
   }
-  GemmPtrs p{a, b, d, bias, aux};
+  GemmPtrs p{a, b, d, bias, aux, sa, sb};
   if (SetPointers("dense", plan, p).failure()) {
     cleanup();
     return 0;
@@ -322,13 +348,31 @@ std::string U(unsigned long long v) { return std::to_string(v); }
 std::string GemmSpec::Key() const {
   return I(ab_type) + "/" + I(d_type) + "|" + I(trans_a) + I(trans_b) + "|" + U(m) + "x" + U(n) + "x" + U(k) + "|" +
          I(lda) + "," + I(ldb) + "," + I(ldd) + "|e" + I(static_cast<int>(epilogue)) + "|aux" + I(aux_ld) + "|al" +
-         I(align_a) + "," + I(align_b) + "," + I(align_d) + "," + I(align_bias) + "," + I(align_aux);
+         I(align_a) + "," + I(align_b) + "," + I(align_d) + "," + I(align_bias) + "," + I(align_aux) +
+         (b_type >= 0 ? "|b" + I(b_type) : "") + (Scaled() ? "|s" + I(scale_mode_a) + "," + I(scale_mode_b) : "");
 }
 
 std::string GemmSpec::Describe() const {
   return "GEMM m=" + U(m) + " n=" + U(n) + " k=" + U(k) + " (column-major, transa=" + (trans_a ? "T" : "N") +
          " transb=" + (trans_b ? "T" : "N") + ", lda=" + I(lda) + " ldb=" + I(ldb) + " ldd=" + I(ldd) +
-         ", epilogue=" + I(static_cast<int>(epilogue)) + ", cudaDataType A/B=" + I(ab_type) + " D=" + I(d_type) + ")";
+         ", epilogue=" + I(static_cast<int>(epilogue)) + ", cudaDataType A/B=" + I(ab_type) + " D=" + I(d_type) +
+         (b_type >= 0 ? " B=" + I(b_type) : "") +
+         (Scaled() ? ", scale modes A/B=" + I(scale_mode_a) + "/" + I(scale_mode_b) : "") + ")";
+}
+
+int64_t ScaleElements(int32_t mode, uint64_t outer, uint64_t k) {
+  const int64_t kb = static_cast<int64_t>((k + 127) / 128);
+#if TE_CUBLASLT_BLOCK_SCALING
+  if (mode == CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F) return static_cast<int64_t>(outer) * kb;
+  if (mode == CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F) {
+    return static_cast<int64_t>((outer + 127) / 128) * ((kb + 3) / 4 * 4);
+  }
+#else
+  (void)mode;
+  (void)outer;
+  (void)kb;
+#endif
+  return 0;
 }
 
 GemmPlan::~GemmPlan() {
@@ -378,6 +422,82 @@ std::atomic<int> g_forced_candidate{-1};
 int ForcedCandidate() { return g_forced_candidate.load(std::memory_order_relaxed); }
 void SetForcedCandidate(int i) { g_forced_candidate.store(i < 0 ? -1 : i, std::memory_order_relaxed); }
 
+namespace {
+// The matmul descriptor of `spec` (compute type float32, op flags, epilogue, aux leading dimension,
+// FP8 scale modes) and its A, B and D layouts, into p (freed by ~GemmPlan).
+ffi::Error CreateDescriptors(const char* op, const GemmSpec& spec, GemmPlan* p) {
+  const std::string what = spec.Describe();
+  TE_LT_CHECK(op, cublasLtMatmulDescCreate(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), what);
+  const int32_t ta = spec.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const int32_t tb = spec.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  TE_LT_CHECK(op, cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)), what);
+  TE_LT_CHECK(op, cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)), what);
+  const cublasLtEpilogue_t epi = spec.epilogue;
+  TE_LT_CHECK(op, cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)), what);
+  if (HasAux(epi)) {
+    const int64_t aux_ld = spec.aux_ld;
+    TE_LT_CHECK(op,
+                cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &aux_ld, sizeof(aux_ld)),
+                what);
+  }
+  if (spec.Scaled()) {
+#if TE_CUBLASLT_BLOCK_SCALING
+    // FP8 block scaling: only the modes are set here, the scale pointers per call (SetPointers).
+    // No fast accumulation (cuBLASLt refuses it with these modes; CUBLASLT_MATMUL_DESC_FAST_ACCUM
+    // stays at its default 0): partial sums are promoted to float32 every 128 of K.
+    if (spec.scale_mode_a >= 0) {
+      const int32_t mode = spec.scale_mode_a;
+      TE_LT_CHECK(op, cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode, sizeof(mode)),
+                  what);
+    }
+    if (spec.scale_mode_b >= 0) {
+      const int32_t mode = spec.scale_mode_b;
+      TE_LT_CHECK(op, cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode, sizeof(mode)),
+                  what);
+    }
+#else
+    return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                      std::string("te_ops.") + op + ": built against cuBLASLt headers older than 12.9 (CUBLAS_VERSION " +
+                          std::to_string(CUBLAS_VERSION) + "), which have no FP8 block scale modes, for " + what);
+#endif
+  }
+  uint64_t ar, ac, br, bc;
+  StoredA(spec, &ar, &ac);
+  StoredB(spec, &br, &bc);
+  TE_LT_CHECK(op, cublasLtMatrixLayoutCreate(&p->la, spec.ab_type, ar, ac, spec.lda), what);
+  TE_LT_CHECK(op, cublasLtMatrixLayoutCreate(&p->lb, spec.BType(), br, bc, spec.ldb), what);
+  TE_LT_CHECK(op, cublasLtMatrixLayoutCreate(&p->ld, spec.d_type, spec.m, spec.n, spec.ldd), what);
+  return ffi::Error::Success();
+}
+
+// The search preference of `spec`: workspace limit, pointer alignments, reduction schemes.
+cublasStatus_t SetPreference(const GemmSpec& spec, uint64_t ws, cublasLtMatmulPreference_t pref) {
+  // Alignment the kernels may assume: the pointer's, but no more than the row pitch allows (an odd
+  // leading dimension in a 16-bit type makes every other column only 2-byte aligned).
+  auto pitch = [](int64_t ld, cudaDataType_t t) { return Alignment(reinterpret_cast<const void*>(ld * ElementBytes(t))); };
+  const uint32_t al_a = std::min(spec.align_a, pitch(spec.lda, spec.ab_type));
+  const uint32_t al_b = std::min(spec.align_b, pitch(spec.ldb, spec.BType()));
+  const uint32_t al_d = std::min(spec.align_d, pitch(spec.ldd, spec.d_type));
+  cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
+  if (st == CUBLAS_STATUS_SUCCESS)
+    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof(al_a));
+  if (st == CUBLAS_STATUS_SUCCESS)
+    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof(al_b));
+  if (st == CUBLAS_STATUS_SUCCESS)
+    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_d, sizeof(al_d));
+  if (st == CUBLAS_STATUS_SUCCESS)
+    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_d, sizeof(al_d));
+  // Split-K partial sums only in the compute type (float32): INPLACE and OUTPUT_TYPE reductions add
+  // the parts in the output type (bf16/f16), which breaks the float32-accumulation contract (ReLU
+  // masks flip near zero on small odd shapes).
+  const uint32_t reduction = kAllowedReductionSchemes;
+  if (st == CUBLAS_STATUS_SUCCESS)
+    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &reduction,
+                                              sizeof(reduction));
+  return st;
+}
+}  // namespace
+
 ffi::Error GetPlan(const char* op, int device, DeviceState& dev, const GemmSpec& spec, const GemmPtrs& ptrs,
                    bool create, bool time_candidates, GemmPlan** plan) {
   const int forced = ForcedCandidate();
@@ -401,54 +521,15 @@ ffi::Error GetPlan(const char* op, int device, DeviceState& dev, const GemmSpec&
   auto p = std::make_unique<GemmPlan>();
   p->spec = spec;
   p->device = device;
-  TE_LT_CHECK(op, cublasLtMatmulDescCreate(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), what);
-  const int32_t ta = spec.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
-  const int32_t tb = spec.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
-  TE_LT_CHECK(op, cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)), what);
-  TE_LT_CHECK(op, cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)), what);
-  const cublasLtEpilogue_t epi = spec.epilogue;
-  TE_LT_CHECK(op, cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)), what);
-  if (HasAux(epi)) {
-    const int64_t aux_ld = spec.aux_ld;
-    TE_LT_CHECK(op,
-                cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &aux_ld, sizeof(aux_ld)),
-                what);
-  }
+  TE_RETURN_IF_ERROR(CreateDescriptors(op, spec, p.get()));
   // Pointers the heuristic sees (it reads their alignment): the real ones of this call.
   TE_RETURN_IF_ERROR(SetPointers(op, *p, ptrs));
-
-  uint64_t ar, ac, br, bc;
-  StoredA(spec, &ar, &ac);
-  StoredB(spec, &br, &bc);
-  TE_LT_CHECK(op, cublasLtMatrixLayoutCreate(&p->la, spec.ab_type, ar, ac, spec.lda), what);
-  TE_LT_CHECK(op, cublasLtMatrixLayoutCreate(&p->lb, spec.ab_type, br, bc, spec.ldb), what);
-  TE_LT_CHECK(op, cublasLtMatrixLayoutCreate(&p->ld, spec.d_type, spec.m, spec.n, spec.ldd), what);
 
   cublasLtMatmulPreference_t pref = nullptr;
   TE_LT_CHECK(op, cublasLtMatmulPreferenceCreate(&pref), what);
   const uint64_t ws = dev.workspace_bytes;
-  // Alignment the kernels may assume: the pointer's, but no more than the row pitch allows (an odd
-  // leading dimension in a 16-bit type makes every other column only 2-byte aligned).
-  auto pitch = [](int64_t ld, cudaDataType_t t) { return Alignment(reinterpret_cast<const void*>(ld * ElementBytes(t))); };
-  const uint32_t al_a = std::min(spec.align_a, pitch(spec.lda, spec.ab_type));
-  const uint32_t al_b = std::min(spec.align_b, pitch(spec.ldb, spec.ab_type));
-  const uint32_t al_d = std::min(spec.align_d, pitch(spec.ldd, spec.d_type));
-  cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
-  if (st == CUBLAS_STATUS_SUCCESS)
-    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof(al_a));
-  if (st == CUBLAS_STATUS_SUCCESS)
-    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof(al_b));
-  if (st == CUBLAS_STATUS_SUCCESS)
-    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_d, sizeof(al_d));
-  if (st == CUBLAS_STATUS_SUCCESS)
-    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_d, sizeof(al_d));
-  // Split-K partial sums only in the compute type (float32): INPLACE and OUTPUT_TYPE reductions add
-  // the parts in the output type (bf16/f16), which breaks the float32-accumulation contract (ReLU
-  // masks flip near zero on small odd shapes).
-  const uint32_t reduction = kAllowedReductionSchemes;
-  if (st == CUBLAS_STATUS_SUCCESS)
-    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &reduction,
-                                              sizeof(reduction));
+  cublasStatus_t st = SetPreference(spec, ws, pref);
+  const cublasLtEpilogue_t epi = spec.epilogue;
   std::vector<cublasLtMatmulHeuristicResult_t> results(kMaxCandidates);
   int returned = 0;
   if (st == CUBLAS_STATUS_SUCCESS) {
@@ -586,6 +667,46 @@ ffi::Error RunGemm(const char* op, DeviceState& dev, GemmPlan& plan, const GemmP
   TE_RETURN_IF_ERROR(SetPointers(op, plan, ptrs));
   cublasStatus_t st = Matmul(dev, plan, ptrs, plan.algo, stream, dev.workspace, plan.workspace_bytes);
   if (st != CUBLAS_STATUS_SUCCESS) return LtError(op, st, "cublasLtMatmul for " + plan.spec.Describe());
+  return ffi::Error::Success();
+}
+
+ffi::Error CountAlgorithms(const char* op, int device, const GemmSpec& spec, int* count) {
+  *count = 0;
+  std::unique_ptr<DeviceGuard> guard;
+  if (device >= 0) {
+    guard = std::make_unique<DeviceGuard>(device);
+    if (!guard->ok()) return CudaError(op, cudaGetLastError(), "cudaSetDevice(" + std::to_string(device) + ")");
+  }
+  // One handle for queries (created once, kept for the process): a cuBLASLt handle is not tied to a
+  // device, and the query needs no workspace, so no DeviceState (whose 32 MiB workspace XLA's
+  // initialize stage allocates) is created on a device that may never run a GEMM.
+  static std::mutex mu;
+  static cublasLtHandle_t handle = nullptr;
+  std::lock_guard<std::mutex> lock(mu);
+  if (handle == nullptr) TE_LT_CHECK(op, cublasLtCreate(&handle), "cublasLtCreate (support query)");
+  GemmPlan p;  // descriptors only: never cached, never run
+  p.spec = spec;
+  TE_RETURN_IF_ERROR(CreateDescriptors(op, spec, &p));
+  // Stand-in pointers, 256-byte aligned like XLA's buffers: the heuristic reads no device memory.
+  void* const fake = reinterpret_cast<void*>(uintptr_t{256});
+  const GemmPtrs ptrs{fake, fake, fake, HasBias(spec.epilogue) ? fake : nullptr, HasAux(spec.epilogue) ? fake : nullptr,
+                      spec.scale_mode_a >= 0 ? fake : nullptr, spec.scale_mode_b >= 0 ? fake : nullptr};
+  TE_RETURN_IF_ERROR(SetPointers(op, p, ptrs));
+  cublasLtMatmulPreference_t pref = nullptr;
+  TE_LT_CHECK(op, cublasLtMatmulPreferenceCreate(&pref), spec.Describe());
+  cublasStatus_t st = SetPreference(spec, kWorkspaceBytes, pref);
+  std::vector<cublasLtMatmulHeuristicResult_t> results(kMaxCandidates);
+  int returned = 0;
+  if (st == CUBLAS_STATUS_SUCCESS) {
+    st = cublasLtMatmulAlgoGetHeuristic(handle, p.desc, p.la, p.lb, p.ld, p.ld, pref, kMaxCandidates, results.data(),
+                                        &returned);
+  }
+  cublasLtMatmulPreferenceDestroy(pref);
+  if (st == CUBLAS_STATUS_NOT_SUPPORTED || st == CUBLAS_STATUS_INVALID_VALUE) return ffi::Error::Success();  // none
+  if (st != CUBLAS_STATUS_SUCCESS) return LtError(op, st, "cublasLtMatmulAlgoGetHeuristic for " + spec.Describe());
+  for (int i = 0; i < returned; ++i) {
+    if (results[i].state == CUBLAS_STATUS_SUCCESS && results[i].workspaceSize <= kWorkspaceBytes) ++*count;
+  }
   return ffi::Error::Success();
 }
 

@@ -11,6 +11,11 @@
 //     dx^T (K x M) = op_T(w^T) * dz^T           (m = K, n = M, k = N, transa = T)
 //     dw^T (N x K) = dz^T * op_T(x^T)           (m = N, n = K, k = M, transb = T; BGRADA = sum_M dz)
 // No array is ever transposed in memory: only the cuBLAS op flags change.
+//
+// FP8 block scaling (te_fp8_block_gemm, fp8_block_gemm_ffi.cc) uses the same plans: a spec with
+// scale modes (CUBLASLT_MATMUL_DESC_A/B_SCALE_MODE, cuBLASLt >= 12.9) and the two scale tensors'
+// pointers in GemmPtrs. Specs without scale modes (every bf16/f16/f32 dense GEMM) set no scale
+// attribute at all, exactly as before the FP8 route existed.
 #pragma once
 
 #include <cublasLt.h>
@@ -24,7 +29,18 @@
 
 #include "common/ffi_util.h"
 
+// cuBLASLt's 128-element 1D (VEC128_32F) and 128x128 2D (BLK128x128_32F) FP8 scale modes exist from
+// cuBLAS 12.9 (Hopper only); older headers build the module without the FP8 block-scaled route.
+#if defined(CUBLAS_VERSION) && CUBLAS_VERSION >= 120900
+#define TE_CUBLASLT_BLOCK_SCALING 1
+#else
+#define TE_CUBLASLT_BLOCK_SCALING 0
+#endif
+
 namespace te::dense {
+
+// cuBLASLt version (major * 10000 + minor * 100 + patch) from which the FP8 block scale modes exist.
+constexpr int kBlockScalingMinVersion = 120900;
 
 struct DeviceState {
   cublasLtHandle_t handle = nullptr;
@@ -46,6 +62,14 @@ struct GemmSpec {
   int64_t aux_ld = 0;  // GELU_AUX: leading dimension of the aux (pre-activation) matrix
   // Pointer alignments (bytes, capped at 16) the algorithm must accept.
   int align_a = 16, align_b = 16, align_d = 16, align_bias = 16, align_aux = 16;
+  // FP8 only: B's cudaDataType_t when it differs from A's (E4M3 x E5M2); -1: B is ab_type too.
+  int32_t b_type = -1;
+  // FP8 block scaling only: cublasLtMatmulMatrixScale_t of A and B (CUBLASLT_MATMUL_DESC_A/B_SCALE_MODE,
+  // with GemmPtrs::scale_a / scale_b); -1: no scale attribute is set (every non-FP8 GEMM).
+  int32_t scale_mode_a = -1, scale_mode_b = -1;
+
+  cudaDataType_t BType() const { return b_type < 0 ? ab_type : static_cast<cudaDataType_t>(b_type); }
+  bool Scaled() const { return scale_mode_a >= 0 || scale_mode_b >= 0; }
 
   std::string Key() const;
   std::string Describe() const;  // for error messages
@@ -57,6 +81,8 @@ struct GemmPtrs {
   void* d = nullptr;
   void* bias = nullptr;  // bias (read) or bias gradient (written)
   void* aux = nullptr;
+  const void* scale_a = nullptr;  // FP8 block scaling: A's / B's float32 dequantization scales
+  const void* scale_b = nullptr;
 };
 
 struct GemmPlan {
@@ -115,5 +141,17 @@ std::vector<PlanInfo> PlanSnapshot();
 
 // Enqueues the GEMM on `stream` (no allocation, no synchronisation).
 ffi::Error RunGemm(const char* op, DeviceState& dev, GemmPlan& plan, const GemmPtrs& ptrs, cudaStream_t stream);
+
+// Elements (float32) of one scale tensor of an FP8 block-scaled operand whose op() is outer x k
+// (outer: m for A, n for B): VEC128_32F outer x cdiv(k, 128), BLK128x128_32F cdiv(outer, 128) x
+// round_up(cdiv(k, 128), 4) (cuBLASLt's fixed column stride, a multiple of 4); 0 for other modes.
+int64_t ScaleElements(int32_t mode, uint64_t outer, uint64_t k);
+
+// Support query without XLA buffers or a plan (nothing cached): how many algorithms cuBLASLt's
+// heuristic offers for `spec` on CUDA device `device` (-1: the current one), with 256-byte aligned
+// stand-in pointers (XLA's buffers are aligned at least that much; the spec's align_* still cap
+// what the algorithms may assume), into *count (0: none). Uses a process-wide query handle (no
+// workspace allocation). Needs a GPU.
+ffi::Error CountAlgorithms(const char* op, int device, const GemmSpec& spec, int* count);
 
 }  // namespace te::dense

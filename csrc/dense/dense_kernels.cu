@@ -3,6 +3,7 @@
 // of the vector width and the pointers are 16-byte aligned, scalar otherwise.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -130,6 +131,28 @@ cudaError_t LaunchFillUniform(DType dt, void* p, int64_t count, uint32_t seed, c
                                                                                       1.0f);
     return cudaGetLastError();
   });
+}
+
+namespace {
+// p[i] = FP8 of 256 * uniform[-1, 1) (saturating; E4M3 or E5M2 bytes): FP8 GEMM timing data whose
+// exponents and signs vary like quantized activations' do.
+__global__ void FillFp8UniformKernel(uint8_t* p, int64_t count, uint32_t seed, bool e5m2) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += stride) {
+    const float u =
+        static_cast<float>(act::HashIndex(static_cast<uint64_t>(i), seed) >> 8) * (2.0f / 16777216.0f) - 1.0f;
+    p[i] = __nv_cvt_float_to_fp8(256.0f * u, __NV_SATFINITE, e5m2 ? __NV_E5M2 : __NV_E4M3);
+  }
+}
+}  // namespace
+
+cudaError_t LaunchFillFp8Uniform(bool e5m2, void* p, int64_t count, uint32_t seed, cudaStream_t stream) {
+  if (count <= 0) return cudaSuccess;
+  const int threads = 256;
+  const int64_t blocks = std::min<int64_t>((count + threads - 1) / threads, 132 * 16);
+  FillFp8UniformKernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(static_cast<uint8_t*>(p), count, seed,
+                                                                              e5m2);
+  return cudaGetLastError();
 }
 
 cudaError_t LaunchActForward(DType dt, Act act, const void* z, const void* bias, void* y, void* z_out, int64_t m,
