@@ -24,7 +24,8 @@ framework keeps state: the ``"fp8_state"`` collection (Linen), ``te_layers.nnx.F
 (NNX), ``eqx.nn.State`` (Equinox). The context is read when a layer is called: a layer that holds
 delayed-scaling state from the context but is called outside every :func:`fp8_recipe` block runs in
 high precision, leaves its state as it is, and warns (``fp8_recipe(None)`` does the same on purpose,
-without the warning).
+without the warning); called inside a CurrentScaling or BlockScaling context it runs with that
+recipe, leaves its state as it is, and warns too.
 """
 
 from te_layers._fp8 import current_fp8_recipe, fp8_recipe

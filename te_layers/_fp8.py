@@ -5,7 +5,8 @@ Which recipe a layer runs with is decided when the layer is called (traced): the
 ``fp8=`` argument when it is a recipe, else the innermost :func:`fp8_recipe` context, else none
 (high precision). ``fp8=False`` keeps a layer in high precision even inside a context. A layer
 built under a DelayedScaling context holds state for it; called outside every context it runs in high
-precision without touching that state, and warns (:func:`warn_if_state_unused`).
+precision without touching that state, and warns (:func:`warn_if_state_unused`); so does one called
+inside a CurrentScaling or BlockScaling context (it runs with that recipe).
 
 Delayed scaling needs per-layer state (amax histories and scales of the layer's activation,
 kernel and output gradient). ``te_ops.fp8.fp8_dense`` returns the updated state as the
@@ -95,6 +96,8 @@ def fp8_recipe(recipe: CurrentScaling | DelayedScaling | BlockScaling | None) ->
     precision and its state is neither used nor updated; it then warns (a ``UserWarning`` at trace
     time, naming the layer). Call it inside the context, or build it with ``fp8=`` so it does not
     depend on the context; inside ``fp8_recipe(None)`` it runs in high precision without the warning.
+    Called inside a CurrentScaling or BlockScaling block, such a layer runs with that recipe, leaves
+    its delayed-scaling state as it is, and warns the same way.
 
     Args:
       recipe: a ``te_ops.fp8`` ``CurrentScaling``, ``DelayedScaling`` or ``BlockScaling``, or None.
@@ -140,18 +143,33 @@ _SKIP_FRAMES = _package_dirs("te_layers", "flax", "equinox", "jax")
 
 def warn_if_state_unused(layer: str, fp8: Any, recipe: Any, holds_state: bool) -> None:
     """Warn when a layer that holds delayed-scaling state runs without it: ``fp8`` is None (the layer
-    follows the context), no :func:`fp8_recipe` block is active (``recipe`` resolved to None) and
-    ``holds_state``. Called when the layer is called (traced). Python's default warning filter shows
-    it once per layer class and call site."""
-    if not holds_state or recipe is not None or fp8 is not None or _ENTERED.get():
+    follows the context), ``holds_state``, and either no :func:`fp8_recipe` block is active (``recipe``
+    resolved to None outside every block: the layer runs in high precision) or the active recipe is
+    not a ``DelayedScaling`` (a CurrentScaling / BlockScaling context: the layer runs with that recipe).
+    Called when the layer is called (traced). Python's default warning filter shows it once per layer
+    class and call site."""
+    if not holds_state or fp8 is not None:
         return
+    if recipe is None:
+        if _ENTERED.get():  # fp8_recipe(None): high precision on purpose
+            return
+        what = (
+            "is called with no te_layers.fp8_recipe context active, so it runs in high precision and its FP8 "
+            "state is neither used nor updated"
+        )
+    elif isinstance(recipe, DelayedScaling):
+        return
+    else:
+        what = (
+            f"is called inside a te_layers.fp8_recipe({type(recipe).__name__}(...)) context, so it runs with "
+            f"that recipe and its delayed-scaling state is neither used nor updated"
+        )
     warnings.warn(
-        err(layer, "this layer holds delayed-scaling FP8 state (it was built, or Linen: init-ed, under a "
-                   "DelayedScaling recipe) but is called with no te_layers.fp8_recipe context active, so it runs in "
-                   "high precision and its FP8 state is neither used nor updated. Call it (the jitted step, or "
-                   "apply) inside `with te_layers.fp8_recipe(DelayedScaling(...)):` as at construction, or build it "
-                   "with fp8=DelayedScaling(...) so that it does not depend on the context; to run it in high "
-                   "precision on purpose, call it inside te_layers.fp8_recipe(None)."),
+        err(layer, f"this layer holds delayed-scaling FP8 state (it was built, or Linen: init-ed, under a "
+                   f"DelayedScaling recipe) but {what}. Call it (the jitted step, or apply) inside "
+                   "`with te_layers.fp8_recipe(DelayedScaling(...)):` as at construction, or build it with "
+                   "fp8=DelayedScaling(...) so that it does not depend on the context; to run it in high precision "
+                   "on purpose, call it inside te_layers.fp8_recipe(None)."),
         UserWarning,
         skip_file_prefixes=_SKIP_FRAMES,
     )  # fmt: skip

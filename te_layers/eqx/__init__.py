@@ -18,8 +18,9 @@ as ``y, state = dense(x, state)`` (``(out, aux), state = moe(x, state)``; MultiH
 :func:`fp8_value_and_grad` (``te_layers.eqx.fp8``). One that got DelayedScaling from the context
 (``fp8=None``) must be called inside the context too: called outside every ``fp8_recipe`` block it
 runs in high precision, its state entry is not updated, and it warns (``te_layers.fp8_recipe(None)``:
-no warning). Layers that hold no state (RMSNorm, LayerNorm, Softmax) refuse an ``eqx.nn.State`` in
-their second argument with an error that says so.
+no warning); inside a CurrentScaling or BlockScaling context it runs with that recipe and warns too.
+Layers that hold no state (RMSNorm, LayerNorm, Softmax) refuse an ``eqx.nn.State`` in their second
+argument with an error that says so.
 
 Configuration is checked in ``__init__`` (``__check_init__`` for the field-only modules) and inputs when a
 module is called, with the same messages as the Linen and NNX modules (``te_layers.<Layer>: ...``).

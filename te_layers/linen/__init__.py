@@ -15,7 +15,8 @@ collection; the training step differentiates with respect to it and keeps the "g
 (:func:`fp8_value_and_grad`, :func:`fp8_update`, :func:`fp8_accumulate` in ``te_layers.linen.fp8``).
 A layer (``fp8=None``) that finds its state in the ``"fp8_state"`` collection passed to ``apply`` but
 is called with no ``te_layers.fp8_recipe`` context active runs in high precision, leaves the state
-as it is, and warns (``te_layers.fp8_recipe(None)``: no warning).
+as it is, and warns (``te_layers.fp8_recipe(None)``: no warning); inside a CurrentScaling or
+BlockScaling context it runs with that recipe, leaves the state as it is and warns too.
 
 Configuration is checked when a module is constructed (``__post_init__``) and inputs when it is called,
 with the same messages as the NNX and Equinox modules (``te_layers.<Layer>: ...``).
@@ -191,9 +192,10 @@ class NormDense(nn.Module):
 
 def _fp8_state(mod: nn.Module, recipe):
     """The Dense's delayed-scaling state tree from the ``"fp8_state"`` collection (created by init);
-    warns when the collection holds it but no recipe is active (:func:`te_layers._fp8.warn_if_state_unused`)."""
+    warns when the collection holds it but the active recipe (or none) does not use it
+    (:func:`te_layers._fp8.warn_if_state_unused`)."""
     if not isinstance(recipe, F.DelayedScaling):
-        held = recipe is None and all(mod.has_variable(FP8_COLLECTION, r) for r in F.ROLES)
+        held = all(mod.has_variable(FP8_COLLECTION, r) for r in F.ROLES)
         F.warn_if_state_unused(type(mod).__name__, mod.fp8, recipe, held)
         return None
     if not mod.is_initializing() and not all(mod.has_variable(FP8_COLLECTION, r) for r in F.ROLES):
@@ -208,7 +210,7 @@ def _moe_fp8_state(mod: nn.Module, recipe):
     """The MoEBlock experts' delayed-scaling state from ``"fp8_state"``: variables ``wi`` and ``wo``
     (one per grouped GEMM), created by init; warns as :func:`_fp8_state`."""
     if not isinstance(recipe, F.DelayedScaling):
-        held = recipe is None and all(mod.has_variable(FP8_COLLECTION, k) for k in F.MOE_GEMMS)
+        held = all(mod.has_variable(FP8_COLLECTION, k) for k in F.MOE_GEMMS)
         F.warn_if_state_unused("MoEBlock", mod.fp8, recipe, held)
         return None
     where = f"the {FP8_COLLECTION!r} collection"

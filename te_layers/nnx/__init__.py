@@ -21,7 +21,8 @@ FP8: ``Dense``, the ``MultiHeadAttention`` projections and the ``MoEBlock`` expe
 A Dense or MoEBlock built with DelayedScaling holds an :class:`FP8State` variable, updated by
 :func:`fp8_value_and_grad` (``te_layers.nnx.fp8``). One that got it from the context (``fp8=None``)
 must be called inside the context too: called outside every ``fp8_recipe`` block it runs in high
-precision, its FP8State is not updated, and it warns (``te_layers.fp8_recipe(None)``: no warning).
+precision, its FP8State is not updated, and it warns (``te_layers.fp8_recipe(None)``: no warning);
+inside a CurrentScaling or BlockScaling context it runs with that recipe and warns the same way.
 
 Configuration is checked in ``__init__`` and inputs when a module is called, with the same messages as
 the Linen and Equinox modules (``te_layers.<Layer>: ...``).

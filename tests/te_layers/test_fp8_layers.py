@@ -768,6 +768,21 @@ def test_delayed_state_called_without_recipe_warns(framework, layer):
         assert not msgs, (ctx, msgs)
 
 
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("layer", ["Dense", "MoEBlock"])
+@pytest.mark.parametrize("other", ["current", "block"])
+def test_delayed_state_called_under_another_recipe_warns(framework, layer, other):
+    """Built under DelayedScaling, called inside a CurrentScaling / BlockScaling context: the layer runs
+    with that recipe and its delayed state is not used, which now warns naming the recipe."""
+    call = _built_in_context(framework, layer)
+    recipe = BlockScaling() if (layer, other) == ("MoEBlock", "block") else RECIPES[other]  # grouped: 1x128 only
+    with te_layers.fp8_recipe(recipe):
+        _, msgs = _state_warnings(call)
+    name = type(recipe).__name__
+    assert msgs, f"no warning for a layer holding delayed-scaling state called under {name}"
+    assert msgs[0].startswith(f"te_layers.{layer}: ") and f"fp8_recipe({name}(...))" in msgs[0], msgs[0]
+
+
 def test_delayed_state_without_recipe_nnx_step_warns_and_state_stays():
     """The case that used to be silent: an NNX Dense built in the context, stepped outside it, runs in
     high precision and its amax history stays zeros (now with a warning); inside the context the step
