@@ -117,23 +117,18 @@ def main():
         }
         # variants compiled now, while their setting is on (jit keeps those executables; a fresh function
         # each): warps per 128 x 128 tile (occupancy: 16 warps at 128 registers is one program per SM)
-        # and rows per slice of the two-pass walk over the tile (0: the whole tile at once)
-        # (default: DUAL_TILE_WARPS, DUAL_SUB)
-        # (warps, rows per slice, unroll of the slice loops); the no-spill settings of sm_90a plus one-pass
-        grid = [(2, 0, 1), (4, 0, 1), (8, 0, 1), (16, 0, 1), (4, 16, 1), (4, 16, 8), (4, 32, 4), (8, 16, 1),
-                (8, 16, 8), (8, 32, 1), (8, 64, 1)]  # fmt: skip
-        sweep = {f"triton ({w} warps, {f'{s}-row slices x{u}' if s else 'one pass'})": (w, s, u) for w, s, u in grid}
-        old = tri.DUAL_TILE_WARPS, tri.DUAL_SUB, tri.DUAL_UNROLL
+        sweep = {f"triton ({w} warps)": w for w in (2, 4, 8, 16)}  # default: DUAL_TILE_WARPS
+        old = tri.DUAL_TILE_WARPS
         for vname, setting in sweep.items():
             f = jax.jit(lambda x: tri.dual_quantize(x, 128, fp8.E4M3, power_of_2=True, trans_wide=False))
-            tri.DUAL_TILE_WARPS, tri.DUAL_SUB, tri.DUAL_UNROLL = setting
+            tri.DUAL_TILE_WARPS = setting
             try:
                 jax.block_until_ready(f(sets[0][0]))
                 fns[vname] = f
             except Exception as e:  # noqa: BLE001 - report and go on
                 print(f"dual quantize {vname} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
             finally:
-                tri.DUAL_TILE_WARPS, tri.DUAL_SUB, tri.DUAL_UNROLL = old
+                tri.DUAL_TILE_WARPS = old
         times, _ = _timing.time_interleaved(fns, sets)
         for vname in sweep:
             if vname not in times:
@@ -177,21 +172,18 @@ def main():
         fns = {impl: jax.jit(lambda d, z, impl=impl: fp8.dact_dbias_quantize(d, z, rec, activation="gelu",
                                                                             implementation=impl))
                for impl in ("triton", "reference")}  # fmt: skip
-        # the default: tri.QUANT_TILE_WARPS, tri.DACT_SUB
-        grid = [(8, 0, 1), (16, 0, 1), (4, 16, 1), (8, 16, 1), (8, 16, 8), (8, 32, 1), (8, 32, 4)]  # as above
-        dact_sweep = {f"triton ({w} warps, {f'{s}-row slices x{u}' if s else 'one pass'})": (w, s, u)
-                      for w, s, u in grid}  # fmt: skip
-        old = tri.QUANT_TILE_WARPS, tri.DACT_SUB, tri.DACT_UNROLL
+        dact_sweep = {f"triton ({w} warps)": w for w in (8, 16)}  # the default: tri.QUANT_TILE_WARPS
+        old = tri.QUANT_TILE_WARPS
         for vname, setting in dact_sweep.items():
             f = jax.jit(lambda d, z: fp8.dact_dbias_quantize(d, z, rec, activation="gelu", implementation="triton"))
-            tri.QUANT_TILE_WARPS, tri.DACT_SUB, tri.DACT_UNROLL = setting
+            tri.QUANT_TILE_WARPS = setting
             try:
                 jax.block_until_ready(f(*dz_args[0]))
                 fns[vname] = f
             except Exception as e:  # noqa: BLE001 - report and go on
                 print(f"dact {vname} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
             finally:
-                tri.QUANT_TILE_WARPS, tri.DACT_SUB, tri.DACT_UNROLL = old
+                tri.QUANT_TILE_WARPS = old
         times, _ = _timing.time_interleaved(fns, dz_args)
         for vname in dact_sweep:
             if vname in times:

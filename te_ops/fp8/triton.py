@@ -118,22 +118,15 @@ def _block_quantize_local(x, block, fmt, power_of_2, margin) -> QuantizedTensor:
     return QuantizedTensor(q.reshape(shape), sinv.reshape(shape[:-2] + (nrb, ncb)), tuple(block), jnp.dtype(x.dtype))
 
 
-# warps of the 128 x 128-tile fused activation-backward quantize kernel (dact_dbias_quantize), and
-# rows per slice of its two-pass walk over the tile (0: the whole tile at once; see DUAL_SUB)
+# warps of the 128 x 128-tile fused activation-backward quantize kernel (dact_dbias_quantize)
 QUANT_TILE_WARPS = 8
-DACT_SUB = 0
-DACT_UNROLL = 1
 # warps of the 128 x 128-tile dual quantize kernel. Fewer warps, more programs per SM, more loads in
 # flight: H100, 2026-12-06 (benchmarks/fp8.py quant, 16384x7168 bf16, commit 71c09b3): 4 warps
 # 0.389 ms (1.23 TB/s), 8 warps 0.577 ms, 16 warps 0.646 ms (0.74 TB/s); the persistent variants
 # 0.74-1.18 ms (that variant, a persistent loop with loads pipelined across tiles, was removed).
-# At 4 warps ptxas spills 264 bytes a thread (560 with square x^T blocks); 8 warps does not spill.
+# At 4 warps ptxas spills 208 bytes a thread (484 with square x^T blocks; sm_90a, Triton 3.6); 8 warps
+# does not spill.
 DUAL_TILE_WARPS = 4
-# rows per slice of the dual quantize's two-pass walk over its tile (0: the whole tile in registers,
-# one pass). Slices keep fewer values live per thread (the one-pass tile spills at 4 warps) at the
-# cost of a second read of the tile from L2; timed in benchmarks/fp8.py (quant).
-DUAL_SUB = 0
-DUAL_UNROLL = 1  # unroll factor of the slice loops (B // DUAL_SUB: fully unrolled)
 # where the transposed output is transposed: the input tile (16-bit lanes) or the FP8 bytes; timed in
 # benchmarks/fp8.py
 DUAL_TRANS_WIDE = False
@@ -160,7 +153,7 @@ def dual_quantize(
     if x.size == 0:
         return _dual_quantize_local(x, block, fmt, power_of_2, margin, wide, bool(t_square))
     # the kernel settings are read when the sharded callable traces: part of its cache key
-    tuning = (DUAL_TILE_WARPS, DUAL_SUB, DUAL_UNROLL)
+    tuning = (DUAL_TILE_WARPS,)
     q, s, qt, st = _sharded_dual_quantize(block, fmt, bool(power_of_2), margin, PARTITION, wide, bool(t_square),
                                           tuning)(x)  # fmt: skip
     return (
@@ -210,8 +203,6 @@ def _dual_quantize_local(x, block, fmt, power_of_2, margin, wide=False, t_square
             HW=_hw_cvt(),
             TRANS_WIDE=bool(wide),
             T_SQUARE=bool(t_square),
-            SUB=DUAL_SUB if 0 < DUAL_SUB < block and block % DUAL_SUB == 0 else 0,
-            UNROLL=max(1, int(DUAL_UNROLL)),
         ),
         num_warps=DUAL_TILE_WARPS,
         divisible_by_16=tuple(n for n, v in (("R", r), ("C", c)) if v % 16 == 0),
@@ -236,8 +227,7 @@ def dact_dbias_quantize(
     added up in float32; in dy's dtype). Equal to ``reference.dact_dbias_quantize`` up to the
     activation derivative's last-ulp rounding (bit for bit for ReLU and None)."""
     fmt = jnp.dtype(fmt)
-    local = _sharded_dact(_ACT_CODES[activation], block, fmt, bool(power_of_2), PARTITION,
-                          (QUANT_TILE_WARPS, DACT_SUB, DACT_UNROLL))
+    local = _sharded_dact(_ACT_CODES[activation], block, fmt, bool(power_of_2), PARTITION, QUANT_TILE_WARPS)
     q, s, qt, st, dbp = local(dy, z)
     dt = jnp.dtype(dy.dtype)
     return (
@@ -248,7 +238,7 @@ def dact_dbias_quantize(
 
 
 @functools.cache
-def _sharded_dact(act, block, fmt, power_of_2, partition, tuning=None):  # tuning: read at trace time, keyed
+def _sharded_dact(act, block, fmt, power_of_2, partition, warps=None):  # warps: read at trace time, keyed
     def local(dy, z):
         return _dact_local(dy, z, act, block, fmt, power_of_2)
 
@@ -285,8 +275,6 @@ def _dact_local(dy, z, act, block, fmt, power_of_2):
             MARGIN_MUL=1.0,
             POW2=bool(power_of_2),
             HW=_hw_cvt(),
-            SUB=DACT_SUB if 0 < DACT_SUB < block and block % DACT_SUB == 0 else 0,
-            UNROLL=max(1, int(DACT_UNROLL)),
         ),  # fmt: skip
         num_warps=QUANT_TILE_WARPS,
         divisible_by_16=tuple(n for n, v in (("R", r), ("C", c)) if v % 16 == 0),

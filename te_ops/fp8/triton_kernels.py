@@ -157,7 +157,7 @@ def _quantize_tile(x, scale, FMAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.c
 @triton.jit
 def _row_tiles(x, rows, cols, cb, R, C, q_ptr, sinv_ptr, B: tl.constexpr, FMAX: tl.constexpr, MBITS: tl.constexpr,
                EMIN: tl.constexpr, MARGIN_MUL: tl.constexpr, POW2: tl.constexpr, HW: tl.constexpr):  # fmt: skip
-    """x [SUB, B] (float32, rows ``rows`` and columns ``cols`` of an [R, C] tensor) quantized in
+    """x [B, B] (float32, rows ``rows`` and columns ``cols`` of an [R, C] tensor) quantized in
     1 x B row tiles: q and one inverse scale per row stored. Returns _abs_inf(x)."""
     rmask = rows < R
     ax = _abs_inf(x)
@@ -182,7 +182,7 @@ def _col_scales(cmax, FMAX: tl.constexpr, MARGIN_MUL: tl.constexpr, POW2: tl.con
 @triton.jit
 def _col_tiles(x, xin, scol, rows, cols, R, C, qt_ptr, FMAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
                HW: tl.constexpr, TRANS_WIDE: tl.constexpr):  # fmt: skip
-    """x [SUB, B] quantized by columns with scol [B] and stored transposed into qt [C, R], the store
+    """x [B, B] quantized by columns with scol [B] and stored transposed into qt [C, R], the store
     running along qt's rows (transposed in registers, through shared memory)."""
     offs_t = cols.to(tl.int64)[:, None] * R + rows[None, :]
     if TRANS_WIDE:  # transpose the input tile (16-bit lanes), then quantize it by rows
@@ -247,8 +247,6 @@ def dual_quantize_kernel(
     HW: tl.constexpr,
     TRANS_WIDE: tl.constexpr = False,
     T_SQUARE: tl.constexpr = False,
-    SUB: tl.constexpr = 0,
-    UNROLL: tl.constexpr = 1,
 ):
     """One read of a [B, B] tile of x [R, C], two quantizations written:
 
@@ -257,35 +255,14 @@ def dual_quantize_kernel(
       sinvt [C, cdiv(R, B)] (the operand a weight gradient x^T @ dy needs), quantized from x itself,
       not from q; with T_SQUARE, x^T in B x B blocks instead (sinvt [cdiv(C, B), cdiv(R, B)]: the
       output gradient's weight-gradient operand).
-
-    SUB = 0 (or B) holds the whole tile in registers. 0 < SUB < B walks it in [SUB, B] slices twice:
-    the first pass writes the row tiles and keeps the running column amaxes, the second reads the
-    slices again (from L2: the tile was just read) and writes the column tiles. Fewer live registers
-    per thread (no spills at 4 warps), one more read of the tile from L2. UNROLL: the slice loops'
-    unroll factor (B // SUB: fully unrolled, all slices' loads can be issued at once, more registers).
     Grid (cdiv(R, B), cdiv(C, B))."""
     rb = tl.program_id(0)
     cb = tl.program_id(1)
     cols = cb * B + tl.arange(0, B)
-    if SUB == 0 or SUB == B:
-        rows = rb * B + tl.arange(0, B)
-        xin = _load_rows(x_ptr, rows, cols, R, C)
-        _dual_tile(xin.to(tl.float32), xin, rows, cols, rb, cb, R, C, q_ptr, sinv_ptr, qt_ptr, sinvt_ptr, B, FMAX,
-                   MBITS, EMIN, MARGIN_MUL, POW2, HW, TRANS_WIDE, T_SQUARE)  # fmt: skip
-    else:
-        tl.static_assert(B % SUB == 0, "SUB must divide B")
-        acc = tl.zeros((SUB, B), tl.float32)  # running elementwise max of _abs_inf(x) over the slices
-        for i in tl.range(0, B // SUB, loop_unroll_factor=UNROLL):
-            rows = rb * B + i * SUB + tl.arange(0, SUB)
-            x = _load_rows(x_ptr, rows, cols, R, C).to(tl.float32)
-            ax = _row_tiles(x, rows, cols, cb, R, C, q_ptr, sinv_ptr, B, FMAX, MBITS, EMIN, MARGIN_MUL, POW2, HW)
-            acc = tl.maximum(acc, ax)
-        scol = _col_scales(tl.max(acc, axis=0), FMAX, MARGIN_MUL, POW2, T_SQUARE)
-        for i in tl.range(0, B // SUB, loop_unroll_factor=UNROLL):
-            rows = rb * B + i * SUB + tl.arange(0, SUB)
-            xin = _load_rows(x_ptr, rows, cols, R, C)
-            _col_tiles(xin.to(tl.float32), xin, scol, rows, cols, R, C, qt_ptr, FMAX, MBITS, EMIN, HW, TRANS_WIDE)
-        _col_sinv(scol, cols, rb, cb, R, C, sinvt_ptr, B, T_SQUARE)
+    rows = rb * B + tl.arange(0, B)
+    xin = _load_rows(x_ptr, rows, cols, R, C)
+    _dual_tile(xin.to(tl.float32), xin, rows, cols, rb, cb, R, C, q_ptr, sinv_ptr, qt_ptr, sinvt_ptr, B, FMAX, MBITS,
+               EMIN, MARGIN_MUL, POW2, HW, TRANS_WIDE, T_SQUARE)  # fmt: skip
 
 
 @triton.jit
@@ -326,8 +303,6 @@ def dact_dbias_quantize_kernel(
     MARGIN_MUL: tl.constexpr,
     POW2: tl.constexpr,
     HW: tl.constexpr,
-    SUB: tl.constexpr = 0,
-    UNROLL: tl.constexpr = 1,
 ):
     """The backward of an activation into the FP8 operands of the two backward GEMMs, one read of
     dy and z [R, C] per [B, B] tile: dz = dy * act'(z) in float32, then
@@ -335,36 +310,16 @@ def dact_dbias_quantize_kernel(
     * q [R, C]: dz in 1 x B row tiles, sinv [R, cdiv(C, B)] (the dgrad GEMM's left operand);
     * qt [C, R]: dz^T in B x B blocks, sinvt [cdiv(C, B), cdiv(R, B)] (the wgrad GEMM's operand);
     * dbp [cdiv(R, B), C]: float32 column sums of dz per row block (dbias = their sum over blocks).
-    SUB as in dual_quantize_kernel (0: the whole tile at once; else two passes over [SUB, B] slices,
-    the second reading dy and z again from L2 and recomputing dz, bit for bit the same).
     Grid (cdiv(R, B), cdiv(C, B))."""
     rb = tl.program_id(0)
     cb = tl.program_id(1)
     cols = cb * B + tl.arange(0, B)
     cmask = cols < C
-    if SUB == 0 or SUB == B:
-        rows = rb * B + tl.arange(0, B)
-        x = _dact_rows(dy_ptr, z_ptr, rows, cols, R, C, ACT)
-        _dual_tile(x, x, rows, cols, rb, cb, R, C, q_ptr, sinv_ptr, qt_ptr, sinvt_ptr, B, FMAX, MBITS, EMIN,
-                   MARGIN_MUL, POW2, HW, False, True)  # fmt: skip
-        dbias = tl.sum(x, axis=0)
-    else:
-        tl.static_assert(B % SUB == 0, "SUB must divide B")
-        acc = tl.zeros((SUB, B), tl.float32)  # running elementwise max of _abs_inf(dz)
-        accs = tl.zeros((SUB, B), tl.float32)  # running elementwise sums of dz
-        for i in tl.range(0, B // SUB, loop_unroll_factor=UNROLL):
-            rows = rb * B + i * SUB + tl.arange(0, SUB)
-            x = _dact_rows(dy_ptr, z_ptr, rows, cols, R, C, ACT)
-            ax = _row_tiles(x, rows, cols, cb, R, C, q_ptr, sinv_ptr, B, FMAX, MBITS, EMIN, MARGIN_MUL, POW2, HW)
-            acc = tl.maximum(acc, ax)
-            accs += x
-        scol = _col_scales(tl.max(acc, axis=0), FMAX, MARGIN_MUL, POW2, True)
-        for i in tl.range(0, B // SUB, loop_unroll_factor=UNROLL):
-            rows = rb * B + i * SUB + tl.arange(0, SUB)
-            x = _dact_rows(dy_ptr, z_ptr, rows, cols, R, C, ACT)
-            _col_tiles(x, x, scol, rows, cols, R, C, qt_ptr, FMAX, MBITS, EMIN, HW, False)
-        _col_sinv(scol, cols, rb, cb, R, C, sinvt_ptr, B, True)
-        dbias = tl.sum(accs, axis=0)
+    rows = rb * B + tl.arange(0, B)
+    x = _dact_rows(dy_ptr, z_ptr, rows, cols, R, C, ACT)
+    _dual_tile(x, x, rows, cols, rb, cb, R, C, q_ptr, sinv_ptr, qt_ptr, sinvt_ptr, B, FMAX, MBITS, EMIN, MARGIN_MUL,
+               POW2, HW, False, True)  # fmt: skip
+    dbias = tl.sum(x, axis=0)
     tl.store(dbp_ptr + rb.to(tl.int64) * C + cols, dbias, mask=cmask)
 
 

@@ -77,24 +77,17 @@ def test_block_quantize_matches_reference_bytes(i):
 
 
 @needs_triton
-@pytest.mark.parametrize("wide,square,warps,sub", [(False, False, None, None), (True, False, None, None),
-                                                    (False, True, None, None), (True, True, None, None),
-                                                    (False, False, 2, (0, 1)), (False, True, 8, (0, 1)),
-                                                    (False, False, 4, (16, 1)), (True, True, 4, (32, 4)),
-                                                    (False, True, 8, (16, 8)), (False, False, 4, (0, 1))])  # fmt: skip
+@pytest.mark.parametrize("wide,square,warps", [(False, False, None), (True, False, None), (False, True, None),
+                                                (True, True, None), (False, False, 2), (False, True, 8)])  # fmt: skip
 @pytest.mark.parametrize("shape,block", [((130, 200), 64), ((4096, 7168), 128), ((7168, 4096), 128)])
-def test_dual_quantize_matches_reference_bytes(shape, block, wide, square, warps, sub, monkeypatch):
+def test_dual_quantize_matches_reference_bytes(shape, block, wide, square, warps, monkeypatch):
     """Row tiles of x and row tiles (or square blocks) of x^T from one read, each equal to the
     reference of its own (both ways of transposing in the kernel; the default warps per tile and
-    slicing, and the others the benchmark times: the tile in registers at once, or walked in row
-    slices in two passes)."""
+    two others the benchmark times)."""
     from te_ops.fp8 import triton as tri
 
     if warps is not None:
         monkeypatch.setattr(tri, "DUAL_TILE_WARPS", warps)
-    if sub is not None:  # rows per slice, unroll factor
-        monkeypatch.setattr(tri, "DUAL_SUB", sub[0])
-        monkeypatch.setattr(tri, "DUAL_UNROLL", sub[1])
     x = _x(7, shape, jnp.bfloat16)
     tb = (block, block) if square else (1, block)
     with native.poisoned_outputs():
@@ -409,25 +402,19 @@ def test_default_implementation_runs_the_triton_path():
 @needs_triton
 @pytest.mark.parametrize("act", [None, "gelu", "gelu_tanh", "relu", "silu"], ids=str)
 @pytest.mark.parametrize("shape", [(300, 200), (4096, 14336)])
-@pytest.mark.parametrize("warps", [None, 8, 16, (4, 16, 1), (8, 16, 8), (8, 32, 4)],
-                         ids=lambda w: "warps{}-sub{}-unroll{}".format(*w) if isinstance(w, tuple)
-                         else f"warps{w or 'default'}")  # fmt: skip
+@pytest.mark.parametrize("warps", [None, 8, 16], ids=lambda w: f"warps{w or 'default'}")
 def test_dact_dbias_quantize_matches_reference(act, shape, warps, monkeypatch):
     """The fused activation backward on the GPU vs the reference on the CPU: bytes and scales of
     dz (1 x 128) and dz^T (128 x 128) equal for ReLU / None and all but a few last-ulp roundings of
     act' for GELU / SiLU (libdevice vs XLA's CPU math); dbias within bf16 rounding; NaN / Inf /
     zero blocks in dy; outputs NaN-poisoned. ``warps``: the kernel's warps per tile
-    (QUANT_TILE_WARPS) and, as a pair, rows per slice of the two-pass walk (DACT_SUB), the settings
-    benchmarks/fp8.py times, GELU and ReLU only."""
+    (QUANT_TILE_WARPS, timed in benchmarks/fp8.py), GELU and ReLU only."""
     if warps is not None:
         if act not in ("gelu", "relu"):
             pytest.skip("other warps per tile are checked with GELU and ReLU only")
         from te_ops.fp8 import triton as tri
 
-        warps, sub, unroll = warps if isinstance(warps, tuple) else (warps, 0, 1)
         monkeypatch.setattr(tri, "QUANT_TILE_WARPS", warps)
-        monkeypatch.setattr(tri, "DACT_SUB", sub)
-        monkeypatch.setattr(tri, "DACT_UNROLL", unroll)
     dy = _x(31, shape, jnp.bfloat16)
     z = jnp.asarray(np.random.default_rng(32).standard_normal(shape) * 2.0, jnp.bfloat16)
     rec = fp8.BlockScaling()

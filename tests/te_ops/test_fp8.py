@@ -420,9 +420,6 @@ def _kernel_main() -> int:
         ok = True
         wide = bool(i % 2)  # both ways of transposing (the input tile or the FP8 bytes)
         sq = i >= 2  # x^T in 1 x block tiles or in block x block blocks
-        # the tile in registers at once, or walked in slices of rows (two passes)
-        tri.DUAL_SUB = (0, block // 4, block // 2)[i % 3]
-        tri.DUAL_UNROLL = 1 + i % 2  # the slice loops rolled or unrolled twice
         q, qt = tri.dual_quantize(x, block, fmt, power_of_2=pow2, trans_wide=wide, t_square=sq)
         for got, want in ((q, ref.quantize_blocks(x, (1, block), fmt, power_of_2=pow2)),
                           (qt, ref.quantize_blocks(x.T, (block, block) if sq else (1, block), fmt,
@@ -433,8 +430,7 @@ def _kernel_main() -> int:
             ok = ok and np.array_equal(g.view(np.uint8)[~gn], w.view(np.uint8)[~wn])
             ok = ok and np.array_equal(np.asarray(got.scale_inv), np.asarray(want.scale_inv))
         verdict = "ok" if ok else "MISMATCH"
-        name = (f"{shape} {jnp.dtype(dtype).name} 1x{block} {jnp.dtype(fmt).name} wide={wide} square={sq} "
-                f"sub={tri.DUAL_SUB}")
+        name = f"{shape} {jnp.dtype(dtype).name} 1x{block} {jnp.dtype(fmt).name} wide={wide} square={sq}"
         print(f"dual case {i} {name}: {verdict}")
         failures += not ok
     # the block-scaled GEMM: 1 x 128 activations @ (128 x 128 weights)^T, K and N with partial blocks
@@ -619,8 +615,6 @@ def _kernel_main() -> int:
         dy = jnp.asarray(_special(np.random.default_rng(90 + i).standard_normal((200, 300)) * 2.0), jnp.float32)
         z = jnp.asarray(np.random.default_rng(95 + i).standard_normal((200, 300)) * 2.0, jnp.bfloat16)
         dy = dy.astype(jnp.bfloat16)
-        tri.DACT_SUB = (0, 32, 16)[i % 3]  # the whole tile at once, or two passes over row slices
-        tri.DACT_UNROLL = 1 + i % 2
         got = tri.dact_dbias_quantize(dy, z, act, 128, fp8.E5M2, power_of_2=True)
         want = ref.dact_dbias_quantize(dy, z, act, fp8.BlockScaling(formats="hybrid"))
         ok, worst = True, 0.0
@@ -635,8 +629,7 @@ def _kernel_main() -> int:
         ok = ok and (worst == 0.0 if act in (None, "relu") else worst < 1e-3)
         db_g, db_w = np.asarray(got[2], np.float32), np.asarray(want[2], np.float32)
         ok = ok and np.allclose(db_g, db_w, rtol=1e-2, atol=1e-2, equal_nan=True)  # bf16 dbias, f32 sums
-        print(f"dact_dbias_quantize {act} sub={tri.DACT_SUB}: byte mismatch fraction {worst:.1e} "
-              f"{'ok' if ok else 'MISMATCH'}")
+        print(f"dact_dbias_quantize {act}: byte mismatch fraction {worst:.1e} {'ok' if ok else 'MISMATCH'}")
         failures += not ok
     print(f"interpret failures: {failures}")
     return failures
@@ -1068,8 +1061,7 @@ def test_fp8_kernels_compile_for_sm90_without_spills(monkeypatch):
     """Every FP8 Triton kernel in its default configuration compiles for sm_90a here (jaxlib's
     launcher stubbed) and Triton's bundled ptxas reports no register spills at sizes that are
     multiples of 128 (training shapes): a spill in a GEMM main loop or a quantize tile costs far more
-    than any tuning gains. One measured exception, bounded: the dual quantize at 4 warps with its
-    whole tile in registers (walking the tile in row slices, it does not spill). (Sizes
+    than any tuning gains. One measured exception, bounded: the dual quantize at 4 warps. (Sizes
     that are not multiples of 16 lose the vectorized accesses and the
     128 x 128-tile quantize kernels then spill: correct, slower.)"""
     import os
@@ -1115,17 +1107,6 @@ def test_fp8_kernels_compile_for_sm90_without_spills(monkeypatch):
          jnp.bfloat16), S((1024, 1152), jnp.bfloat16)),
         (lambda x: tri.block_quantize(x, (1, 128), fp8.E4M3, power_of_2=True), S((1024, 1152), jnp.bfloat16)),
     ]  # fmt: skip
-    def sliced(x, sub=16, unroll=1, square=False):  # the dual quantize walking its tile in row slices
-        old = tri.DUAL_SUB, tri.DUAL_UNROLL
-        tri.DUAL_SUB, tri.DUAL_UNROLL = sub, unroll
-        try:
-            return tri.dual_quantize(x, 128, fp8.E4M3, power_of_2=True, t_square=square)
-        finally:
-            tri.DUAL_SUB, tri.DUAL_UNROLL = old
-
-    n_sliced = len(calls)
-    calls += [(sliced, S((1024, 1152), jnp.bfloat16)),
-              (lambda x: sliced(x, 32, 4, True), S((1024, 1152), jnp.bfloat16))]  # fmt: skip
     calls.append((lambda a, b: tri.block_scaled_gemm(a, b, jnp.bfloat16), *calls[0][1:]))  # Triton tiled kernel
     with tb.target_override(("cuda", 90, 32)):
         for i, (fn, *args) in enumerate(calls):
@@ -1144,8 +1125,8 @@ def test_fp8_kernels_compile_for_sm90_without_spills(monkeypatch):
             r = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", os.path.join(d, f"k{i}.cubin")],
                                capture_output=True, text=True, timeout=300)  # fmt: skip
             assert r.returncode == 0, (name, r.stderr[-2000:])
-            if name == "te_fp8_dual_quantize" and not n_sliced <= i < n_sliced + 2:
-                # at 4 warps per 128 x 128 tile held at once the dual quantize spills a little (208 bytes
+            if name == "te_fp8_dual_quantize":
+                # at its default 4 warps per 128 x 128 tile the dual quantize spills a little (208 bytes
                 # a thread for the row tiles, 484 with square x^T blocks, sm_90a, Triton 3.6) and still
                 # ran 1.66x faster than at 16 warps without spills (two programs per SM instead of one;
                 # H100, 2026-12-06, docs/perf_notes.md): bounded here so it cannot grow unnoticed
