@@ -457,8 +457,9 @@ ffi::Error CreateDescriptors(const char* op, const GemmSpec& spec, GemmPlan* p) 
     }
 #else
     return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                      std::string("te_ops.") + op + ": built against cuBLASLt headers older than 12.9 (CUBLAS_VERSION " +
-                          std::to_string(CUBLAS_VERSION) + "), which have no FP8 block scale modes, for " + what);
+                      std::string("te_ops.") + op + ": built against cuBLASLt headers older than 12.9 (" +
+                          "CUBLAS_VERSION " + std::to_string(CUBLAS_VERSION) +
+                          "), which have no FP8 block scale modes, for " + what);
 #endif
   }
   uint64_t ar, ac, br, bc;

@@ -12,7 +12,7 @@
 //     dw^T (N x K) = dz^T * op_T(x^T)           (m = N, n = K, k = M, transb = T; BGRADA = sum_M dz)
 // No array is ever transposed in memory: only the cuBLAS op flags change.
 //
-// FP8 block scaling (te_fp8_block_gemm, fp8_block_gemm_ffi.cc) uses the same plans: a spec with
+// FP8 block scaling (te_fp8_cublaslt_block_gemm, fp8_block_gemm_ffi.cc) uses the same plans: a spec with
 // scale modes (CUBLASLT_MATMUL_DESC_A/B_SCALE_MODE, cuBLASLt >= 12.9) and the two scale tensors'
 // pointers in GemmPtrs. Specs without scale modes (every bf16/f16/f32 dense GEMM) set no scale
 // attribute at all, exactly as before the FP8 route existed.

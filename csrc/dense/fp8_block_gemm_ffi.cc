@@ -1,5 +1,5 @@
 // XLA-FFI handler of te_ops.fp8's block-scaled FP8 GEMM through cuBLASLt (Hopper, cuBLASLt >= 12.9):
-//   te_fp8_block_gemm (a[M,K] fp8, sa_t[cdiv(K,128), M] f32, b[N,K] fp8, sb[cdiv(N,128), L4] f32)
+//   te_fp8_cublaslt_block_gemm (a[M,K] fp8, sa_t[cdiv(K,128), M] f32, b[N,K] fp8, sb[cdiv(N,128), L4] f32)
 //                       -> y[M,N] (bfloat16 or float32)
 // y = dequantize(a) @ dequantize(b)^T, with a in 1 x 128 tiles along K (sa_t: a's inverse scales,
 // transposed) and b in 128 x 128 blocks (sb: b's inverse scales, the columns padded to
@@ -38,7 +38,7 @@ using ffi::Result;
 
 constexpr ExecutionStage kInit = ExecutionStage::kInitialize;
 constexpr ExecutionStage kExec = ExecutionStage::kExecute;
-constexpr const char* kOp = "fp8_block_gemm";
+constexpr const char* kOp = "fp8_cublaslt_block_gemm";
 
 int64_t Cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -228,21 +228,22 @@ namespace te {
 namespace {
 
 const TargetRegistrar kRegister({
-    {"te_fp8_block_gemm", dense::kFp8BlockGemmInit, dense::kFp8BlockGemmExec},
+    {"te_fp8_cublaslt_block_gemm", dense::kFp8BlockGemmInit, dense::kFp8BlockGemmExec},
 });
 
 }  // namespace
 }  // namespace te
 
 // Support query for Python (te_ops.fp8.cublaslt, through ctypes, like te_fused_attention_query):
-// whether te_fp8_block_gemm can run y[M, N] = a[M, K] x b[N, K]^T on CUDA device `device` (-1: the
-// current one): the cuBLASLt version, the documented size rules, then cuBLASLt's heuristic for the
-// exact spec (nothing is cached or allocated but a process-wide query handle; needs a GPU).
+// whether te_fp8_cublaslt_block_gemm can run y[M, N] = a[M, K] x b[N, K]^T on CUDA device `device`
+// (-1: the current one): the cuBLASLt version, the documented size rules, then cuBLASLt's heuristic
+// for the exact spec (nothing is cached or allocated but a process-wide query handle; needs a GPU).
 //
 // ints: device, m, n, k, a format (0 E4M3, 1 E5M2), b format, output (0 bfloat16, 1 float32).
 // Returns 0 when supported, 1 when not (err filled with the reason), 2 on bad arguments.
-extern "C" __attribute__((visibility("default"))) int te_fp8_block_gemm_query(const int64_t* ints, int n_ints,
-                                                                               char* err, int err_len) {
+extern "C" __attribute__((visibility("default"))) int te_fp8_cublaslt_block_gemm_query(const int64_t* ints,
+                                                                                        int n_ints, char* err,
+                                                                                        int err_len) {
   using namespace te::dense;
   auto fail = [&](const std::string& msg, int code) {
     if (err != nullptr && err_len > 0) {
@@ -251,10 +252,10 @@ extern "C" __attribute__((visibility("default"))) int te_fp8_block_gemm_query(co
     }
     return code;
   };
-  if (ints == nullptr || n_ints != 7) return fail("te_fp8_block_gemm_query: expected 7 ints", 2);
+  if (ints == nullptr || n_ints != 7) return fail("te_fp8_cublaslt_block_gemm_query: expected 7 ints", 2);
   const auto fmt = [](int64_t c) { return c == 1 ? CUDA_R_8F_E5M2 : CUDA_R_8F_E4M3; };
   if (ints[4] < 0 || ints[4] > 1 || ints[5] < 0 || ints[5] > 1 || ints[6] < 0 || ints[6] > 1) {
-    return fail("te_fp8_block_gemm_query: format codes must be 0 or 1", 2);
+    return fail("te_fp8_cublaslt_block_gemm_query: format codes must be 0 or 1", 2);
   }
   const cudaDataType_t at = fmt(ints[4]), bt = fmt(ints[5]);
   const cudaDataType_t dt = ints[6] == 1 ? CUDA_R_32F : CUDA_R_16BF;

@@ -288,8 +288,10 @@ def _dact_local(dy, z, act, block, fmt, power_of_2):
 GEMM_CONFIG = (128, 128, 8, 3)
 # "tiled": block_scaled_gemm_kernel, one program per output tile; "persistent": the Triton grouped
 # kernel's persistent tile loop with one group (GROUPED_GEMM_CONFIG); "gluon": the Gluon
-# warp-specialized grouped kernel with one group where it applies (else "tiled"). Timed side by side
-# in benchmarks/fp8.py; kernel_override() switches them for calls traced inside it.
+# warp-specialized grouped kernel with one group where it applies (else "tiled"); "cublaslt": one
+# cuBLASLt matmul with its Hopper block scale modes (te_ops/fp8/cublaslt.py, cuBLASLt >= 12.9, no
+# bias) where it applies (else "gluon", then "tiled"; not yet run on a GPU). Timed side by side in
+# benchmarks/fp8.py; kernel_override() switches them for calls traced inside it.
 # H100, 2026-12-06: 2.107 ms (913 TFLOP/s) "gluon" vs 3.746 ms (514) "tiled" vs 3.301 ms (583) "persistent"
 # at 16384x4096x14336 (forward GEMM, operands quantized).
 GEMM_KERNEL = "gluon"
@@ -300,7 +302,7 @@ _override = threading.local()
 @contextlib.contextmanager
 def kernel_override(dense: str | None = None, grouped: str | None = None):
     """Block-scaled GEMM kernels for calls traced inside the block (benchmarks, tests): ``dense`` one
-    of "tiled", "persistent", "gluon"; ``grouped`` "triton" or "gluon"."""
+    of "tiled", "persistent", "gluon", "cublaslt"; ``grouped`` "triton" or "gluon"."""
     prev = getattr(_override, "value", None)
     _override.value = (dense, grouped)
     try:
@@ -349,6 +351,16 @@ def _block_gemm_local(a, sa, b, sb, out_dtype, config, bias=None, kernels=None):
     m, k = a.shape
     n = b.shape[0]
     route = (kernels or _kernel_choice())[0]
+    if route == "cublaslt":
+        # no bias ever reaches cuBLASLt (its FP8 bias is bf16: te_ops.fp8 adds a float32 bias before
+        # the one rounding); the reason function says so too
+        why = "a bias" if bias is not None else cublaslt_gemm_unavailable_reason(
+            m, n, k, out_dtype, a_dtype=a.dtype, b_dtype=b.dtype)  # fmt: skip
+        if why is None:
+            from te_ops.fp8 import cublaslt
+
+            return cublaslt.block_gemm(a, sa, b, sb, out_dtype)
+        route = "gluon"  # and on to "tiled" where the Gluon kernel cannot take the call either
     if route == "gluon" and (m == 0 or gluon_gemm_unavailable_reason(
             k, n, out_dtype, a_dtype=a.dtype, b_dtype=b.dtype, has_bias=bias is not None) is not None):  # fmt: skip
         route = "tiled"
@@ -434,6 +446,17 @@ GLUON_GEMM_CONFIG = (4, 8, 32, 168)
 # a bias and E5M2, test_fp8_dense_block_gemm_routes_match_reference[gluon]). False: calls with a
 # bias or E5M2 operands take the Triton kernels (kept as a switch for bisecting).
 GLUON_UNTESTED_OK = True
+
+
+def cublaslt_gemm_unavailable_reason(
+    m: int, n: int, k: int, out_dtype, *, a_dtype, b_dtype, has_bias: bool = False
+) -> str | None:
+    """Why the cuBLASLt block-scaled FP8 GEMM cannot take this call (None if it can; see
+    te_ops/fp8/cublaslt.py: native module, cuBLASLt >= 12.9, Hopper, no bias, sizes, and cuBLASLt's
+    heuristic for the exact shape, asked once per shape on the GPU)."""
+    from te_ops.fp8 import cublaslt
+
+    return cublaslt.unavailable_reason(m, n, k, out_dtype, a_dtype=a_dtype, b_dtype=b_dtype, has_bias=has_bias)
 
 
 def gluon_gemm_unavailable_reason(
