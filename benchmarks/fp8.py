@@ -26,11 +26,14 @@ from te_ops._core import triton_bridge as tb  # noqa: E402
 from te_ops.fp8 import reference as ref  # noqa: E402
 
 TARGET_TBPS = 3.8
-# FP8_BENCH_SECTIONS=dense,grouped_fb,quant,gemm,grouped,torch (default all): run only these sections;
+# FP8_BENCH_SECTIONS=dense,grouped_fb,quant,gemm,grouped,torch (default all): run only these sections
+# (gemm: the dense block-scaled GEMM routes incl. cuBLASLt's and torch's blockwise scaled mm;
+# dense: fp8_dense fwd+bwd, block rows per GEMM route incl. cuBLASLt);
 # FP8_DENSE_MATCH=<substring>,...: only the fp8_dense variants whose name contains one of them
 ALL_SECTIONS = "dense,grouped_fb,quant,gemm,grouped,torch"
 # the block-scaled dense GEMM routes timed in fp8_dense fwd+bwd (te_ops.fp8.triton.GEMM_KERNEL)
-BLOCK_DENSE_KERNELS = {"tiled": "Triton tiled GEMM", "gluon": "Gluon warp-specialized GEMM"}
+BLOCK_DENSE_KERNELS = {"tiled": "Triton tiled GEMM", "gluon": "Gluon warp-specialized GEMM",
+                       "cublaslt": "cuBLASLt block-scaled GEMM"}  # fmt: skip
 # ("gluon", STAGES, GROUP_M, producer registers, maxnreg) of the Gluon block-scaled GEMM
 GLUON_CONFIGS = [("gluon", 4, 8, 32, 168), ("gluon", 5, 8, 32, 168), ("gluon", 3, 8, 32, 168)]
 SECTIONS = set(filter(None, os.environ.get("FP8_BENCH_SECTIONS", ALL_SECTIONS).split(",")))
@@ -64,8 +67,8 @@ def main():
         payload = {"rows": rows, "gemm_rows": gemm_rows, "dense_rows": dense_rows, "torch_rows": torch_rows}
         _timing.write_json("fp8", {**payload, "summary": summary, "target_TBps": TARGET_TBPS})
         _timing.print_table("fp8_dense forward+backward (y, dx, dw), quantization included", dense_rows,
-                            ["impl", "ms", "TFLOPs", "vs_bf16_te", "vs_xla_fp8", "fp8_gemm_calls", "target",
-                             "meets_target"])  # fmt: skip
+                            ["impl", "ms", "TFLOPs", "vs_bf16_te", "vs_xla_fp8", "fp8_gemm_calls",
+                          "cublaslt_block_gemm_calls", "target", "meets_target"])  # fmt: skip
 
     save()
     if "grouped_fb" in SECTIONS:
@@ -263,11 +266,22 @@ def main():
                 fns[f"fp8 block-scaled (gluon ws, G=1, {gcfg})"] = jax.jit(
                     lambda a, b, x, w, c=gcfg, g1=g1: g1(a, b, c)
                 )
+            lt_name, lt_note = "fp8 block-scaled (cuBLASLt route, te_fp8_cublaslt_block_gemm)", None
+            try:  # compiled now, under its own override (the override of the timing loop below is grouped's)
+                fns[lt_name], lt_note = _cublaslt_route(qa, qb, x, w_t, m, k, n)
+            except Exception as e:  # noqa: BLE001 - report and go on
+                lt_note = f"failed: {type(e).__name__}: {str(e)[:300]}"
+                print(f"cuBLASLt route {m}x{k}x{n} {lt_note}", flush=True)
             with tri.kernel_override(grouped="triton"):  # the Triton rows trace here (first timed call)
                 times, _ = _timing.time_interleaved(fns, [(qa, qb, x, w_t)], repeats=5, calls=10)
             flops = 2.0 * m * k * n
             for name, t in times.items():
                 gemm_rows.append({"gemm": f"{m}x{k}x{n}", "impl": name, "ms": t, "TFLOPs": flops / t / 1e9})
+                if name == lt_name:
+                    gemm_rows[-1]["note"] = lt_note
+            if lt_name not in times:
+                gemm_rows.append({"gemm": f"{m}x{k}x{n}", "impl": lt_name, "ms": None, "note": lt_note})
+            gemm_rows.append(torch_blockwise_gemm(m, k, n))
             summary.append({"workload": f"block-scaled FP8 GEMM fwd {m}x{k}x{n} (operands quantized)",
                             "ours_ms": times["fp8 block-scaled (default route)"], "alternative": "bf16 GEMM (XLA)",
                             "alternative_ms": times["bf16 (XLA)"], "headline": False})  # fmt: skip
@@ -297,7 +311,7 @@ def main():
     save()
     if "torch" in SECTIONS:
         torch_rows.extend(torch_scaled_grouped(gemm_rows))
-    _timing.print_table("FP8 block-scaled GEMM", gemm_rows, ["gemm", "impl", "ms", "TFLOPs", "target_TFLOPs"])
+    _timing.print_table("FP8 block-scaled GEMM", gemm_rows, ["gemm", "impl", "ms", "TFLOPs", "target_TFLOPs", "note"])
     _timing.print_table("FP8 block quantization (bf16 -> e4m3)", rows,
                         ["case", "shape", "block", "ours_ms", "xla_ms", "cast_ms", "ours_TBps", "xla_TBps", "speedup",
                          "bytes_equal_to_xla", "meets_target"])  # fmt: skip
@@ -306,8 +320,8 @@ def main():
 
 def _compiled(fn, args, form=None, dense_kernel=None):
     """fn jitted and compiled now (with te_ops.fp8.dense.XLA_FP8_FORM = form and the block-scaled
-    dense GEMM kernel ``dense_kernel`` while it traces), and the number of cuBLASLt FP8 GEMM calls in
-    its optimized HLO."""
+    dense GEMM kernel ``dense_kernel`` while it traces), the number of XLA's cuBLASLt FP8 GEMM calls in
+    its optimized HLO, and the number of our cuBLASLt block-scaled GEMM calls (te_fp8_cublaslt_block_gemm)."""
     from te_ops.fp8 import dense as fd
     from te_ops.fp8 import triton as tri
 
@@ -322,7 +336,9 @@ def _compiled(fn, args, form=None, dense_kernel=None):
     f8 = [ln for ln in txt.splitlines() if "__cublas$lt$matmul$f8" in ln]
     if f8:  # what XLA asked cuBLASLt for (precision, epilogue, scales) in the first FP8 GEMM
         print("first FP8 GEMM call:", f8[0].strip()[:200], "...", f8[0][f8[0].find("backend_config") :][:700])
-    return c, len(f8)
+    # our cuBLASLt block-scaled GEMM calls (kernel_override(dense="cublaslt"); 0 when the route fell back)
+    lt = sum('custom_call_target="te_fp8_cublaslt_block_gemm"' in ln for ln in txt.splitlines())
+    return c, len(f8), lt
 
 
 def dense_fwd_bwd(summary):
@@ -386,10 +402,10 @@ def dense_fwd_bwd(summary):
     match = [t for t in os.environ.get("FP8_DENSE_MATCH", "").split(",") if t]  # e.g. "bf16 te_ops,block"
     if match:
         variants = {nm: v for nm, v in variants.items() if any(t in nm for t in match)}
-    fns, calls = {}, {}
+    fns, calls, lt_calls = {}, {}, {}
     for name, (f, form, *kern) in variants.items():
         try:
-            fns[name], calls[name] = _compiled(f, (x, w, dy, st), form, *kern)
+            fns[name], calls[name], lt_calls[name] = _compiled(f, (x, w, dy, st), form, *kern)
         except Exception as e:  # noqa: BLE001 - report and go on
             print(f"fp8_dense variant {name!r} failed to compile: {type(e).__name__}: {str(e)[:300]}", flush=True)
     times, _ = _timing.time_interleaved(fns, [(x, w, dy, st)], repeats=5, calls=5)
@@ -406,6 +422,8 @@ def dense_fwd_bwd(summary):
         row = {"impl": name, "ms": t, "TFLOPs": flops / t / 1e9, "vs_bf16_te": bf16 / t if bf16 else None,
                "vs_xla_fp8": xla_t / t if xla_t and "ours" in name else None,
                "fp8_gemm_calls": calls[name], "shape": f"{m}x{k}x{n}"}  # fmt: skip
+        if "cuBLASLt block-scaled" in name:  # 3 when all three GEMMs took the route, 0 when it fell back
+            row["cublaslt_block_gemm_calls"] = lt_calls[name]
         if "ours" in name and rec:
             need = 1.6 if rec == "current" else 1.65
             row["target"] = f">= {need}x bf16 te_ops.dense and >= 1.2x XLA's FP8 path"
@@ -427,6 +445,96 @@ def dense_fwd_bwd(summary):
         summary.append({"workload": f"fp8_dense fwd+bwd block scaling {m}x{k}x{n} bf16", "ours_ms": best_blk,
                         "alternative": "bf16 te_ops.dense", "alternative_ms": bf16, "headline": False})  # fmt: skip
     return rows
+
+
+def _cublaslt_route(qa, qb, x, w_t, m, k, n):
+    """The block-scaled GEMM through the cuBLASLt route (kernel_override(dense="cublaslt")), compiled now
+    (the route is chosen at trace time), and a note: its max deviation from the Gluon route on these
+    operands, or why the route fell back (then the row times the fallback, and says so)."""
+    from te_ops.fp8 import cublaslt
+    from te_ops.fp8 import triton as tri
+
+    why = cublaslt.unavailable_reason(m, n, k, jnp.bfloat16, a_dtype=qa.data.dtype, b_dtype=qb.data.dtype)
+    with tri.kernel_override(dense="cublaslt"):
+        c = jax.jit(lambda a, b, x, w: tri.block_scaled_gemm(a, b, jnp.bfloat16)).lower(qa, qb, x, w_t).compile()
+    if why is not None or "te_fp8_cublaslt_block_gemm" not in c.as_text():
+        return c, f"FELL BACK (not cuBLASLt): {why}"
+    with tri.kernel_override(dense="gluon"):
+        ref_y = jax.jit(lambda a, b: tri.block_scaled_gemm(a, b, jnp.float32))(qa, qb)
+    y = c(qa, qb, x, w_t).astype(jnp.float32)
+    dev = float(jnp.max(jnp.abs(y - ref_y)) / (jnp.max(jnp.abs(ref_y)) + 1e-30))
+    return c, f"max |cuBLASLt - Gluon| / max |Gluon| = {dev:.2e}"
+
+
+def torch_blockwise_gemm(m, k, n):
+    """The torch peer of the block-scaled GEMM: torch's scaled mm with 1 x 128 x 128 x 128 block scales
+    (cuBLASLt underneath on Hopper), same shape, bf16 out; a row with the error string instead of a
+    time when torch or its blockwise scaled mm is missing or refuses the call."""
+    impl = "torch scaled_mm blockwise 1x128 x 128x128"
+    row = {"gemm": f"{m}x{k}x{n}", "impl": impl, "ms": None}
+    try:
+        import torch
+    except ImportError as e:
+        return {**row, "note": f"torch not importable: {e}"}
+    if not torch.cuda.is_available():
+        return {**row, "note": "torch sees no CUDA device"}
+    errors = []
+    try:
+        kb, nb = -(-k // 128), -(-n // 128)
+        a = (torch.randn(m, k, device="cuda") * 0.5).to(torch.float8_e4m3fn)  # [M, K] row-major
+        b = (torch.randn(n, k, device="cuda") * 0.5).to(torch.float8_e4m3fn)  # [N, K] row-major
+        sa = torch.rand(m, kb, device="cuda") + 0.5
+        sa_outer = sa.t().contiguous().t()  # (M, kb), M fastest: what 1 x 128 scales must look like
+        sb_pad = torch.zeros(nb, -(-kb // 4) * 4, device="cuda")
+        sb_pad[:, :kb] = torch.rand(nb, kb, device="cuda") + 0.5
+        sb = sb_pad[:, :kb]  # (nb, kb), row stride round_up(kb, 4)
+    except Exception as e:  # noqa: BLE001
+        return {**row, "note": f"inputs: {type(e).__name__}: {str(e)[:300]}"}
+    out = torch.bfloat16
+    candidates = []
+    fnl = getattr(torch.nn.functional, "scaled_mm", None)
+    st = getattr(torch.nn.functional, "ScalingType", None)
+    if fnl is not None and st is not None:
+        w1, w2 = st.BlockWise1x128, st.BlockWise128x128
+        candidates += [
+            ("F.scaled_mm(b.t(), sb.t())", lambda: fnl(a, b.t(), sa_outer, w1, sb.t(), w2, output_dtype=out)),
+            ("F.scaled_mm(b.t(), sb_pad.t())", lambda: fnl(a, b.t(), sa_outer, w1, sb_pad.t(), w2, output_dtype=out)),
+        ]
+    if hasattr(torch, "_scaled_mm"):
+        candidates.append(("torch._scaled_mm", lambda: torch._scaled_mm(a, b.t(), scale_a=sa_outer, scale_b=sb.t(),
+                                                                         out_dtype=out)))  # fmt: skip
+    for label, call in candidates:
+        try:
+            y = call()
+            torch.cuda.synchronize()
+            # the layout check: the first rows against dequantized operands in float32
+            r = min(m, 256)
+            sa_full = sa[:r].repeat_interleave(128, dim=1)[:, :k]
+            sb_full = sb.repeat_interleave(128, dim=0).repeat_interleave(128, dim=1)[:n, :k]
+            want = (a[:r].float() * sa_full) @ (b.float() * sb_full).t()
+            rel = float((y[:r].float() - want).abs().max() / want.abs().max())
+            for _ in range(3):
+                call()
+            torch.cuda.synchronize()
+            samples = []
+            for _ in range(5):
+                t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                t0.record()
+                for _ in range(10):
+                    call()
+                t1.record()
+                t1.synchronize()
+                samples.append(t0.elapsed_time(t1) / 10)
+            t = sorted(samples)[2]
+            note = f"{label}; max rel. error vs dequantized float32 (first {r} rows) {rel:.2e}"
+            if errors:
+                note += "; refused first: " + " | ".join(errors)
+            return {**row, "ms": t, "TFLOPs": 2.0 * m * k * n / t / 1e9, "note": note}
+        except Exception as e:  # noqa: BLE001 - record and try the next form
+            errors.append(f"{label}: {type(e).__name__}: {str(e)[:200]}")
+    note = " | ".join(errors) or "torch has neither F.scaled_mm with ScalingType nor torch._scaled_mm"
+    print(f"torch blockwise scaled mm {m}x{k}x{n}: {note}", flush=True)
+    return {**row, "note": note}
 
 
 def grouped_fwd_bwd(summary, gemm_rows):
