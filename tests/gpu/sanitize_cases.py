@@ -921,6 +921,30 @@ def _fp8_dense_persistent(c):
 
 
 @case(
+    "fp8_dense_block_cublaslt_hybrid_bf16",
+    "fp8",
+    "triton (cuBLASLt block-scaled GEMM)",
+    triton=(F8T + "dual_quantize_kernel", F8T + "block_quantize_kernel"),
+    targets=("te_fp8_cublaslt_block_gemm",),
+    native=("FillFp8UniformKernel", "FillUniformKernel"),  # scratch operands / scales of the plan timing
+    library=("cuBLASLt FP8 block-scaled GEMM (VEC128 x BLK128x128)",),
+)
+def _fp8_dense_cublaslt(c):
+    # all three GEMMs through cuBLASLt (M, N multiples of 4, every reduction a multiple of 16:
+    # forward K 640 (5 scale columns, padded to 8), dgrad K 144, wgrad K 48); hybrid: E5M2 gradients
+    from te_ops._core.registry import ImplementationUnavailableError
+    from te_ops.fp8 import cublaslt
+    from te_ops.fp8 import triton as tri
+
+    why = None if c.dry else cublaslt.unavailable_reason(48, 144, 640, jnp.bfloat16, a_dtype=fp8.E4M3,
+                                                         b_dtype=fp8.E4M3)  # fmt: skip
+    if why:
+        raise ImplementationUnavailableError(f"the cuBLASLt block-scaled GEMM route: {why}")
+    with tri.kernel_override(dense="cublaslt"):
+        _fp8_dense(c, (48, 640), 144, "bfloat16", fp8.BlockScaling(formats="hybrid"))
+
+
+@case(
     "fp8_dense_current_triton_quant_bf16",
     "fp8",
     "triton (per-tensor kernels)",
