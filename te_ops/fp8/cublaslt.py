@@ -16,7 +16,7 @@ for 128 x 128 scales; a few bytes).
 Where it applies (:func:`unavailable_reason`): the dense native module is loaded; cuBLASLt 12.9 or
 newer (headers and loaded library); a Hopper GPU (compute capability 9.0: the only architecture with
 these scale modes); no bias (cuBLASLt's FP8 bias is bf16, which would break te_ops.fp8's "float32
-bias, one rounding" rule); M > 0; E4M3 or E5M2 operands, not both E5M2 (cuBLASLt has no E5M2 x
+bias, one rounding" rule); M, N, K > 0; E4M3 or E5M2 operands, not both E5M2 (cuBLASLt has no E5M2 x
 E5M2 GEMM); K % 16 == 0 (16-byte rows), M % 4 == 0 and N % 4 == 0 (the scale layouts), 16-byte
 output rows; and cuBLASLt's heuristic offering an algorithm for the exact shape (asked once per
 shape through the ctypes symbol ``te_fp8_cublaslt_block_gemm_query``; this needs the GPU). Elsewhere
@@ -77,8 +77,8 @@ def static_unavailable_reason(
     if has_bias:
         return ("the cuBLASLt route takes no bias (cuBLASLt's FP8 bias is bf16; te_ops.fp8 adds a float32 bias "
                 "before the one rounding): the Gluon / Triton kernels take calls with a bias")  # fmt: skip
-    if m == 0:
-        return "M == 0: nothing for cuBLASLt to multiply (cuBLASLt refuses empty matrices)"
+    if m == 0 or n == 0 or k == 0:
+        return f"an empty operand (M={m}, N={n}, K={k}): cuBLASLt refuses empty matrices"
     for name, dt in (("a", a_dtype), ("b", b_dtype)):
         if jnp.dtype(dt) not in FORMAT_CODES:
             return f"the cuBLASLt route takes float8_e4m3fn or float8_e5m2 operands, got {name} {jnp.dtype(dt)}"

@@ -29,7 +29,9 @@ OK_VERSIONS = (131000, 131000)  # (headers, loaded library) of a cuBLASLt with t
         ({"b_dtype": E5}, None),
         ({"out_dtype": jnp.float32, "n": 1028}, None),  # 1028 float32 = 16-byte rows
         ({"has_bias": True}, "takes no bias"),
-        ({"m": 0}, "M == 0"),
+        ({"m": 0}, "an empty operand (M=0, N=768, K=640)"),
+        ({"n": 0}, "an empty operand"),
+        ({"k": 0}, "an empty operand"),
         ({"a_dtype": jnp.bfloat16}, "got a bfloat16"),
         ({"b_dtype": jnp.int8}, "got b int8"),
         ({"a_dtype": E5, "b_dtype": E5}, "no E5M2 x E5M2"),
