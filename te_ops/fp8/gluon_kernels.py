@@ -16,6 +16,10 @@ it reuses:
   warpgroup overlaps the other warpgroup's wgmma on the tensor cores. (Keeping two partials in
   flight within a warpgroup, promoting step k while step k + 1 runs, makes ptxas serialize the
   wgmmas (C7514: accumulator registers read inside the pipeline stage), so it buys nothing.)
+* **SCALES_TMA** (a variant, off by default; ``te_ops.fp8.triton.GLUON_SCALES_TMA``): the producer
+  also TMA-loads each step's 128 A row scales into the stage (``_scales_tma_producer``, on the same
+  "ready" barrier) and the consumers read theirs from shared memory while the wgmma runs, instead
+  of loading them from global memory (as DeepGEMM does); not yet measured on a GPU.
 * **Epilogue**: bias (float32, per group) added to the float32 sum, one rounding to the output
   dtype; whole tiles of a group go out through shared memory and a TMA store, the last partial tile
   of a group and the zero tiles past the groups through a masked store.
@@ -83,6 +87,8 @@ def _half_consumer(
     BLOCK_G: gl.constexpr,
     HAS_BIAS: gl.constexpr,
     HALF: gl.constexpr,
+    sa_bufs=None,
+    SCALES_TMA: gl.constexpr = False,
 ):
     HM: gl.constexpr = BM // 2
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
@@ -120,23 +126,44 @@ def _half_consumer(
         if in_group:
             rows_ld = gl.minimum(rows, M - 1)  # rows past M (last tile): clamped, never stored
             sb_base = sb_ptr + (g.to(gl.int64) * n_tiles + nt) * k_iters  # sb [G, cdiv(NOUT, BN), n_kb]
-            sc = _scales(sa_ptr, sb_base, 0, M, rows_ld)
-            for ki in range(k_iters):
-                s = it % STAGES
-                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-                part = warpgroup_mma(
-                    a_bufs.index(s).slice(HALF * HM, HM, dim=0),
-                    b_bufs.index(s).permute((1, 0)),
-                    zero,
-                    use_acc=False,
-                    is_async=True,
-                )
-                sc_next = _scales(sa_ptr, sb_base, gl.minimum(ki + 1, k_iters - 1), M, rows_ld)
-                part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
-                mbarrier.arrive(empty.index(s))
-                acc = acc + part * sc[:, None]
-                sc = sc_next
-                it += 1
+            if SCALES_TMA:
+                # A's row scales of each step are in the stage (the producer's TMA load); B's block
+                # scale, one per tile and step, still comes from global memory one step ahead
+                sb = gl.load(sb_base)
+                for ki in range(k_iters):
+                    s = it % STAGES
+                    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+                    part = warpgroup_mma(
+                        a_bufs.index(s).slice(HALF * HM, HM, dim=0),
+                        b_bufs.index(s).permute((1, 0)),
+                        zero,
+                        use_acc=False,
+                        is_async=True,
+                    )
+                    sc = sa_bufs.index(s).slice(HALF * HM, HM, dim=0).load(row_layout) * sb  # while it runs
+                    sb = gl.load(sb_base + gl.minimum(ki + 1, k_iters - 1))
+                    part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+                    mbarrier.arrive(empty.index(s))  # after the wgmma and the scales' read of the stage
+                    acc = acc + part * sc[:, None]
+                    it += 1
+            else:
+                sc = _scales(sa_ptr, sb_base, 0, M, rows_ld)
+                for ki in range(k_iters):
+                    s = it % STAGES
+                    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+                    part = warpgroup_mma(
+                        a_bufs.index(s).slice(HALF * HM, HM, dim=0),
+                        b_bufs.index(s).permute((1, 0)),
+                        zero,
+                        use_acc=False,
+                        is_async=True,
+                    )
+                    sc_next = _scales(sa_ptr, sb_base, gl.minimum(ki + 1, k_iters - 1), M, rows_ld)
+                    part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+                    mbarrier.arrive(empty.index(s))
+                    acc = acc + part * sc[:, None]
+                    sc = sc_next
+                    it += 1
         cols = nt * BN + gl.arange(0, BN, layout=col_layout)
         if HAS_BIAS:
             bias = gl.load(bias_ptr + g.to(gl.int64) * NOUT + cols, mask=(cols < NOUT) & in_group, other=0.0)
@@ -172,6 +199,69 @@ def _half_consumer1(a_bufs, b_bufs, ready, empty, c_bufs, out_desc, out_ptr, sa_
 
 
 @gluon.jit
+def _half_consumer0_tma(a_bufs, b_bufs, ready, empty, c_bufs, out_desc, out_ptr, sa_ptr, sb_ptr, bias_ptr, gs_ptr, M, K,
+                        NOUT, G, num_programs, a_desc, b_desc, sa_desc, sa_bufs, BM: gl.constexpr, BN: gl.constexpr,
+                        BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_G: gl.constexpr,
+                        HAS_BIAS: gl.constexpr):  # fmt: skip
+    _half_consumer(a_bufs, b_bufs, ready, empty, c_bufs, out_desc, out_ptr, sa_ptr, sb_ptr, bias_ptr, gs_ptr, M, K,
+                   NOUT, G, num_programs, BM, BN, BK, STAGES, GROUP_M, BLOCK_G, HAS_BIAS, 0, sa_bufs, True)  # fmt: skip
+
+
+@gluon.jit
+def _half_consumer1_tma(a_bufs, b_bufs, ready, empty, c_bufs, out_desc, out_ptr, sa_ptr, sb_ptr, bias_ptr, gs_ptr, M, K,
+                        NOUT, G, num_programs, a_desc, b_desc, sa_desc, sa_bufs, BM: gl.constexpr, BN: gl.constexpr,
+                        BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_G: gl.constexpr,
+                        HAS_BIAS: gl.constexpr):  # fmt: skip
+    _half_consumer(a_bufs, b_bufs, ready, empty, c_bufs, out_desc, out_ptr, sa_ptr, sb_ptr, bias_ptr, gs_ptr, M, K,
+                   NOUT, G, num_programs, BM, BN, BK, STAGES, GROUP_M, BLOCK_G, HAS_BIAS, 1, sa_bufs, True)  # fmt: skip
+
+
+@gluon.jit
+def _scales_tma_producer(a_bufs, b_bufs, ready, empty, c_bufs, out_desc, out_ptr, sa_ptr, sb_ptr, bias_ptr, gs_ptr, M,
+                         K, NOUT, G, num_programs, a_desc, b_desc, sa_desc, sa_bufs, BM: gl.constexpr,
+                         BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                         BLOCK_G: gl.constexpr, HAS_BIAS: gl.constexpr):  # fmt: skip
+    """The bf16 kernel's producer (``_producer`` with TRANS_B) plus, into the same stage and on the
+    same "ready" barrier, the BM row scales of A at the step: elements ``ki * M + row ..`` of sa^T
+    seen flat (rank-1 descriptor; past its end TMA's zero fill; rows past M or past the group are
+    never stored, so whatever scales they get do not matter)."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    gi, start, end, m_tiles_g, tiles_g, cum_tiles, group_tiles, used_rows, tail_m_tiles, n_tiles, total = _schedule(
+        gs_ptr, G, M, NOUT, BM, BN, BLOCK_G, layout
+    )
+    k_iters = gl.cdiv(K, BK)
+    nbytes: gl.constexpr = (BM * BK + BK * BN) * a_desc.dtype.primitive_bitwidth // 8 + BM * 4
+    it = 0
+    for t in range(gl.program_id(0), total, num_programs):
+        in_group, g, row, row_end, nt = _tile(
+            t,
+            gi,
+            start,
+            end,
+            m_tiles_g,
+            tiles_g,
+            cum_tiles,
+            group_tiles,
+            used_rows,
+            tail_m_tiles,
+            n_tiles,
+            G,
+            M,
+            BM,
+            GROUP_M,
+        )
+        if in_group:
+            for ki in range(k_iters):
+                s = it % STAGES
+                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+                mbarrier.expect(ready.index(s), nbytes)
+                tma.async_copy_global_to_shared(a_desc, [row, ki * BK], ready.index(s), a_bufs.index(s))
+                tma.async_copy_global_to_shared(b_desc, [g * NOUT + nt * BN, ki * BK], ready.index(s), b_bufs.index(s))
+                tma.async_copy_global_to_shared(sa_desc, [ki * M + row], ready.index(s), sa_bufs.index(s))
+                it += 1
+
+
+@gluon.jit
 def _split_producer(a_bufs, b_bufs, ready, empty, c_bufs, out_desc, out_ptr, sa_ptr, sb_ptr, bias_ptr, gs_ptr, M, K,
                     NOUT, G, num_programs, a_desc, b_desc, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                     STAGES: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_G: gl.constexpr,
@@ -204,6 +294,7 @@ def grouped_block_scaled_gemm_split_kernel(
     HAS_BIAS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
+    SCALES_TMA: gl.constexpr,
 ):
     """a [M, K] FP8 (1 x 128 tiles, inverse scales transposed: sa [cdiv(K, 128), M] float32);
     b [G, NOUT, K] FP8, K-major (128 x 128 blocks, sb [G, cdiv(NOUT, 128), cdiv(K, 128)] float32);
@@ -211,7 +302,9 @@ def grouped_block_scaled_gemm_split_kernel(
     rows of 16 bytes); K past its end is TMA's zero fill. BM = BN = BK = 128 (one scale per tile and K
     step). ``te_scratch``: the XLA buffer holding the device-side TMA descriptors (graph-safe).
     Launched with num_warps=4 (consumer warpgroup 0: rows 0..63 of each tile), plus a 4-warp consumer
-    (rows 64..127) and a 1-warp TMA producer partition."""
+    (rows 64..127) and a 1-warp TMA producer partition. ``SCALES_TMA``: the producer also loads each
+    step's A row scales into the stage (``sa_bufs``) and the consumers read them from shared memory
+    instead of global memory (the other partitions; off: the measured kernel, unchanged)."""
     K = K16 * 16
     NOUT = N8 * 8
     in_dtype: gl.constexpr = a_ptr.dtype.element_ty
@@ -235,20 +328,43 @@ def grouped_block_scaled_gemm_split_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # one arrive from each consumer warpgroup
-    # fmt: off
-    gl.warp_specialize(
-        [
-            (_half_consumer0, (a_bufs, b_bufs, ready, empty, c_bufs, out_desc, out_ptr, sa_ptr, sb_ptr, bias_ptr,
-                               gs_ptr, M, K, NOUT, G, num_programs, a_desc, b_desc, BM, BN, BK, STAGES, GROUP_M,
-                               BLOCK_G, HAS_BIAS)),
-            (_half_consumer1, (a_bufs, b_bufs, ready, empty, c_bufs, out_desc, out_ptr, sa_ptr, sb_ptr, bias_ptr,
-                               gs_ptr, M, K, NOUT, G, num_programs, a_desc, b_desc, BM, BN, BK, STAGES, GROUP_M,
-                               BLOCK_G, HAS_BIAS)),
-            (_split_producer, (a_bufs, b_bufs, ready, empty, c_bufs, out_desc, out_ptr, sa_ptr, sb_ptr, bias_ptr,
-                               gs_ptr, M, K, NOUT, G, num_programs, a_desc, b_desc, BM, BN, BK, STAGES, GROUP_M,
-                               BLOCK_G, HAS_BIAS)),
-        ],
-        [4, 1],
-        [CONSUMER_REGS, PRODUCER_REGS],
-    )
-    # fmt: on
+    if SCALES_TMA:
+        sa_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+        n_kb = gl.cdiv(K, BK)
+        sa_desc = tma.make_tensor_descriptor(sa_ptr, shape=[n_kb * M], strides=[1], block_shape=[BM], layout=sa_layout)
+        sa_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BM], sa_layout)
+        # fmt: off
+        gl.warp_specialize(
+            [
+                (_half_consumer0_tma, (a_bufs, b_bufs, ready, empty, c_bufs, out_desc, out_ptr, sa_ptr, sb_ptr,
+                                       bias_ptr, gs_ptr, M, K, NOUT, G, num_programs, a_desc, b_desc, sa_desc, sa_bufs,
+                                       BM, BN, BK, STAGES, GROUP_M, BLOCK_G, HAS_BIAS)),
+                (_half_consumer1_tma, (a_bufs, b_bufs, ready, empty, c_bufs, out_desc, out_ptr, sa_ptr, sb_ptr,
+                                       bias_ptr, gs_ptr, M, K, NOUT, G, num_programs, a_desc, b_desc, sa_desc, sa_bufs,
+                                       BM, BN, BK, STAGES, GROUP_M, BLOCK_G, HAS_BIAS)),
+                (_scales_tma_producer, (a_bufs, b_bufs, ready, empty, c_bufs, out_desc, out_ptr, sa_ptr, sb_ptr,
+                                        bias_ptr, gs_ptr, M, K, NOUT, G, num_programs, a_desc, b_desc, sa_desc,
+                                        sa_bufs, BM, BN, BK, STAGES, GROUP_M, BLOCK_G, HAS_BIAS)),
+            ],
+            [4, 1],
+            [CONSUMER_REGS, PRODUCER_REGS],
+        )
+        # fmt: on
+    else:
+        # fmt: off
+        gl.warp_specialize(
+            [
+                (_half_consumer0, (a_bufs, b_bufs, ready, empty, c_bufs, out_desc, out_ptr, sa_ptr, sb_ptr, bias_ptr,
+                                   gs_ptr, M, K, NOUT, G, num_programs, a_desc, b_desc, BM, BN, BK, STAGES, GROUP_M,
+                                   BLOCK_G, HAS_BIAS)),
+                (_half_consumer1, (a_bufs, b_bufs, ready, empty, c_bufs, out_desc, out_ptr, sa_ptr, sb_ptr, bias_ptr,
+                                   gs_ptr, M, K, NOUT, G, num_programs, a_desc, b_desc, BM, BN, BK, STAGES, GROUP_M,
+                                   BLOCK_G, HAS_BIAS)),
+                (_split_producer, (a_bufs, b_bufs, ready, empty, c_bufs, out_desc, out_ptr, sa_ptr, sb_ptr, bias_ptr,
+                                   gs_ptr, M, K, NOUT, G, num_programs, a_desc, b_desc, BM, BN, BK, STAGES, GROUP_M,
+                                   BLOCK_G, HAS_BIAS)),
+            ],
+            [4, 1],
+            [CONSUMER_REGS, PRODUCER_REGS],
+        )
+        # fmt: on

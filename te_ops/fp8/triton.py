@@ -331,23 +331,24 @@ def block_scaled_gemm(
     config = tuple(config or GEMM_CONFIG)
     # the kernel choice is read here, at trace time, and is part of the cached callable's key: the
     # sharded callable's local function is traced once per callable (a later kernel_override would
-    # otherwise reuse the first trace's kernel)
-    gemm = _sharded_block_gemm(jnp.dtype(out_dtype), config, bias is not None, PARTITION, _kernel_choice())
+    # otherwise reuse the first trace's kernel); so are the Gluon kernel's settings
+    gemm = _sharded_block_gemm(jnp.dtype(out_dtype), config, bias is not None, PARTITION, _kernel_choice(),
+                               _gluon_config())  # fmt: skip
     args = (qa.data, qa.scale_inv, qb_t.data, qb_t.scale_inv) + (() if bias is None else (bias.astype(jnp.float32),))
     return gemm(*args)
 
 
 @functools.cache
-def _sharded_block_gemm(out_dtype, config, has_bias, partition, kernels=None):
+def _sharded_block_gemm(out_dtype, config, has_bias, partition, kernels=None, gluon=None):
     def local(a, sa, b, sb, *bias, dtype):
-        return _block_gemm_local(a, sa, b, sb, dtype, config, bias[0] if bias else None, kernels)
+        return _block_gemm_local(a, sa, b, sb, dtype, config, bias[0] if bias else None, kernels, gluon=gluon)
 
     if not partition:
         return functools.partial(local, dtype=out_dtype)
     return sharding.block_scaled_gemm(local, out_dtype, has_bias=has_bias)
 
 
-def _block_gemm_local(a, sa, b, sb, out_dtype, config, bias=None, kernels=None):
+def _block_gemm_local(a, sa, b, sb, out_dtype, config, bias=None, kernels=None, gluon=None):
     m, k = a.shape
     n = b.shape[0]
     route = (kernels or _kernel_choice())[0]
@@ -368,7 +369,8 @@ def _block_gemm_local(a, sa, b, sb, out_dtype, config, bias=None, kernels=None):
         gs = jnp.full((1,), m, jnp.int32)
         bias1 = None if bias is None else bias.astype(jnp.float32)[None]
         kernel = "gluon" if route == "gluon" else "triton"
-        return _grouped_gemm_local(a, sa, b[None], sb[None], gs, out_dtype, None, GROUPED_GEMM_CONFIG, bias1, kernel)
+        return _grouped_gemm_local(a, sa, b[None], sb[None], gs, out_dtype, None, GROUPED_GEMM_CONFIG, bias1, kernel,
+                                   gluon=gluon)  # fmt: skip
     bm, bn, warps, stages = config
     bk = 128
     grid = (-(-m // bm) * -(-n // bn),)
@@ -413,15 +415,16 @@ def grouped_block_scaled_gemm(
         raise ValueError(f"grouped_block_scaled_gemm takes 1x128 x 128x128 blocks, got {qa.block} and {qb_t.block}")
     config = tuple(config or GROUPED_GEMM_CONFIG)
     kernel = "gluon" if config[0] == "gluon" else _kernel_choice()[1]  # read at trace time: part of the key
-    return _sharded_grouped_gemm(jnp.dtype(out_dtype), num_programs, config, PARTITION, kernel)(
+    gluon = _gluon_config(config[1:] if config[0] == "gluon" else None)  # so are the Gluon kernel's settings
+    return _sharded_grouped_gemm(jnp.dtype(out_dtype), num_programs, config, PARTITION, kernel, gluon)(
         qa.data, qa.scale_inv, qb_t.data, qb_t.scale_inv, group_sizes.astype(jnp.int32)
     )
 
 
 @functools.cache
-def _sharded_grouped_gemm(out_dtype, num_programs, config, partition, kernel=None):
+def _sharded_grouped_gemm(out_dtype, num_programs, config, partition, kernel=None, gluon=None):
     def local(a, sa, b, sb, gs, dtype):
-        return _grouped_gemm_local(a, sa, b, sb, gs, dtype, num_programs, config, kernel=kernel)
+        return _grouped_gemm_local(a, sa, b, sb, gs, dtype, num_programs, config, kernel=kernel, gluon=gluon)
 
     if not partition:
         return lambda a, sa, b, sb, gs: local(a, sa, b, sb, gs, out_dtype)
@@ -437,8 +440,24 @@ GROUPED_GEMM_KERNEL = "gluon"
 # separate partitions on the tile's two 64-row halves: gluon_kernels.py says why)
 # H100, 2026-12-06 (benchmarks/fp8.py): 913 TFLOP/s at 16384x4096x14336, 886 grouped K7168 N4096 G32
 # (the variant with both warpgroups in one partition: 851 and 813, removed); 3 or 5 stages within 2%.
-# 24 producer registers spill.
+# 24 producer registers spill. An optional fifth field overrides GLUON_SCALES_TMA.
 GLUON_GEMM_CONFIG = (4, 8, 32, 168)
+# The Gluon kernel's variant whose producer warp also TMA-loads each K step's 128 A row scales into the
+# stage (as DeepGEMM does), the consumers reading them from shared memory instead of global memory
+# (gluon_kernels.py, SCALES_TMA; docs/perf_notes.md). Not yet measured on a GPU, so off. Read at trace
+# time and part of the cached callables' keys; a config ("gluon", *GLUON_GEMM_CONFIG, True) forces it
+# for one call (benchmarks/fp8.py rows "... scales via TMA ...", tests/gpu/test_fp8_gpu.py).
+GLUON_SCALES_TMA = False
+
+
+def _gluon_config(cfg: tuple | None = None) -> tuple:
+    """(STAGES, GROUP_M, producer registers, maxnreg, scales via TMA) of the Gluon kernel: ``cfg`` (4 or 5
+    of those fields; None: GLUON_GEMM_CONFIG), the fifth from GLUON_SCALES_TMA where not given."""
+    cfg = tuple(GLUON_GEMM_CONFIG if cfg is None else cfg)
+    if len(cfg) not in (4, 5):
+        raise ValueError(f"a Gluon block-scaled GEMM config is (STAGES, GROUP_M, producer registers, maxnreg"
+                         f"[, scales via TMA]), got {cfg}")  # fmt: skip
+    return (*cfg[:4], bool(cfg[4] if len(cfg) == 5 else GLUON_SCALES_TMA))
 
 
 # The Gluon kernel takes every call it can since the GPU tests ran its bias epilogue and E5M2
@@ -494,7 +513,7 @@ def _gluon_grouped_gemm(a, sa_t, b, sb, gs, out_dtype, num_programs, gcfg, bias=
 
     m, k = a.shape
     g, n, _ = b.shape
-    stages, group_m, producer_regs, maxnreg = gcfg
+    stages, group_m, producer_regs, maxnreg, scales_tma = _gluon_config(gcfg)
     bm = bn = 128
     grid = num_programs or max(1, min(gd.num_sms(), (-(-m // bm) + g + 1) * -(-n // bn)))
     return tb.triton_call(
@@ -522,6 +541,7 @@ def _gluon_grouped_gemm(a, sa_t, b, sb, gs, out_dtype, num_programs, gcfg, bias=
             HAS_BIAS=bias is not None,
             PRODUCER_REGS=producer_regs,
             CONSUMER_REGS=256 - producer_regs,
+            SCALES_TMA=bool(scales_tma),  # off: the default kernel, as measured
         ),  # fmt: skip
         num_warps=4,
         num_stages=1,
@@ -531,14 +551,15 @@ def _gluon_grouped_gemm(a, sa_t, b, sb, gs, out_dtype, num_programs, gcfg, bias=
     )[0]
 
 
-def _grouped_gemm_local(a, sa, b, sb, gs, out_dtype, num_programs, config, bias=None, kernel=None):
+def _grouped_gemm_local(a, sa, b, sb, gs, out_dtype, num_programs, config, bias=None, kernel=None, gluon=None):
     from te_ops.grouped_dense import triton as gd
 
     m, k = a.shape
     g, n, _ = b.shape
-    gcfg = GLUON_GEMM_CONFIG
-    if config[0] == "gluon":  # ("gluon", *GLUON_GEMM_CONFIG's fields): this Gluon configuration
-        kernel, gcfg, config = "gluon", tuple(config[1:]), GROUPED_GEMM_CONFIG
+    # gluon: the Gluon settings the caller read at trace time (its cache key); else read here
+    gcfg = gluon or _gluon_config(config[1:] if config[0] == "gluon" else None)
+    if config[0] == "gluon":  # ("gluon", *GLUON_GEMM_CONFIG's fields[, scales via TMA]): this Gluon configuration
+        kernel, config = "gluon", GROUPED_GEMM_CONFIG
     kernel = kernel or _kernel_choice()[1]
     ok = gluon_gemm_unavailable_reason(k, n, out_dtype, a_dtype=a.dtype, b_dtype=b.dtype, has_bias=bias is not None)
     if m > 0 and n > 0 and kernel == "gluon" and ok is None:

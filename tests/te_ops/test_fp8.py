@@ -1136,6 +1136,72 @@ def test_fp8_kernels_compile_for_sm90_without_spills(monkeypatch):
                 assert "0 bytes spill stores" in r.stderr, (name, r.stderr[-2000:])
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_gluon_gemm_scales_tma_variant_compiles_for_sm90_without_spills(bias, monkeypatch):
+    """The Gluon block-scaled GEMM's SCALES_TMA variant (the producer TMA-loads each step's A row
+    scales into the stage; te_ops.fp8.triton.GLUON_SCALES_TMA, default off) and the default kernel,
+    lowered for sm_90a at M4096 K7168 N4096 with bf16 output: grouped (G=8, the variant forced by a
+    ("gluon", ..., True) config) or dense with a bias (one group, the variant by the module flag, which
+    is read at trace time and keys the cached callable). Triton's bundled ptxas reports no spills for
+    either; only the variant issues the rank-1 TMA load of the scales."""
+    import os
+    import subprocess
+    import tempfile
+
+    from te_ops._core import native
+    from te_ops._core import triton_bridge as tb
+
+    if tb.triton_unavailable_reason() is not None:
+        pytest.skip(f"needs Triton: {tb.triton_unavailable_reason()}")
+    import triton
+
+    from te_ops.fp8 import triton as tri
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        pytest.skip(f"Triton's bundled ptxas is not at {ptxas}")
+    launches = []
+    monkeypatch.setattr(native, "cuda_device_unavailable_reason", lambda: None)
+    monkeypatch.setattr(tb, "launcher_unavailable_reason", lambda: None)
+    monkeypatch.setattr(tb, "_launcher_call", lambda params, compiled, grid, platform, name: launches.append(
+        (name, compiled)) or b"x")  # fmt: skip
+    if tb.unavailable_reason(gluon=True) is not None:
+        pytest.skip(f"needs Gluon: {tb.unavailable_reason(gluon=True)}")
+    monkeypatch.setattr(tri, "PARTITION", False)
+    S = jax.ShapeDtypeStruct
+
+    def qt(shape, block, sshape):
+        return fp8.QuantizedTensor(S(shape, jnp.float8_e4m3fn), S(sshape, jnp.float32), block, jnp.dtype(jnp.bfloat16))
+
+    m, k, n, g = 4096, 7168, 4096, 8
+    a = qt((m, k), (1, 128), (m, k // 128))
+    with tb.target_override(("cuda", 90, 32)):
+        for scales_tma in (False, True):
+            if bias:  # the same function traced under each flag value: the flag must key the callable
+                monkeypatch.setattr(tri, "GLUON_SCALES_TMA", scales_tma)
+                fn = lambda a, b, c: tri.block_scaled_gemm(a, b, jnp.bfloat16, bias=c)  # noqa: E731
+                args = (a, qt((n, k), (128, 128), (n // 128, k // 128)), S((n,), jnp.float32))
+            else:
+                cfg = ("gluon", *tri.GLUON_GEMM_CONFIG[:4], scales_tma)
+                fn = lambda a, b, s, cfg=cfg: tri.grouped_block_scaled_gemm(a, b, s, jnp.bfloat16, config=cfg)  # noqa: E731
+                args = (a, qt((g, n, k), (128, 128), (g, n // 128, k // 128)), S((g,), jnp.int32))
+            with tri.kernel_override(dense="gluon", grouped="gluon"):
+                jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    assert [nm for nm, _ in launches] == ["te_fp8_grouped_block_gemm_ws"] * 2, launches
+    with tempfile.TemporaryDirectory() as d:
+        for scales_tma, (_, compiled) in zip((False, True), launches, strict=True):
+            ptx = compiled.asm["ptx"]
+            # the scales' TMA load: a rank-1 bulk tensor copy, in the variant only
+            assert ("cp.async.bulk.tensor.1d" in ptx) == scales_tma, scales_tma
+            src = os.path.join(d, f"k{int(scales_tma)}.ptx")
+            with open(src, "w") as f:
+                f.write(ptx)
+            r = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", src[:-4] + ".cubin"],
+                               capture_output=True, text=True, timeout=300)  # fmt: skip
+            assert r.returncode == 0, (scales_tma, r.stderr[-2000:])
+            assert "0 bytes spill stores" in r.stderr, (scales_tma, r.stderr[-2000:])
+
+
 def test_gemm_kernel_choice_is_read_at_each_trace(monkeypatch):
     """kernel_override (and GEMM_KERNEL) pick the block-scaled GEMM kernel for every trace inside it,
     also after another choice traced the same op with the same shapes: the sharded callables are

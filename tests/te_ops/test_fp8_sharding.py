@@ -90,12 +90,12 @@ def _deq(data, sinv, block):
     return ref.dequantize(ref.QuantizedTensor(data, sinv, block, jnp.dtype(F32)), F32)
 
 
-def ref_gemm_local(a, sa, b, sb, out_dtype, config=None, bias=None, kernels=None):
+def ref_gemm_local(a, sa, b, sb, out_dtype, config=None, bias=None, kernels=None, gluon=None):
     y = jnp.dot(_deq(a, sa, (1, 128)), _deq(b, sb, (128, 128)).T, precision=jax.lax.Precision.HIGHEST)
     return (y if bias is None else y + bias).astype(out_dtype)
 
 
-def ref_grouped_local(a, sa, b, sb, gs, out_dtype, num_programs=None, config=None, bias=None, kernel=None):
+def ref_grouped_local(a, sa, b, sb, gs, out_dtype, num_programs=None, config=None, bias=None, kernel=None, gluon=None):
     da = _deq(a, sa, (1, 128))
     db = jax.vmap(lambda d, s: _deq(d, s, (128, 128)))(b, sb)
     y, _ = gd_ref.forward(da, jnp.swapaxes(db, 1, 2), gs, has_bias=False)
