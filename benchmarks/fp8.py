@@ -36,6 +36,9 @@ BLOCK_DENSE_KERNELS = {"tiled": "Triton tiled GEMM", "gluon": "Gluon warp-specia
                        "cublaslt": "cuBLASLt block-scaled GEMM"}  # fmt: skip
 # ("gluon", STAGES, GROUP_M, producer registers, maxnreg) of the Gluon block-scaled GEMM
 GLUON_CONFIGS = [("gluon", 4, 8, 32, 168), ("gluon", 5, 8, 32, 168), ("gluon", 3, 8, 32, 168)]
+# the same kernel with its SCALES_TMA variant (sixth field True: the producer TMA-loads A's row scales
+# into the stage; te_ops.fp8.triton.GLUON_SCALES_TMA): rows "gluon ws, scales via TMA"
+GLUON_SCALES_TMA_CONFIGS = [("gluon", 4, 8, 32, 168, True)]
 SECTIONS = set(filter(None, os.environ.get("FP8_BENCH_SECTIONS", ALL_SECTIONS).split(",")))
 L2_BYTES = 60 * 2**20
 CASES = [  # (name, shape, block)
@@ -266,6 +269,10 @@ def main():
                 fns[f"fp8 block-scaled (gluon ws, G=1, {gcfg})"] = jax.jit(
                     lambda a, b, x, w, c=gcfg, g1=g1: g1(a, b, c)
                 )
+            for gcfg in GLUON_SCALES_TMA_CONFIGS:
+                fns[f"fp8 block-scaled (gluon ws, scales via TMA, G=1, {gcfg[:5]})"] = jax.jit(
+                    lambda a, b, x, w, c=gcfg, g1=g1: g1(a, b, c)
+                )
             lt_name, lt_note = "fp8 block-scaled (cuBLASLt route, te_fp8_cublaslt_block_gemm)", None
             try:  # compiled now, under its own override (the override of the timing loop below is grouped's)
                 fns[lt_name], lt_note = _cublaslt_route(qa, qb, x, w_t, m, k, n)
@@ -299,11 +306,13 @@ def main():
             qb = jax.jit(lambda w: ref.quantize_blocks(w, (128, 128), fp8.E4M3, power_of_2=True))(w_t)
             del w_t
             target = 1100.0 if g == 32 else None
-            for cfg in [*GLUON_CONFIGS, tri.GROUPED_GEMM_CONFIG]:
+            for cfg in [*GLUON_CONFIGS, *GLUON_SCALES_TMA_CONFIGS, tri.GROUPED_GEMM_CONFIG]:
                 fn = jax.jit(lambda a, b, s, cfg=cfg: tri.grouped_block_scaled_gemm(a, b, s, jnp.bfloat16, config=cfg))
                 with tri.kernel_override(grouped="triton"):  # 4-tuples: the Triton kernel
                     t = _timing.time_fn(fn, [(qa, qb, sizes)], repeats=5, calls=10)
                 label = f"gluon ws {cfg[1:]}" if cfg[0] == "gluon" else f"triton {cfg}"
+                if cfg[0] == "gluon" and len(cfg) > 5 and cfg[5]:
+                    label = f"gluon ws, scales via TMA {cfg[1:5]}"
                 gemm_rows.append({"gemm": f"grouped K{k} N{n} G{g} M{m}",
                                   "impl": f"fp8 block-scaled ({label})", "ms": t,
                                   "TFLOPs": 2.0 * m * k * n / t / 1e9, "target_TFLOPs": target})  # fmt: skip

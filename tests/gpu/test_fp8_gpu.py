@@ -100,7 +100,7 @@ def test_dual_quantize_matches_reference_bytes(shape, block, wide, square, warps
 def _needs_gluon(kernel, k, n, out_dtype):
     from te_ops.fp8 import triton as tri
 
-    if kernel == "gluon":
+    if kernel in ("gluon", "gluon_scales_tma"):
         why = tri.gluon_gemm_unavailable_reason(k, n, out_dtype)
         if why is not None:
             pytest.skip(f"the Gluon FP8 GEMM does not take this call here: {why}")
@@ -108,20 +108,23 @@ def _needs_gluon(kernel, k, n, out_dtype):
 
 @needs_triton
 @pytest.mark.parametrize("m,k,n,fmt", [(200, 300, 130, fp8.E4M3), (200, 304, 136, fp8.E4M3),
-                                       (4096, 7168, 2048, fp8.E4M3), (1000, 1024, 4096, fp8.E5M2)])  # fmt: skip
-@pytest.mark.parametrize("kernel", ["tiled", "persistent", "gluon"])
+                                       (4096, 7168, 2048, fp8.E4M3), (1000, 1024, 4096, fp8.E5M2),
+                                       (203, 1040, 264, fp8.E4M3)])  # fmt: skip
+@pytest.mark.parametrize("kernel", ["tiled", "persistent", "gluon", "gluon_scales_tma"])
 def test_block_scaled_gemm_matches_reference(m, k, n, fmt, kernel, monkeypatch):
     """FP8 wgmma with float32 promotion every 128 of K vs dequantized operands in a float32 GEMM
     (the same products; the tensor cores sum each 128-element block with ~14-bit accumulation), plus
     a bias; through the tiled kernel, the Triton grouped kernel with one group and the Gluon
     warp-specialized kernel with one group (partial M, N and K tiles; E5M2 x operand as the HYBRID
-    recipe's gradients)."""
+    recipe's gradients; M = 203 not a multiple of 4). "gluon_scales_tma": the Gluon kernel's variant
+    whose producer TMA-loads A's row scales (te_ops.fp8.triton.GLUON_SCALES_TMA)."""
     from te_ops.fp8 import triton as tri
 
-    if kernel == "gluon" and (k % 16 or n % 8):
+    if kernel.startswith("gluon") and (k % 16 or n % 8):
         pytest.skip("the Gluon kernel needs K % 16 == 0 and N % 8 == 0 (16-byte TMA rows)")
     _needs_gluon(kernel, k, n, jnp.float32)
-    monkeypatch.setattr(tri, "GEMM_KERNEL", kernel)
+    monkeypatch.setattr(tri, "GLUON_SCALES_TMA", kernel == "gluon_scales_tma")
+    monkeypatch.setattr(tri, "GEMM_KERNEL", "gluon" if kernel == "gluon_scales_tma" else kernel)
     monkeypatch.setattr(tri, "GLUON_UNTESTED_OK", True)  # bias and E5M2 through the Gluon kernel too
     rng = np.random.default_rng(m + k + n)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
@@ -177,15 +180,17 @@ def test_fp8_dense_triton_path_matches_reference(recipe):
 
 
 @needs_triton
-@pytest.mark.parametrize("dense_kernel", ["gluon", "persistent"])
+@pytest.mark.parametrize("dense_kernel", ["gluon", "persistent", "gluon_scales_tma"])
 def test_fp8_dense_block_gemm_routes_match_reference(dense_kernel, monkeypatch):
     """fp8_dense forward and both gradients with block scaling and a bias, the three GEMMs through
-    the Gluon warp-specialized kernel (or the Triton grouped kernel) with one group, vs the
-    reference path on the CPU."""
+    the Gluon warp-specialized kernel (or its variant with the A scales through TMA, or the Triton
+    grouped kernel) with one group, vs the reference path on the CPU."""
     from te_ops.fp8 import triton as tri
 
     _needs_gluon(dense_kernel, 1024, 768, jnp.bfloat16)
     monkeypatch.setattr(tri, "GLUON_UNTESTED_OK", True)  # the bias epilogue through the Gluon kernel too
+    monkeypatch.setattr(tri, "GLUON_SCALES_TMA", dense_kernel == "gluon_scales_tma")
+    dense_kernel = "gluon" if dense_kernel == "gluon_scales_tma" else dense_kernel
     k = jax.random.split(jax.random.key(9), 4)
     x = jax.random.normal(k[0], (1000, 1024), jnp.bfloat16)
     w = (jax.random.normal(k[1], (1024, 768), jnp.float32) / 32).astype(jnp.bfloat16)
@@ -207,15 +212,17 @@ def test_fp8_dense_block_gemm_routes_match_reference(dense_kernel, monkeypatch):
 
 @needs_triton
 @pytest.mark.parametrize("m,k,n,g", [(300, 256, 130, 4), (300, 272, 136, 4), (32768, 1024, 4096, 16),
-                                     (16384, 7168, 4096, 32)])  # fmt: skip
-@pytest.mark.parametrize("kernel", ["triton", "gluon"])
+                                     (16384, 7168, 4096, 32), (301, 400, 264, 5)])  # fmt: skip
+@pytest.mark.parametrize("kernel", ["triton", "gluon", "gluon_scales_tma"])
 @pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-def test_grouped_block_scaled_gemm_matches_reference(m, k, n, g, kernel, out_dtype):
+def test_grouped_block_scaled_gemm_matches_reference(m, k, n, g, kernel, out_dtype, monkeypatch):
     """Experts in FP8 vs per-group dequantized float32 GEMMs; uneven groups with an empty one and
     rows past the groups (zero), outputs NaN-poisoned; the Triton kernel and the Gluon
-    warp-specialized kernel (TMA-store and masked-store epilogues, partial K steps)."""
+    warp-specialized kernel (TMA-store and masked-store epilogues, partial K steps; M = 301 not a
+    multiple of 4), also its variant with A's row scales through TMA ("gluon_scales_tma")."""
     from te_ops.fp8 import triton as tri
 
+    monkeypatch.setattr(tri, "GLUON_SCALES_TMA", kernel == "gluon_scales_tma")
     if kernel != "triton" and (k % 16 or n % 8):
         pytest.skip("the Gluon kernel needs K % 16 == 0 and N % 8 == 0 (16-byte TMA rows)")
     _needs_gluon(kernel, k, n, out_dtype)
