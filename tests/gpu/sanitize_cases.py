@@ -1043,13 +1043,7 @@ def _fp8_grouped_delayed(c):
     _fp8_grouped(c, 37, 128, 80, [0, 20, 10], "bfloat16", rec, state=st)
 
 
-@case(
-    "fp8_grouped_gemm_gluon_e5m2",
-    "fp8",
-    "triton (Gluon warp-specialized)",
-    triton=(F8G + "grouped_block_scaled_gemm_split_kernel",),
-)
-def _fp8_grouped_gluon_e5m2(c):
+def _fp8_grouped_gluon(c, scales_tma):
     from te_ops.fp8 import grouped as fg
     from te_ops.fp8 import reference as ref
 
@@ -1065,12 +1059,32 @@ def _fp8_grouped_gluon_e5m2(c):
                 return fg._grouped_reference(qa, qb, s, jnp.float32)
             from te_ops.fp8 import triton as tri
 
-            cfg = ("gluon", *tri.GLUON_GEMM_CONFIG)  # the Gluon kernel with E5M2 activations, partial tiles
+            cfg = ("gluon", *tri.GLUON_GEMM_CONFIG, scales_tma)  # E5M2 activations, partial tiles
             return tri.grouped_block_scaled_gemm(qa, qb, s, jnp.float32, config=cfg)
 
         return f
 
     c.fwd(make, [qa, qb, sizes], "triton", tol=1e-2)
+
+
+@case(
+    "fp8_grouped_gemm_gluon_e5m2",
+    "fp8",
+    "triton (Gluon warp-specialized)",
+    triton=(F8G + "grouped_block_scaled_gemm_split_kernel",),
+)
+def _fp8_grouped_gluon_e5m2(c):
+    _fp8_grouped_gluon(c, scales_tma=False)
+
+
+@case(
+    "fp8_grouped_gemm_gluon_scales_tma_e5m2",
+    "fp8",
+    "triton (Gluon warp-specialized, A scales through the TMA ring: rank-1 descriptor, zero fill past M)",
+    triton=(F8G + "grouped_block_scaled_gemm_split_kernel",),
+)
+def _fp8_grouped_gluon_scales_tma_e5m2(c):
+    _fp8_grouped_gluon(c, scales_tma=True)
 
 
 # ----------------------------------------------------------------------------------------------
