@@ -45,7 +45,8 @@ SDS = jax.ShapeDtypeStruct
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 MAX_GROUPS = 1024
 # Global scratch reserved per program for kernels that build TMA descriptors on the device (128 bytes
-# per descriptor, at most 3 here); an XLA buffer, so the launch stays CUDA-graph safe.
+# per descriptor: at most 4, the FP8 Gluon GEMM with SCALES_TMA: a, b, out and the scales); an XLA
+# buffer, so the launch stays CUDA-graph safe.
 TMA_SCRATCH_BYTES = 512
 
 

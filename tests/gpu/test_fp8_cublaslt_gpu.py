@@ -145,9 +145,15 @@ def test_cublaslt_route_is_not_worse_than_gluon():
     m, k, n = 2048, 14336, 1024
     if tri.gluon_gemm_unavailable_reason(k, n, jnp.float32) is not None:
         pytest.skip(f"no Gluon kernel to compare with: {tri.gluon_gemm_unavailable_reason(k, n, jnp.float32)}")
+    from te_ops.fp8 import cublaslt
+
+    why = cublaslt.unavailable_reason(m, n, k, jnp.float32, a_dtype=E4, b_dtype=E4)
+    assert why is None, f"the cuBLASLt route must take {m}x{k}x{n}: {why}"
     qa, qb = _operands(m, k, n, E4, E4, seed=3)
     want = np.asarray(_want(qa, qb, jnp.float32), np.float64)
-    err_lt = np.max(np.abs(_run("cublaslt", qa, qb, jnp.float32)[0] - want))
+    got_lt, lt_text = _run("cublaslt", qa, qb, jnp.float32)
+    assert "te_fp8_cublaslt_block_gemm" in lt_text, "the cuBLASLt route was not taken"
+    err_lt = np.max(np.abs(got_lt - want))
     err_gl = np.max(np.abs(_run("gluon", qa, qb, jnp.float32)[0] - want))
     assert err_lt <= 2.0 * err_gl + 1e-6 * np.max(np.abs(want)), (err_lt, err_gl)
 
@@ -183,7 +189,9 @@ def test_fp8_dense_block_through_cublaslt_matches_reference(recipe, bias):
     lowered program holds the expected number of cuBLASLt calls, and the handler ran."""
     from te_ops.fp8 import triton as tri
 
-    m, k, n = 1000, 1152, 768  # kb 9 (forward), 6 (dgrad), 8 (wgrad); M not a multiple of 128
+    # M = 1008: not a multiple of 128 (partial row block) but of 16, since the weight gradient's K is M
+    # (1000 would send the wgrad GEMM to the Triton kernel: K % 16 != 0). kb: 9 (fwd), 6 (dgrad), 8 (wgrad)
+    m, k, n = 1008, 1152, 768
     ks = jax.random.split(jax.random.key(21), 4)
     x = jax.random.normal(ks[0], (m, k), jnp.bfloat16)
     w = (jax.random.normal(ks[1], (k, n), jnp.float32) / 32).astype(jnp.bfloat16)
