@@ -17,9 +17,10 @@ it reuses:
   flight within a warpgroup, promoting step k while step k + 1 runs, makes ptxas serialize the
   wgmmas (C7514: accumulator registers read inside the pipeline stage), so it buys nothing.)
 * **SCALES_TMA** (a variant, off by default; ``te_ops.fp8.triton.GLUON_SCALES_TMA``): the producer
-  also TMA-loads each step's 128 A row scales into the stage (``_scales_tma_producer``, on the same
-  "ready" barrier) and the consumers read theirs from shared memory while the wgmma runs, instead
-  of loading them from global memory (as DeepGEMM does); not yet measured on a GPU.
+  (the bf16 ``_producer`` with its own SCALES_TMA) also TMA-loads each step's 128 A row scales into
+  the stage, on the same "ready" barrier, and the consumers read theirs from shared memory while the
+  wgmma runs, instead of loading them from global memory (as DeepGEMM does); the same partitions,
+  only the scale fetch differs. Not yet measured on a GPU.
 * **Epilogue**: bias (float32, per group) added to the float32 sum, one rounding to the output
   dtype; whole tiles of a group go out through shared memory and a TMA store, the last partial tile
   of a group and the zero tiles past the groups through a masked store.
@@ -87,8 +88,8 @@ def _half_consumer(
     BLOCK_G: gl.constexpr,
     HAS_BIAS: gl.constexpr,
     HALF: gl.constexpr,
-    sa_bufs=None,
-    SCALES_TMA: gl.constexpr = False,
+    sa_bufs,
+    SCALES_TMA: gl.constexpr,
 ):
     HM: gl.constexpr = BM // 2
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
@@ -130,40 +131,30 @@ def _half_consumer(
                 # A's row scales of each step are in the stage (the producer's TMA load); B's block
                 # scale, one per tile and step, still comes from global memory one step ahead
                 sb = gl.load(sb_base)
-                for ki in range(k_iters):
-                    s = it % STAGES
-                    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-                    part = warpgroup_mma(
-                        a_bufs.index(s).slice(HALF * HM, HM, dim=0),
-                        b_bufs.index(s).permute((1, 0)),
-                        zero,
-                        use_acc=False,
-                        is_async=True,
-                    )
-                    sc = sa_bufs.index(s).slice(HALF * HM, HM, dim=0).load(row_layout) * sb  # while it runs
-                    sb = gl.load(sb_base + gl.minimum(ki + 1, k_iters - 1))
-                    part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
-                    mbarrier.arrive(empty.index(s))  # after the wgmma and the scales' read of the stage
-                    acc = acc + part * sc[:, None]
-                    it += 1
             else:
                 sc = _scales(sa_ptr, sb_base, 0, M, rows_ld)
-                for ki in range(k_iters):
-                    s = it % STAGES
-                    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-                    part = warpgroup_mma(
-                        a_bufs.index(s).slice(HALF * HM, HM, dim=0),
-                        b_bufs.index(s).permute((1, 0)),
-                        zero,
-                        use_acc=False,
-                        is_async=True,
-                    )
+            for ki in range(k_iters):
+                s = it % STAGES
+                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+                part = warpgroup_mma(
+                    a_bufs.index(s).slice(HALF * HM, HM, dim=0),
+                    b_bufs.index(s).permute((1, 0)),
+                    zero,
+                    use_acc=False,
+                    is_async=True,
+                )
+                # the scales, while the wgmma runs: this step's from the stage, or the next step's
+                if SCALES_TMA:
+                    sc = sa_bufs.index(s).slice(HALF * HM, HM, dim=0).load(row_layout) * sb
+                    sb = gl.load(sb_base + gl.minimum(ki + 1, k_iters - 1))
+                else:
                     sc_next = _scales(sa_ptr, sb_base, gl.minimum(ki + 1, k_iters - 1), M, rows_ld)
-                    part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
-                    mbarrier.arrive(empty.index(s))
-                    acc = acc + part * sc[:, None]
+                part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+                mbarrier.arrive(empty.index(s))  # after the wgmma (and SCALES_TMA: the scales' read) of the stage
+                acc = acc + part * sc[:, None]
+                if not SCALES_TMA:
                     sc = sc_next
-                    it += 1
+                it += 1
         cols = nt * BN + gl.arange(0, BN, layout=col_layout)
         if HAS_BIAS:
             bias = gl.load(bias_ptr + g.to(gl.int64) * NOUT + cols, mask=(cols < NOUT) & in_group, other=0.0)
@@ -182,92 +173,32 @@ def _half_consumer(
 
 @gluon.jit
 def _half_consumer0(a_bufs, b_bufs, ready, empty, c_bufs, out_desc, out_ptr, sa_ptr, sb_ptr, bias_ptr, gs_ptr, M, K,
-                    NOUT, G, num_programs, a_desc, b_desc, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-                    STAGES: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_G: gl.constexpr,
-                    HAS_BIAS: gl.constexpr):  # fmt: skip
+                    NOUT, G, num_programs, a_desc, b_desc, sa_desc, sa_bufs, BM: gl.constexpr, BN: gl.constexpr,
+                    BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_G: gl.constexpr,
+                    HAS_BIAS: gl.constexpr, SCALES_TMA: gl.constexpr):  # fmt: skip
     _half_consumer(a_bufs, b_bufs, ready, empty, c_bufs, out_desc, out_ptr, sa_ptr, sb_ptr, bias_ptr, gs_ptr, M, K,
-                   NOUT, G, num_programs, BM, BN, BK, STAGES, GROUP_M, BLOCK_G, HAS_BIAS, 0)  # fmt: skip
+                   NOUT, G, num_programs, BM, BN, BK, STAGES, GROUP_M, BLOCK_G, HAS_BIAS, 0, sa_bufs,
+                   SCALES_TMA)  # fmt: skip
 
 
 @gluon.jit
 def _half_consumer1(a_bufs, b_bufs, ready, empty, c_bufs, out_desc, out_ptr, sa_ptr, sb_ptr, bias_ptr, gs_ptr, M, K,
-                    NOUT, G, num_programs, a_desc, b_desc, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-                    STAGES: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_G: gl.constexpr,
-                    HAS_BIAS: gl.constexpr):  # fmt: skip
+                    NOUT, G, num_programs, a_desc, b_desc, sa_desc, sa_bufs, BM: gl.constexpr, BN: gl.constexpr,
+                    BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_G: gl.constexpr,
+                    HAS_BIAS: gl.constexpr, SCALES_TMA: gl.constexpr):  # fmt: skip
     _half_consumer(a_bufs, b_bufs, ready, empty, c_bufs, out_desc, out_ptr, sa_ptr, sb_ptr, bias_ptr, gs_ptr, M, K,
-                   NOUT, G, num_programs, BM, BN, BK, STAGES, GROUP_M, BLOCK_G, HAS_BIAS, 1)  # fmt: skip
-
-
-@gluon.jit
-def _half_consumer0_tma(a_bufs, b_bufs, ready, empty, c_bufs, out_desc, out_ptr, sa_ptr, sb_ptr, bias_ptr, gs_ptr, M, K,
-                        NOUT, G, num_programs, a_desc, b_desc, sa_desc, sa_bufs, BM: gl.constexpr, BN: gl.constexpr,
-                        BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_G: gl.constexpr,
-                        HAS_BIAS: gl.constexpr):  # fmt: skip
-    _half_consumer(a_bufs, b_bufs, ready, empty, c_bufs, out_desc, out_ptr, sa_ptr, sb_ptr, bias_ptr, gs_ptr, M, K,
-                   NOUT, G, num_programs, BM, BN, BK, STAGES, GROUP_M, BLOCK_G, HAS_BIAS, 0, sa_bufs, True)  # fmt: skip
-
-
-@gluon.jit
-def _half_consumer1_tma(a_bufs, b_bufs, ready, empty, c_bufs, out_desc, out_ptr, sa_ptr, sb_ptr, bias_ptr, gs_ptr, M, K,
-                        NOUT, G, num_programs, a_desc, b_desc, sa_desc, sa_bufs, BM: gl.constexpr, BN: gl.constexpr,
-                        BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_G: gl.constexpr,
-                        HAS_BIAS: gl.constexpr):  # fmt: skip
-    _half_consumer(a_bufs, b_bufs, ready, empty, c_bufs, out_desc, out_ptr, sa_ptr, sb_ptr, bias_ptr, gs_ptr, M, K,
-                   NOUT, G, num_programs, BM, BN, BK, STAGES, GROUP_M, BLOCK_G, HAS_BIAS, 1, sa_bufs, True)  # fmt: skip
-
-
-@gluon.jit
-def _scales_tma_producer(a_bufs, b_bufs, ready, empty, c_bufs, out_desc, out_ptr, sa_ptr, sb_ptr, bias_ptr, gs_ptr, M,
-                         K, NOUT, G, num_programs, a_desc, b_desc, sa_desc, sa_bufs, BM: gl.constexpr,
-                         BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                         BLOCK_G: gl.constexpr, HAS_BIAS: gl.constexpr):  # fmt: skip
-    """The bf16 kernel's producer (``_producer`` with TRANS_B) plus, into the same stage and on the
-    same "ready" barrier, the BM row scales of A at the step: elements ``ki * M + row ..`` of sa^T
-    seen flat (rank-1 descriptor; past its end TMA's zero fill; rows past M or past the group are
-    never stored, so whatever scales they get do not matter)."""
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    gi, start, end, m_tiles_g, tiles_g, cum_tiles, group_tiles, used_rows, tail_m_tiles, n_tiles, total = _schedule(
-        gs_ptr, G, M, NOUT, BM, BN, BLOCK_G, layout
-    )
-    k_iters = gl.cdiv(K, BK)
-    nbytes: gl.constexpr = (BM * BK + BK * BN) * a_desc.dtype.primitive_bitwidth // 8 + BM * 4
-    it = 0
-    for t in range(gl.program_id(0), total, num_programs):
-        in_group, g, row, row_end, nt = _tile(
-            t,
-            gi,
-            start,
-            end,
-            m_tiles_g,
-            tiles_g,
-            cum_tiles,
-            group_tiles,
-            used_rows,
-            tail_m_tiles,
-            n_tiles,
-            G,
-            M,
-            BM,
-            GROUP_M,
-        )
-        if in_group:
-            for ki in range(k_iters):
-                s = it % STAGES
-                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-                mbarrier.expect(ready.index(s), nbytes)
-                tma.async_copy_global_to_shared(a_desc, [row, ki * BK], ready.index(s), a_bufs.index(s))
-                tma.async_copy_global_to_shared(b_desc, [g * NOUT + nt * BN, ki * BK], ready.index(s), b_bufs.index(s))
-                tma.async_copy_global_to_shared(sa_desc, [ki * M + row], ready.index(s), sa_bufs.index(s))
-                it += 1
+                   NOUT, G, num_programs, BM, BN, BK, STAGES, GROUP_M, BLOCK_G, HAS_BIAS, 1, sa_bufs,
+                   SCALES_TMA)  # fmt: skip
 
 
 @gluon.jit
 def _split_producer(a_bufs, b_bufs, ready, empty, c_bufs, out_desc, out_ptr, sa_ptr, sb_ptr, bias_ptr, gs_ptr, M, K,
-                    NOUT, G, num_programs, a_desc, b_desc, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-                    STAGES: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_G: gl.constexpr,
-                    HAS_BIAS: gl.constexpr):  # fmt: skip
+                    NOUT, G, num_programs, a_desc, b_desc, sa_desc, sa_bufs, BM: gl.constexpr, BN: gl.constexpr,
+                    BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_G: gl.constexpr,
+                    HAS_BIAS: gl.constexpr, SCALES_TMA: gl.constexpr):  # fmt: skip
+    # the bf16 kernels' producer (B K-major), with SCALES_TMA also A's row scales into the stage
     _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, gs_ptr, M, K, NOUT, G, num_programs, BM, BN, BK, STAGES,
-              GROUP_M, BLOCK_G, True)  # fmt: skip
+              GROUP_M, BLOCK_G, True, sa_desc, sa_bufs, SCALES_TMA)  # fmt: skip
 
 
 @gluon.jit
@@ -304,7 +235,7 @@ def grouped_block_scaled_gemm_split_kernel(
     Launched with num_warps=4 (consumer warpgroup 0: rows 0..63 of each tile), plus a 4-warp consumer
     (rows 64..127) and a 1-warp TMA producer partition. ``SCALES_TMA``: the producer also loads each
     step's A row scales into the stage (``sa_bufs``) and the consumers read them from shared memory
-    instead of global memory (the other partitions; off: the measured kernel, unchanged)."""
+    instead of global memory (the same partitions; off: the measured kernel, unchanged)."""
     K = K16 * 16
     NOUT = N8 * 8
     in_dtype: gl.constexpr = a_ptr.dtype.element_ty
@@ -333,38 +264,25 @@ def grouped_block_scaled_gemm_split_kernel(
         n_kb = gl.cdiv(K, BK)
         sa_desc = tma.make_tensor_descriptor(sa_ptr, shape=[n_kb * M], strides=[1], block_shape=[BM], layout=sa_layout)
         sa_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BM], sa_layout)
-        # fmt: off
-        gl.warp_specialize(
-            [
-                (_half_consumer0_tma, (a_bufs, b_bufs, ready, empty, c_bufs, out_desc, out_ptr, sa_ptr, sb_ptr,
-                                       bias_ptr, gs_ptr, M, K, NOUT, G, num_programs, a_desc, b_desc, sa_desc, sa_bufs,
-                                       BM, BN, BK, STAGES, GROUP_M, BLOCK_G, HAS_BIAS)),
-                (_half_consumer1_tma, (a_bufs, b_bufs, ready, empty, c_bufs, out_desc, out_ptr, sa_ptr, sb_ptr,
-                                       bias_ptr, gs_ptr, M, K, NOUT, G, num_programs, a_desc, b_desc, sa_desc, sa_bufs,
-                                       BM, BN, BK, STAGES, GROUP_M, BLOCK_G, HAS_BIAS)),
-                (_scales_tma_producer, (a_bufs, b_bufs, ready, empty, c_bufs, out_desc, out_ptr, sa_ptr, sb_ptr,
-                                        bias_ptr, gs_ptr, M, K, NOUT, G, num_programs, a_desc, b_desc, sa_desc,
-                                        sa_bufs, BM, BN, BK, STAGES, GROUP_M, BLOCK_G, HAS_BIAS)),
-            ],
-            [4, 1],
-            [CONSUMER_REGS, PRODUCER_REGS],
-        )
-        # fmt: on
-    else:
-        # fmt: off
-        gl.warp_specialize(
-            [
-                (_half_consumer0, (a_bufs, b_bufs, ready, empty, c_bufs, out_desc, out_ptr, sa_ptr, sb_ptr, bias_ptr,
-                                   gs_ptr, M, K, NOUT, G, num_programs, a_desc, b_desc, BM, BN, BK, STAGES, GROUP_M,
-                                   BLOCK_G, HAS_BIAS)),
-                (_half_consumer1, (a_bufs, b_bufs, ready, empty, c_bufs, out_desc, out_ptr, sa_ptr, sb_ptr, bias_ptr,
-                                   gs_ptr, M, K, NOUT, G, num_programs, a_desc, b_desc, BM, BN, BK, STAGES, GROUP_M,
-                                   BLOCK_G, HAS_BIAS)),
-                (_split_producer, (a_bufs, b_bufs, ready, empty, c_bufs, out_desc, out_ptr, sa_ptr, sb_ptr, bias_ptr,
-                                   gs_ptr, M, K, NOUT, G, num_programs, a_desc, b_desc, BM, BN, BK, STAGES, GROUP_M,
-                                   BLOCK_G, HAS_BIAS)),
-            ],
-            [4, 1],
-            [CONSUMER_REGS, PRODUCER_REGS],
-        )
-        # fmt: on
+    else:  # constexpr None: no value passed to the partitions (the default kernel, as measured)
+        sa_desc: gl.constexpr = None
+        sa_bufs: gl.constexpr = None
+    # fmt: off
+    # (the same arguments for each partition, written out: a tuple assigned to a name would turn its
+    # constexprs into tensors)
+    gl.warp_specialize(
+        [
+            (_half_consumer0, (a_bufs, b_bufs, ready, empty, c_bufs, out_desc, out_ptr, sa_ptr, sb_ptr, bias_ptr,
+                               gs_ptr, M, K, NOUT, G, num_programs, a_desc, b_desc, sa_desc, sa_bufs, BM, BN, BK,
+                               STAGES, GROUP_M, BLOCK_G, HAS_BIAS, SCALES_TMA)),
+            (_half_consumer1, (a_bufs, b_bufs, ready, empty, c_bufs, out_desc, out_ptr, sa_ptr, sb_ptr, bias_ptr,
+                               gs_ptr, M, K, NOUT, G, num_programs, a_desc, b_desc, sa_desc, sa_bufs, BM, BN, BK,
+                               STAGES, GROUP_M, BLOCK_G, HAS_BIAS, SCALES_TMA)),
+            (_split_producer, (a_bufs, b_bufs, ready, empty, c_bufs, out_desc, out_ptr, sa_ptr, sb_ptr, bias_ptr,
+                               gs_ptr, M, K, NOUT, G, num_programs, a_desc, b_desc, sa_desc, sa_bufs, BM, BN, BK,
+                               STAGES, GROUP_M, BLOCK_G, HAS_BIAS, SCALES_TMA)),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, PRODUCER_REGS],
+    )
+    # fmt: on
