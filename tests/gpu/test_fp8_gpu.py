@@ -97,13 +97,19 @@ def test_dual_quantize_matches_reference_bytes(shape, block, wide, square, warps
     _same(qt, on_cpu(lambda x: ref.quantize_blocks(x.T, tb, fp8.E4M3, power_of_2=True), x))
 
 
-def _needs_gluon(kernel, k, n, out_dtype):
+def _gemm_kernel(kernel, monkeypatch, k, n, out_dtype):
+    """The GEMM kernel a test parameter names: "gluon_scales_tma" is the Gluon kernel with A's row
+    scales through TMA (te_ops.fp8.triton.GLUON_SCALES_TMA, set here for the test). Skips where the
+    Gluon kernel does not take the call; returns the kernel to route to ("gluon" for the variant)."""
     from te_ops.fp8 import triton as tri
 
-    if kernel in ("gluon", "gluon_scales_tma"):
+    monkeypatch.setattr(tri, "GLUON_SCALES_TMA", kernel == "gluon_scales_tma")
+    kernel = "gluon" if kernel == "gluon_scales_tma" else kernel
+    if kernel == "gluon":
         why = tri.gluon_gemm_unavailable_reason(k, n, out_dtype)
         if why is not None:
             pytest.skip(f"the Gluon FP8 GEMM does not take this call here: {why}")
+    return kernel
 
 
 @needs_triton
@@ -122,9 +128,7 @@ def test_block_scaled_gemm_matches_reference(m, k, n, fmt, kernel, monkeypatch):
 
     if kernel.startswith("gluon") and (k % 16 or n % 8):
         pytest.skip("the Gluon kernel needs K % 16 == 0 and N % 8 == 0 (16-byte TMA rows)")
-    _needs_gluon(kernel, k, n, jnp.float32)
-    monkeypatch.setattr(tri, "GLUON_SCALES_TMA", kernel == "gluon_scales_tma")
-    monkeypatch.setattr(tri, "GEMM_KERNEL", "gluon" if kernel == "gluon_scales_tma" else kernel)
+    monkeypatch.setattr(tri, "GEMM_KERNEL", _gemm_kernel(kernel, monkeypatch, k, n, jnp.float32))
     monkeypatch.setattr(tri, "GLUON_UNTESTED_OK", True)  # bias and E5M2 through the Gluon kernel too
     rng = np.random.default_rng(m + k + n)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
@@ -187,10 +191,8 @@ def test_fp8_dense_block_gemm_routes_match_reference(dense_kernel, monkeypatch):
     grouped kernel) with one group, vs the reference path on the CPU."""
     from te_ops.fp8 import triton as tri
 
-    _needs_gluon(dense_kernel, 1024, 768, jnp.bfloat16)
+    dense_kernel = _gemm_kernel(dense_kernel, monkeypatch, 1024, 768, jnp.bfloat16)
     monkeypatch.setattr(tri, "GLUON_UNTESTED_OK", True)  # the bias epilogue through the Gluon kernel too
-    monkeypatch.setattr(tri, "GLUON_SCALES_TMA", dense_kernel == "gluon_scales_tma")
-    dense_kernel = "gluon" if dense_kernel == "gluon_scales_tma" else dense_kernel
     k = jax.random.split(jax.random.key(9), 4)
     x = jax.random.normal(k[0], (1000, 1024), jnp.bfloat16)
     w = (jax.random.normal(k[1], (1024, 768), jnp.float32) / 32).astype(jnp.bfloat16)
@@ -222,10 +224,9 @@ def test_grouped_block_scaled_gemm_matches_reference(m, k, n, g, kernel, out_dty
     multiple of 4), also its variant with A's row scales through TMA ("gluon_scales_tma")."""
     from te_ops.fp8 import triton as tri
 
-    monkeypatch.setattr(tri, "GLUON_SCALES_TMA", kernel == "gluon_scales_tma")
     if kernel != "triton" and (k % 16 or n % 8):
         pytest.skip("the Gluon kernel needs K % 16 == 0 and N % 8 == 0 (16-byte TMA rows)")
-    _needs_gluon(kernel, k, n, out_dtype)
+    kernel = _gemm_kernel(kernel, monkeypatch, k, n, out_dtype)
     rng = np.random.default_rng(m + g)
     sizes = np.floor(rng.dirichlet(np.full(g, 0.7)) * m * 0.9).astype(np.int32)
     sizes[1] = 0
@@ -236,7 +237,7 @@ def test_grouped_block_scaled_gemm_matches_reference(m, k, n, g, kernel, out_dty
     qa = jax.device_put(on_cpu(lambda x: ref.quantize_blocks(x, (1, 128), fp8.E4M3, power_of_2=True), x), GPU)
     qb = jax.device_put(on_cpu(lambda w: ref.quantize_blocks(w, (128, 128), fp8.E4M3, power_of_2=True), w_t), GPU)
     del w_t
-    with native.poisoned_outputs(), tri.kernel_override(grouped="triton" if kernel == "triton" else "gluon"):
+    with native.poisoned_outputs(), tri.kernel_override(grouped=kernel):
         got = jax.jit(lambda a, b, s: tri.grouped_block_scaled_gemm(a, b, s, out_dtype))(qa, qb, sizes)
     got = np.asarray(got, np.float32)
     tol = 2e-3 if out_dtype == jnp.float32 else 8e-3  # + one bfloat16 rounding (2**-9 relative)

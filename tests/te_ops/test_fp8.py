@@ -1057,22 +1057,19 @@ def test_dact_dbias_quantize_errors_name_the_argument(call, exc, match):
         call()
 
 
-def test_fp8_kernels_compile_for_sm90_without_spills(monkeypatch):
-    """Every FP8 Triton kernel in its default configuration compiles for sm_90a here (jaxlib's
-    launcher stubbed) and Triton's bundled ptxas reports no register spills at sizes that are
-    multiples of 128 (training shapes): a spill in a GEMM main loop or a quantize tile costs far more
-    than any tuning gains. One measured exception, bounded: the dual quantize at 4 warps. (Sizes
-    that are not multiples of 16 lose the vectorized accesses and the
-    128 x 128-tile quantize kernels then spill: correct, slower.)"""
+def _offline_sm90(monkeypatch, gluon=False):
+    """For lowering the FP8 kernels for sm_90a here: skips without Triton (or Gluon) or Triton's
+    bundled ptxas, stubs jaxlib's launcher (each launch appends (name, compiled kernel) to the list
+    returned), turns the sharded callables off. Returns (triton_bridge, te_ops.fp8.triton, ptxas,
+    launches); lower inside ``triton_bridge.target_override(("cuda", 90, 32))``."""
     import os
-    import subprocess
-    import tempfile
 
     from te_ops._core import native
     from te_ops._core import triton_bridge as tb
 
-    if tb.triton_unavailable_reason() is not None:
-        pytest.skip(f"needs Triton: {tb.triton_unavailable_reason()}")
+    why = tb.gluon_unavailable_reason() if gluon else tb.triton_unavailable_reason()
+    if why is not None:
+        pytest.skip(f"needs Triton{' with Gluon' if gluon else ''}: {why}")
     import triton
 
     from te_ops.fp8 import triton as tri
@@ -1086,11 +1083,40 @@ def test_fp8_kernels_compile_for_sm90_without_spills(monkeypatch):
     monkeypatch.setattr(tb, "_launcher_call", lambda params, compiled, grid, platform, name: launches.append(
         (name, compiled)) or b"x")  # fmt: skip
     monkeypatch.setattr(tri, "PARTITION", False)
+    return tb, tri, ptxas, launches
+
+
+def _ptxas_report(ptxas, ptx, tag):
+    """``ptxas -arch=sm_90a -v`` of ``ptx``: asserts it compiles, returns its report (stderr)."""
+    import os
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        r = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", os.path.join(d, "k.cubin")],
+                           capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, (tag, r.stderr[-2000:])
+    return r.stderr
+
+
+def _qt_spec(shape, block, sshape, fmt=jnp.float8_e4m3fn):
+    """An abstract QuantizedTensor (shapes only) for tracing."""
     S = jax.ShapeDtypeStruct
+    return fp8.QuantizedTensor(S(shape, fmt), S(sshape, jnp.float32), block, jnp.dtype(jnp.bfloat16))
 
-    def qt(shape, block, sshape, fmt=jnp.float8_e4m3fn):
-        return fp8.QuantizedTensor(S(shape, fmt), S(sshape, jnp.float32), block, jnp.dtype(jnp.bfloat16))
 
+def test_fp8_kernels_compile_for_sm90_without_spills(monkeypatch):
+    """Every FP8 Triton kernel in its default configuration compiles for sm_90a here (jaxlib's
+    launcher stubbed) and Triton's bundled ptxas reports no register spills at sizes that are
+    multiples of 128 (training shapes): a spill in a GEMM main loop or a quantize tile costs far more
+    than any tuning gains. One measured exception, bounded: the dual quantize at 4 warps. (Sizes
+    that are not multiples of 16 lose the vectorized accesses and the
+    128 x 128-tile quantize kernels then spill: correct, slower.)"""
+    tb, tri, ptxas, launches = _offline_sm90(monkeypatch)
+    S, qt = jax.ShapeDtypeStruct, _qt_spec
     m, k, n, g = 4096, 1024, 2048, 8
     calls = [
         (lambda a, b: tri.block_scaled_gemm(a, b, jnp.bfloat16), qt((m, k), (1, 128), (m, 8)),
@@ -1117,23 +1143,17 @@ def test_fp8_kernels_compile_for_sm90_without_spills(monkeypatch):
     names = [nm for nm, _ in launches]
     assert names[:3] == ["te_fp8_grouped_block_gemm_ws"] * 2 + ["te_fp8_grouped_block_gemm"], names
     assert names[-1] == "te_fp8_block_gemm", names
-    with tempfile.TemporaryDirectory() as d:
-        for i, (name, compiled) in enumerate(launches):
-            src = os.path.join(d, f"k{i}.ptx")
-            with open(src, "w") as f:
-                f.write(compiled.asm["ptx"])
-            r = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", os.path.join(d, f"k{i}.cubin")],
-                               capture_output=True, text=True, timeout=300)  # fmt: skip
-            assert r.returncode == 0, (name, r.stderr[-2000:])
-            if name == "te_fp8_dual_quantize":
-                # at its default 4 warps per 128 x 128 tile the dual quantize spills a little (208 bytes
-                # a thread for the row tiles, 484 with square x^T blocks, sm_90a, Triton 3.6) and still
-                # ran 1.66x faster than at 16 warps without spills (two programs per SM instead of one;
-                # H100, 2026-12-06, docs/perf_notes.md): bounded here so it cannot grow unnoticed
-                spilled = re.search(r"(\d+) bytes spill stores", r.stderr)
-                assert spilled and int(spilled.group(1)) <= 600, (name, r.stderr[-2000:])
-            else:
-                assert "0 bytes spill stores" in r.stderr, (name, r.stderr[-2000:])
+    for name, compiled in launches:
+        report = _ptxas_report(ptxas, compiled.asm["ptx"], name)
+        if name == "te_fp8_dual_quantize":
+            # at its default 4 warps per 128 x 128 tile the dual quantize spills a little (208 bytes
+            # a thread for the row tiles, 484 with square x^T blocks, sm_90a, Triton 3.6) and still
+            # ran 1.66x faster than at 16 warps without spills (two programs per SM instead of one;
+            # H100, 2026-12-06, docs/perf_notes.md): bounded here so it cannot grow unnoticed
+            spilled = re.search(r"(\d+) bytes spill stores", report)
+            assert spilled and int(spilled.group(1)) <= 600, (name, report[-2000:])
+        else:
+            assert "0 bytes spill stores" in report, (name, report[-2000:])
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
@@ -1144,35 +1164,8 @@ def test_gluon_gemm_scales_tma_variant_compiles_for_sm90_without_spills(bias, mo
     ("gluon", ..., True) config) or dense with a bias (one group, the variant by the module flag, which
     is read at trace time and keys the cached callable). Triton's bundled ptxas reports no spills for
     either; only the variant issues the rank-1 TMA load of the scales."""
-    import os
-    import subprocess
-    import tempfile
-
-    from te_ops._core import native
-    from te_ops._core import triton_bridge as tb
-
-    if tb.triton_unavailable_reason() is not None:
-        pytest.skip(f"needs Triton: {tb.triton_unavailable_reason()}")
-    import triton
-
-    from te_ops.fp8 import triton as tri
-
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    if not os.path.exists(ptxas):
-        pytest.skip(f"Triton's bundled ptxas is not at {ptxas}")
-    launches = []
-    monkeypatch.setattr(native, "cuda_device_unavailable_reason", lambda: None)
-    monkeypatch.setattr(tb, "launcher_unavailable_reason", lambda: None)
-    monkeypatch.setattr(tb, "_launcher_call", lambda params, compiled, grid, platform, name: launches.append(
-        (name, compiled)) or b"x")  # fmt: skip
-    if tb.unavailable_reason(gluon=True) is not None:
-        pytest.skip(f"needs Gluon: {tb.unavailable_reason(gluon=True)}")
-    monkeypatch.setattr(tri, "PARTITION", False)
-    S = jax.ShapeDtypeStruct
-
-    def qt(shape, block, sshape):
-        return fp8.QuantizedTensor(S(shape, jnp.float8_e4m3fn), S(sshape, jnp.float32), block, jnp.dtype(jnp.bfloat16))
-
+    tb, tri, ptxas, launches = _offline_sm90(monkeypatch, gluon=True)
+    S, qt = jax.ShapeDtypeStruct, _qt_spec
     m, k, n, g = 4096, 7168, 4096, 8
     a = qt((m, k), (1, 128), (m, k // 128))
     with tb.target_override(("cuda", 90, 32)):
@@ -1188,18 +1181,12 @@ def test_gluon_gemm_scales_tma_variant_compiles_for_sm90_without_spills(bias, mo
             with tri.kernel_override(dense="gluon", grouped="gluon"):
                 jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     assert [nm for nm, _ in launches] == ["te_fp8_grouped_block_gemm_ws"] * 2, launches
-    with tempfile.TemporaryDirectory() as d:
-        for scales_tma, (_, compiled) in zip((False, True), launches, strict=True):
-            ptx = compiled.asm["ptx"]
-            # the scales' TMA load: a rank-1 bulk tensor copy, in the variant only
-            assert ("cp.async.bulk.tensor.1d" in ptx) == scales_tma, scales_tma
-            src = os.path.join(d, f"k{int(scales_tma)}.ptx")
-            with open(src, "w") as f:
-                f.write(ptx)
-            r = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", src[:-4] + ".cubin"],
-                               capture_output=True, text=True, timeout=300)  # fmt: skip
-            assert r.returncode == 0, (scales_tma, r.stderr[-2000:])
-            assert "0 bytes spill stores" in r.stderr, (scales_tma, r.stderr[-2000:])
+    for scales_tma, (_, compiled) in zip((False, True), launches, strict=True):
+        ptx = compiled.asm["ptx"]
+        # the scales' TMA load: a rank-1 bulk tensor copy, in the variant only
+        assert ("cp.async.bulk.tensor.1d" in ptx) == scales_tma, scales_tma
+        report = _ptxas_report(ptxas, ptx, scales_tma)
+        assert "0 bytes spill stores" in report, (scales_tma, report[-2000:])
 
 
 def test_gemm_kernel_choice_is_read_at_each_trace(monkeypatch):
