@@ -6,6 +6,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <string_view>
 
@@ -87,6 +88,17 @@ ffi::Error DispatchFloat(std::string_view op, ffi::DataType dt, Fn&& fn) {
       return InvalidArgument(op, std::string("expected float32, bfloat16 or float16, got ") +
                                      DTypeName(dt));
   }
+}
+
+// The error path of the ctypes query symbols (te_fused_attention_query, te_fp8_cublaslt_block_gemm_*):
+// copies msg into the caller's buffer err[err_len] (truncated, always NUL-terminated; nothing when err
+// is null or err_len <= 0) and returns code.
+inline int CopyError(const std::string& msg, char* err, int err_len, int code) {
+  if (err != nullptr && err_len > 0) {
+    std::strncpy(err, msg.c_str(), static_cast<size_t>(err_len - 1));
+    err[err_len - 1] = '\0';
+  }
+  return code;
 }
 
 inline int64_t NumElements(const ffi::AnyBuffer& b) {

@@ -3,8 +3,9 @@
 
 #include <cudnn_frontend.h>
 
+#include "common/ffi_util.h"
+
 #include <cstdio>
-#include <cstring>
 #include <map>
 #include <unordered_map>
 #include <vector>
@@ -324,14 +325,9 @@ extern "C" __attribute__((visibility("default"))) int te_fused_attention_query(c
                                                                                  int64_t* workspace, char* err,
                                                                                  int err_len) {
   using namespace te::fused_attention;
-  auto fail = [&](const std::string& msg, int code) {
-    if (err != nullptr && err_len > 0) {
-      std::strncpy(err, msg.c_str(), static_cast<size_t>(err_len - 1));
-      err[err_len - 1] = '\0';
-    }
-    return code;
-  };
-  if (ints == nullptr || n_ints != 19) return fail("te_fused_attention_query: expected 19 ints", 2);
+  if (ints == nullptr || n_ints != 19) {
+    return te::CopyError("te_fused_attention_query: expected 19 ints", err, err_len, 2);
+  }
   Config cfg;
   cfg.device = static_cast<int>(ints[0]);
   cfg.io = ints[1] == 0 ? IoType::kBF16 : IoType::kF16;
@@ -355,7 +351,7 @@ extern "C" __attribute__((visibility("default"))) int te_fused_attention_query(c
   cfg.scale = static_cast<float>(scale);
   cfg.dropout = static_cast<float>(dropout);
   auto entry = GetOrBuild(cfg);
-  if (!entry->error.empty()) return fail(entry->error, 1);
+  if (!entry->error.empty()) return te::CopyError(entry->error, err, err_len, 1);
   if (workspace != nullptr) *workspace = entry->workspace;
   return 0;
 }

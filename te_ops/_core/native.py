@@ -7,6 +7,7 @@ raises with the reason recorded here.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import importlib
 import threading
@@ -87,6 +88,41 @@ def native_unavailable_reason(name: str = "_native", op: str | None = None) -> s
     this process, else why not."""
     reason = extension_unavailable_reason(name) if op is None else op_unavailable_reason(name, op)
     return reason or cuda_device_unavailable_reason()
+
+
+@functools.cache
+def ctypes_library(name: str) -> ctypes.CDLL:
+    """Extension module ``te_ops.<name>`` opened with ctypes, for its exported C symbols (support
+    queries that XLA-FFI cannot express). Raises ImportError / OSError when it cannot be loaded."""
+    return ctypes.CDLL(importlib.import_module(f"te_ops.{name}").__file__)
+
+
+@functools.cache
+def _query_function(lib: ctypes.CDLL, symbol: str, extra_types: tuple) -> Any:
+    fn = getattr(lib, symbol)
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.c_int, *extra_types, ctypes.c_char_p, ctypes.c_int]
+    return fn
+
+
+def ctypes_query(name: str, symbol: str, ints, extra: tuple = ()) -> tuple[int, str]:
+    """Calls the exported query ``int symbol(const int64_t* ints, int n_ints, <extra>..., char* err,
+    int err_len)`` of extension module ``te_ops.<name>`` (the convention of every te_ops query symbol:
+    0 when supported, else a code and the reason written to err; see te::CopyError in
+    csrc/common/ffi_util.h). ``extra``: (ctypes type, value) pairs passed between n_ints and err.
+
+    Returns (0, "") or (code, reason); (-1, why) when the module or the symbol cannot be reached."""
+    try:
+        fn = _query_function(ctypes_library(name), symbol, tuple(t for t, _ in extra))
+    except (ImportError, OSError, AttributeError) as e:
+        return -1, f"cannot reach {symbol} in te_ops.{name}: {e}"
+    ints = tuple(int(i) for i in ints)
+    arr = (ctypes.c_int64 * len(ints))(*ints)
+    err = ctypes.create_string_buffer(4096)
+    rc = fn(arr, len(ints), *(v for _, v in extra), err, len(err))
+    if rc == 0:
+        return 0, ""
+    return rc, err.value.decode(errors="replace") or f"{symbol} returned {rc}"
 
 
 def ensure_registered() -> None:

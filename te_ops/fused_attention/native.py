@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import importlib
 
 import jax
 import jax.numpy as jnp
@@ -60,37 +59,13 @@ _BOTTOM_RIGHT = reference.BOTTOM_RIGHT
 
 
 @functools.cache
-def _query_fn():
-    mod = importlib.import_module(f"te_ops.{MODULE}")
-    lib = ctypes.CDLL(mod.__file__)
-    fn = lib.te_fused_attention_query
-    fn.restype = ctypes.c_int
-    fn.argtypes = [
-        ctypes.POINTER(ctypes.c_int64),
-        ctypes.c_int,
-        ctypes.c_double,
-        ctypes.c_double,
-        ctypes.POINTER(ctypes.c_int64),
-        ctypes.c_char_p,
-        ctypes.c_int,
-    ]
-    return fn
-
-
-@functools.cache
 def query(ints: tuple[int, ...], scale: float, dropout: float) -> tuple[str | None, int]:
     """(reason or None, workspace bytes) for one graph configuration (see te_fused_attention_query)."""
-    try:
-        fn = _query_fn()
-    except (ImportError, OSError, AttributeError) as e:
-        return f"cannot reach te_fused_attention_query in te_ops.{MODULE}: {e}", 0
-    arr = (ctypes.c_int64 * len(ints))(*ints)
     ws = ctypes.c_int64(0)
-    err = ctypes.create_string_buffer(4096)
-    rc = fn(arr, len(ints), float(scale), float(dropout), ctypes.byref(ws), err, len(err))
-    if rc != 0:
-        return err.value.decode(errors="replace") or f"te_fused_attention_query returned {rc}", 0
-    return None, int(ws.value)
+    extra = ((ctypes.c_double, float(scale)), (ctypes.c_double, float(dropout)),
+             (ctypes.POINTER(ctypes.c_int64), ctypes.byref(ws)))  # fmt: skip
+    rc, why = _native.ctypes_query(MODULE, "te_fused_attention_query", ints, extra)
+    return (why, 0) if rc else (None, int(ws.value))
 
 
 def folded(*, mask_type, has_bias, has_segments, has_positions) -> bool:
