@@ -2,7 +2,9 @@
 # Compile and link every native module (dense/cuBLASLt, fused_attention/cuDNN, softmax, router) on a
 # machine WITHOUT a GPU and without cuBLAS/cuDNN in its CUDA toolkit, against the headers and libraries
 # of NVIDIA's pip wheels, then load each module in Python (registrations, no GPU needed). Catches
-# compile errors, link errors and undefined symbols before a GPU session is spent on them.
+# compile errors, link errors and undefined symbols before a GPU session is spent on them. Then checks
+# that the cuBLASLt FP8 route's rule table (te_ops/fp8/cublaslt_rules.def) as compiled into
+# _native_cublaslt answers exactly as Python reads it (tests/te_ops/test_fp8_cublaslt.py -k native_rules).
 #
 #   bash scripts/native_build_check.sh            # all ops, build tree in /tmp/te_native_check
 #   OPS=dense bash scripts/native_build_check.sh  # one op folder
@@ -65,4 +67,8 @@ for path in mods:
     regs = m.registrations() if callable(m.registrations) else m.registrations
     print(f"{name}: loads; FFI targets: {', '.join(sorted(regs))}")
 PY
+# The rule table of the cuBLASLt FP8 route, C++ vs Python (te_fp8_cublaslt_block_gemm_static_reason: no GPU)
+if compgen -G "$BUILD/_native_cublaslt*.so" > /dev/null; then
+  TE_NATIVE_CHECK_BUILD=$BUILD "$PY" -m pytest -q -p no:cacheprovider tests/te_ops/test_fp8_cublaslt.py -k native_rules
+fi
 echo "native build check: OK"

@@ -176,8 +176,8 @@ int TimeCandidates(DeviceState& dev, GemmPlan& plan, const std::vector<cublasLtM
   const size_t bytes_bias = HasBias(s.epilogue) ? s.m * ed + 256 : 0;
   const size_t bytes_aux = HasAux(s.epilogue) ? static_cast<size_t>(s.aux_ld) * s.n * ed : 0;
   // FP8 block scaling: scratch scale tensors of the sizes cuBLASLt reads (0 bytes otherwise)
-  const size_t bytes_sa = static_cast<size_t>(ScaleElements(s.scale_mode_a, s.m, s.k)) * sizeof(float);
-  const size_t bytes_sb = static_cast<size_t>(ScaleElements(s.scale_mode_b, s.n, s.k)) * sizeof(float);
+  const size_t bytes_sa = static_cast<size_t>(ScaleShape(s.scale_mode_a, s.m, s.k).Elements()) * sizeof(float);
+  const size_t bytes_sb = static_cast<size_t>(ScaleShape(s.scale_mode_b, s.n, s.k).Elements()) * sizeof(float);
   if (bytes_a + bytes_b + bytes_d + bytes_bias + bytes_aux + bytes_sa + bytes_sb > kMaxTimingScratchBytes) return 0;
 
   // Timing gets its own workspace of the same size as the execute path's: the device workspace may
@@ -360,19 +360,19 @@ std::string GemmSpec::Describe() const {
          (Scaled() ? ", scale modes A/B=" + I(scale_mode_a) + "/" + I(scale_mode_b) : "") + ")";
 }
 
-int64_t ScaleElements(int32_t mode, uint64_t outer, uint64_t k) {
+ScaleDims ScaleShape(int32_t mode, uint64_t outer, uint64_t k) {
   const int64_t kb = static_cast<int64_t>((k + 127) / 128);
 #if TE_CUBLASLT_BLOCK_SCALING
-  if (mode == CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F) return static_cast<int64_t>(outer) * kb;
+  if (mode == CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F) return {kb, static_cast<int64_t>(outer)};
   if (mode == CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F) {
-    return static_cast<int64_t>((outer + 127) / 128) * ((kb + 3) / 4 * 4);
+    return {static_cast<int64_t>((outer + 127) / 128), (kb + 3) / 4 * 4};
   }
 #else
   (void)mode;
   (void)outer;
   (void)kb;
 #endif
-  return 0;
+  return {};
 }
 
 GemmPlan::~GemmPlan() {
@@ -497,6 +497,75 @@ cublasStatus_t SetPreference(const GemmSpec& spec, uint64_t ws, cublasLtMatmulPr
                                               sizeof(reduction));
   return st;
 }
+
+// A search preference for `spec` with a workspace of `ws` bytes (SetPreference), destroyed with it.
+class Preference {
+ public:
+  Preference(const GemmSpec& spec, uint64_t ws) {
+    status_ = cublasLtMatmulPreferenceCreate(&pref_);
+    if (status_ == CUBLAS_STATUS_SUCCESS) status_ = SetPreference(spec, ws, pref_);
+  }
+  ~Preference() {
+    if (pref_ != nullptr) cublasLtMatmulPreferenceDestroy(pref_);
+  }
+  Preference(const Preference&) = delete;
+  Preference& operator=(const Preference&) = delete;
+  cublasLtMatmulPreference_t get() const { return pref_; }
+  cublasStatus_t status() const { return status_; }
+
+ private:
+  cublasLtMatmulPreference_t pref_ = nullptr;
+  cublasStatus_t status_ = CUBLAS_STATUS_NOT_INITIALIZED;
+};
+
+// cuBLASLt's heuristic results (up to kMaxCandidates, in its order, state SUCCESS only) for p's
+// descriptor and layouts as they are now, into *out; returns cuBLASLt's status.
+cublasStatus_t Heuristic(cublasLtHandle_t handle, const GemmPlan& p, cublasLtMatmulPreference_t pref,
+                         std::vector<cublasLtMatmulHeuristicResult_t>* out) {
+  out->clear();
+  std::vector<cublasLtMatmulHeuristicResult_t> results(kMaxCandidates);
+  int returned = 0;
+  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle, p.desc, p.la, p.lb, p.ld, p.ld, pref,
+                                                           kMaxCandidates, results.data(), &returned);
+  for (int i = 0; st == CUBLAS_STATUS_SUCCESS && i < returned; ++i) {
+    if (results[i].state == CUBLAS_STATUS_SUCCESS) out->push_back(results[i]);
+  }
+  return st;
+}
+
+// Whether `algo` is a candidate for p as its descriptor is now: cublasLtMatmulAlgoCheck accepts it
+// with a workspace of at most `ws` bytes. *checked: the check's result, with the algorithm.
+bool Usable(cublasLtHandle_t handle, const GemmPlan& p, const cublasLtMatmulAlgo_t& algo, uint64_t ws,
+            cublasLtMatmulHeuristicResult_t* checked) {
+  *checked = {};
+  if (cublasLtMatmulAlgoCheck(handle, p.desc, p.la, p.lb, p.ld, p.ld, &algo, checked) != CUBLAS_STATUS_SUCCESS ||
+      checked->state != CUBLAS_STATUS_SUCCESS || checked->workspaceSize > ws) {
+    return false;
+  }
+  checked->algo = algo;
+  return true;
+}
+
+// The candidates for p (descriptor and layouts of p.spec, pointers set) under `pref` (a workspace of
+// `ws` bytes): the heuristic's results that Usable accepts, in the heuristic's order, into *cands.
+// Empty, and Success, when cuBLASLt has none (NOT_SUPPORTED / INVALID_VALUE). The one filter of both
+// GetPlan and the support query (CountAlgorithms), so a shape the query approves has a candidate here.
+ffi::Error Candidates(const char* op, cublasLtHandle_t handle, const GemmPlan& p, const Preference& pref, uint64_t ws,
+                      std::vector<cublasLtMatmulHeuristicResult_t>* cands) {
+  cands->clear();
+  std::vector<cublasLtMatmulHeuristicResult_t> offered;
+  cublasStatus_t st = pref.status();
+  if (st == CUBLAS_STATUS_SUCCESS) st = Heuristic(handle, p, pref.get(), &offered);
+  if (st == CUBLAS_STATUS_NOT_SUPPORTED || st == CUBLAS_STATUS_INVALID_VALUE) return ffi::Error::Success();
+  if (st != CUBLAS_STATUS_SUCCESS) {
+    return LtError(op, st, "the algorithm search (preference, heuristic) for " + p.spec.Describe());
+  }
+  for (const auto& r : offered) {
+    cublasLtMatmulHeuristicResult_t checked;
+    if (Usable(handle, p, r.algo, ws, &checked)) cands->push_back(checked);
+  }
+  return ffi::Error::Success();
+}
 }  // namespace
 
 ffi::Error GetPlan(const char* op, int device, DeviceState& dev, const GemmSpec& spec, const GemmPtrs& ptrs,
@@ -526,26 +595,11 @@ ffi::Error GetPlan(const char* op, int device, DeviceState& dev, const GemmSpec&
   // Pointers the heuristic sees (it reads their alignment): the real ones of this call.
   TE_RETURN_IF_ERROR(SetPointers(op, *p, ptrs));
 
-  cublasLtMatmulPreference_t pref = nullptr;
-  TE_LT_CHECK(op, cublasLtMatmulPreferenceCreate(&pref), what);
   const uint64_t ws = dev.workspace_bytes;
-  cublasStatus_t st = SetPreference(spec, ws, pref);
+  const Preference pref(spec, ws);
   const cublasLtEpilogue_t epi = spec.epilogue;
-  std::vector<cublasLtMatmulHeuristicResult_t> results(kMaxCandidates);
-  int returned = 0;
-  if (st == CUBLAS_STATUS_SUCCESS) {
-    st = cublasLtMatmulAlgoGetHeuristic(dev.handle, p->desc, p->la, p->lb, p->ld, p->ld, pref, kMaxCandidates,
-                                        results.data(), &returned);
-  }
   std::vector<cublasLtMatmulHeuristicResult_t> cands;
-  if (st == CUBLAS_STATUS_SUCCESS) {
-    for (int i = 0; i < returned; ++i) {
-      if (results[i].state == CUBLAS_STATUS_SUCCESS && results[i].workspaceSize <= ws) cands.push_back(results[i]);
-    }
-  } else if (st != CUBLAS_STATUS_NOT_SUPPORTED && st != CUBLAS_STATUS_INVALID_VALUE) {
-    cublasLtMatmulPreferenceDestroy(pref);
-    return LtError(op, st, "cublasLtMatmulAlgoGetHeuristic for " + what);
-  }
+  TE_RETURN_IF_ERROR(Candidates(op, dev.handle, *p, pref, ws, &cands));
   // The heuristic offers few tile configurations for fused epilogues (for GELU_AUX_BIAS on a large
   // MLP shape, a handful, without the tile it ranks first for BIAS). So also ask it for
   // the simpler epilogues this one extends (same shapes and preference) and keep, after cuBLASLt's own
@@ -554,33 +608,20 @@ ffi::Error GetPlan(const char* op, int device, DeviceState& dev, const GemmSpec&
   if (!cands.empty()) p->own_candidates = static_cast<int>(cands.size());
   for (const cublasLtEpilogue_t sibling : SimplerEpilogues(epi)) {
     if (cands.empty() || cands.size() >= static_cast<size_t>(kMaxCandidates)) break;
-    int got = 0;
-    std::vector<cublasLtMatmulHeuristicResult_t> more(kMaxCandidates);
-    bool ok = cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &sibling, sizeof(sibling)) ==
-                  CUBLAS_STATUS_SUCCESS &&
-              cublasLtMatmulAlgoGetHeuristic(dev.handle, p->desc, p->la, p->lb, p->ld, p->ld, pref, kMaxCandidates,
-                                             more.data(), &got) == CUBLAS_STATUS_SUCCESS;
+    std::vector<cublasLtMatmulHeuristicResult_t> more;
+    const bool ok = cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &sibling,
+                                                   sizeof(sibling)) == CUBLAS_STATUS_SUCCESS &&
+                    Heuristic(dev.handle, *p, pref.get(), &more) == CUBLAS_STATUS_SUCCESS;
     const cublasStatus_t reset =
         cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi));
-    if (reset != CUBLAS_STATUS_SUCCESS) {
-      cublasLtMatmulPreferenceDestroy(pref);
-      return LtError(op, reset, "restoring the epilogue of " + what);
-    }
-    for (int i = 0; ok && i < got && cands.size() < static_cast<size_t>(kMaxCandidates); ++i) {
-      if (more[i].state != CUBLAS_STATUS_SUCCESS) continue;
+    if (reset != CUBLAS_STATUS_SUCCESS) return LtError(op, reset, "restoring the epilogue of " + what);
+    for (size_t i = 0; ok && i < more.size() && cands.size() < static_cast<size_t>(kMaxCandidates); ++i) {
       bool seen = false;
       for (const auto& c : cands) seen = seen || std::memcmp(&c.algo, &more[i].algo, sizeof(c.algo)) == 0;
-      if (seen) continue;
-      cublasLtMatmulHeuristicResult_t checked{};
-      if (cublasLtMatmulAlgoCheck(dev.handle, p->desc, p->la, p->lb, p->ld, p->ld, &more[i].algo, &checked) ==
-              CUBLAS_STATUS_SUCCESS &&
-          checked.state == CUBLAS_STATUS_SUCCESS && checked.workspaceSize <= ws) {
-        checked.algo = more[i].algo;
-        cands.push_back(checked);
-      }
+      cublasLtMatmulHeuristicResult_t checked;
+      if (!seen && Usable(dev.handle, *p, more[i].algo, ws, &checked)) cands.push_back(checked);
     }
   }
-  cublasLtMatmulPreferenceDestroy(pref);
   GemmPlan* raw = nullptr;
   if (!cands.empty()) {
     float best_ms = -1.0f;
@@ -693,21 +734,10 @@ ffi::Error CountAlgorithms(const char* op, int device, const GemmSpec& spec, int
   const GemmPtrs ptrs{fake, fake, fake, HasBias(spec.epilogue) ? fake : nullptr, HasAux(spec.epilogue) ? fake : nullptr,
                       spec.scale_mode_a >= 0 ? fake : nullptr, spec.scale_mode_b >= 0 ? fake : nullptr};
   TE_RETURN_IF_ERROR(SetPointers(op, p, ptrs));
-  cublasLtMatmulPreference_t pref = nullptr;
-  TE_LT_CHECK(op, cublasLtMatmulPreferenceCreate(&pref), spec.Describe());
-  cublasStatus_t st = SetPreference(spec, kWorkspaceBytes, pref);
-  std::vector<cublasLtMatmulHeuristicResult_t> results(kMaxCandidates);
-  int returned = 0;
-  if (st == CUBLAS_STATUS_SUCCESS) {
-    st = cublasLtMatmulAlgoGetHeuristic(handle, p.desc, p.la, p.lb, p.ld, p.ld, pref, kMaxCandidates, results.data(),
-                                        &returned);
-  }
-  cublasLtMatmulPreferenceDestroy(pref);
-  if (st == CUBLAS_STATUS_NOT_SUPPORTED || st == CUBLAS_STATUS_INVALID_VALUE) return ffi::Error::Success();  // none
-  if (st != CUBLAS_STATUS_SUCCESS) return LtError(op, st, "cublasLtMatmulAlgoGetHeuristic for " + spec.Describe());
-  for (int i = 0; i < returned; ++i) {
-    if (results[i].state == CUBLAS_STATUS_SUCCESS && results[i].workspaceSize <= kWorkspaceBytes) ++*count;
-  }
+  // GetPlan's candidate list, before timing (the workspace of a DeviceState: kWorkspaceBytes)
+  std::vector<cublasLtMatmulHeuristicResult_t> cands;
+  TE_RETURN_IF_ERROR(Candidates(op, handle, p, Preference(spec, kWorkspaceBytes), kWorkspaceBytes, &cands));
+  *count = static_cast<int>(cands.size());
   return ffi::Error::Success();
 }
 

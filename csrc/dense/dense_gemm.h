@@ -30,7 +30,8 @@
 #include "common/ffi_util.h"
 
 // cuBLASLt's 128-element 1D (VEC128_32F) and 128x128 2D (BLK128x128_32F) FP8 scale modes exist from
-// cuBLAS 12.9 (Hopper only); older headers build the module without the FP8 block-scaled route.
+// cuBLAS 12.9 (Hopper only); older headers build the module without the FP8 block-scaled route (the
+// route's version rules, te_ops/fp8/cublaslt_rules.def, then refuse every call at run time).
 #if defined(CUBLAS_VERSION) && CUBLAS_VERSION >= 120900
 #define TE_CUBLASLT_BLOCK_SCALING 1
 #else
@@ -38,9 +39,6 @@
 #endif
 
 namespace te::dense {
-
-// cuBLASLt version (major * 10000 + minor * 100 + patch) from which the FP8 block scale modes exist.
-constexpr int kBlockScalingMinVersion = 120900;
 
 struct DeviceState {
   cublasLtHandle_t handle = nullptr;
@@ -106,10 +104,11 @@ struct GemmPlan {
 int Alignment(const void* p);
 
 // The cached plan for `spec` on `device`. When missing it is created: descriptors, layouts and the
-// heuristic's top candidates; when `time_candidates` the candidates are timed once on scratch buffers
-// (cudaMalloc'd and freed here, never XLA's buffers, which may still be in use by earlier work) and
-// the fastest is kept. *plan is null (and the result Success) when cuBLASLt has no algorithm for the
-// spec (e.g. an epilogue it does not support for these shapes): the caller falls back.
+// heuristic's top candidates (those cublasLtMatmulAlgoCheck accepts within the workspace); when
+// `time_candidates` the candidates are timed once on scratch buffers (cudaMalloc'd and freed here,
+// never XLA's buffers, which may still be in use by earlier work) and the fastest is kept. *plan is
+// null (and the result Success) when cuBLASLt has no algorithm for the spec (e.g. an epilogue it does
+// not support for these shapes): the caller falls back.
 ffi::Error GetPlan(const char* op, int device, DeviceState& dev, const GemmSpec& spec, const GemmPtrs& ptrs,
                    bool create, bool time_candidates, GemmPlan** plan);
 
@@ -142,16 +141,23 @@ std::vector<PlanInfo> PlanSnapshot();
 // Enqueues the GEMM on `stream` (no allocation, no synchronisation).
 ffi::Error RunGemm(const char* op, DeviceState& dev, GemmPlan& plan, const GemmPtrs& ptrs, cudaStream_t stream);
 
-// Elements (float32) of one scale tensor of an FP8 block-scaled operand whose op() is outer x k
-// (outer: m for A, n for B): VEC128_32F outer x cdiv(k, 128), BLK128x128_32F cdiv(outer, 128) x
-// round_up(cdiv(k, 128), 4) (cuBLASLt's fixed column stride, a multiple of 4); 0 for other modes.
-int64_t ScaleElements(int32_t mode, uint64_t outer, uint64_t k);
+// The float32 scale tensor of an FP8 block-scaled operand whose op() is outer x k (outer: m for A, n
+// for B), as the row-major [rows, cols] array cuBLASLt reads: VEC128_32F [cdiv(k, 128), outer] (outer
+// fastest), BLK128x128_32F [cdiv(outer, 128), round_up(cdiv(k, 128), 4)] (the 128-blocks of k fastest,
+// with cuBLASLt's fixed column stride, a multiple of 4); {0, 0} for other modes (and on headers
+// without the scale modes).
+struct ScaleDims {
+  int64_t rows = 0, cols = 0;
+  int64_t Elements() const { return rows * cols; }
+};
+ScaleDims ScaleShape(int32_t mode, uint64_t outer, uint64_t k);
 
-// Support query without XLA buffers or a plan (nothing cached): how many algorithms cuBLASLt's
-// heuristic offers for `spec` on CUDA device `device` (-1: the current one), with 256-byte aligned
-// stand-in pointers (XLA's buffers are aligned at least that much; the spec's align_* still cap
-// what the algorithms may assume), into *count (0: none). Uses a process-wide query handle (no
-// workspace allocation). Needs a GPU.
+// Support query without XLA buffers or a plan (nothing cached): how many candidates GetPlan would
+// consider for `spec` on CUDA device `device` (-1: the current one) before timing them (the
+// heuristic's results that cublasLtMatmulAlgoCheck accepts within the workspace: the same helper),
+// with 256-byte aligned stand-in pointers (XLA's buffers are aligned at least that much; the spec's
+// align_* still cap what the algorithms may assume), into *count (0: none). Uses a process-wide query
+// handle (no workspace allocation). Needs a GPU.
 ffi::Error CountAlgorithms(const char* op, int device, const GemmSpec& spec, int* count);
 
 }  // namespace te::dense

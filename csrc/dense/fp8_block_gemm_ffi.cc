@@ -7,6 +7,10 @@
 // No bias: cuBLASLt's FP8 bias must be bf16, which would change te_ops.fp8's "float32 bias, one
 // rounding" rule; calls with a bias keep the Triton / Gluon kernels.
 //
+// Which calls the route refuses (sizes, formats, cuBLASLt version) is one table,
+// te_ops/fp8/cublaslt_rules.def, compiled in here (StaticReason) and read by te_ops/fp8/cublaslt.py
+// only where this module is not loaded; where it is, Python asks te_fp8_cublaslt_block_gemm_static_reason.
+//
 // cuBLASLt form. FP8 on Hopper must be "TN" (A transposed, B not). In column-major terms
 //     y^T (N x M, ld N) = op_T(b: K x N, ld K) * (a: K x M, ld K)        (m = N, n = M, k = K)
 // so cuBLAS's A is our b (2D BLK128x128_32F scales: K-block-major, column stride L4 = our sb
@@ -40,10 +44,65 @@ constexpr ExecutionStage kInit = ExecutionStage::kInitialize;
 constexpr ExecutionStage kExec = ExecutionStage::kExecute;
 constexpr const char* kOp = "fp8_cublaslt_block_gemm";
 
-int64_t Cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 std::string VersionStr(int64_t v) {
   return std::to_string(v / 10000) + "." + std::to_string(v / 100 % 100) + "." + std::to_string(v % 100);
+}
+
+struct RuleValue {
+  const char* name;
+  int64_t value;
+};
+
+// A rule's message with its {name} fields replaced by the values ({name:v}: as a cuBLASLt version).
+template <size_t N>
+std::string FormatRule(const char* msg, const RuleValue (&values)[N]) {
+  std::string out;
+  for (const char* p = msg; *p != '\0';) {
+    const char* close = *p == '{' ? std::strchr(p, '}') : nullptr;
+    if (close == nullptr) {
+      out += *p++;
+      continue;
+    }
+    std::string field(p + 1, close);
+    const bool version = field.size() > 2 && field.compare(field.size() - 2, 2, ":v") == 0;
+    if (version) field.resize(field.size() - 2);
+    const RuleValue* v = nullptr;
+    for (const RuleValue& c : values) v = v == nullptr && field == c.name ? &c : v;
+    if (v == nullptr) {
+      out.append(p, close + 1);  // not a value: kept as written
+    } else {
+      out += version ? VersionStr(v->value) : std::to_string(v->value);
+    }
+    p = close + 1;
+  }
+  return out;
+}
+
+// Why the route refuses y[M, N] = a[M, K] x b[N, K]^T with these formats and output (a_e5m2 / b_e5m2:
+// 1 for E5M2, 0 for E4M3; out_bytes 2 bfloat16, 4 float32) with this build's cuBLASLt headers and the
+// library loaded now: the first rule of te_ops/fp8/cublaslt_rules.def that holds ("" when none does;
+// cuBLASLt's heuristic decides the rest). No GPU needed.
+std::string StaticReason(int64_t m, int64_t n, int64_t k, int64_t a_e5m2, int64_t b_e5m2, int64_t out_bytes) {
+  const int64_t header = static_cast<int64_t>(CUBLAS_VERSION);
+  const int64_t runtime = static_cast<int64_t>(cublasLtGetVersion());
+  const RuleValue values[] = {{"m", m},           {"n", n},           {"k", k},
+                              {"a_e5m2", a_e5m2}, {"b_e5m2", b_e5m2}, {"out_bytes", out_bytes},
+                              {"header", header}, {"runtime", runtime}};
+#define TE_FP8_BLOCK_RULE(condition, message) \
+  if (condition) return FormatRule(message, values);
+#include "../../te_ops/fp8/cublaslt_rules.def"
+#undef TE_FP8_BLOCK_RULE
+  return "";
+}
+
+// v: the six rule values of the ctypes symbols (m, n, k, a_e5m2, b_e5m2, out_bytes): "" when the
+// format and output codes are well formed, else why not.
+std::string CodeError(const int64_t* v) {
+  if (v[3] < 0 || v[3] > 1 || v[4] < 0 || v[4] > 1 || (v[5] != 2 && v[5] != 4)) {
+    return "the formats must be 0 (E4M3) or 1 (E5M2) and the output 2 (bfloat16) or 4 (float32) bytes, got " +
+           std::to_string(v[3]) + ", " + std::to_string(v[4]) + ", " + std::to_string(v[5]);
+  }
+  return "";
 }
 
 bool Fp8Type(ffi::DataType dt, cudaDataType_t* c) {
@@ -52,40 +111,6 @@ bool Fp8Type(ffi::DataType dt, cudaDataType_t* c) {
     case ffi::DataType::F8E5M2: *c = CUDA_R_8F_E5M2; return true;
     default: return false;
   }
-}
-
-// Why this cuBLASLt cannot run the block-scaled FP8 GEMM at all ("" when it can).
-std::string VersionError() {
-#if TE_CUBLASLT_BLOCK_SCALING
-  const int64_t rt = static_cast<int64_t>(cublasLtGetVersion());
-  if (rt < kBlockScalingMinVersion) {
-    return "the loaded cuBLASLt is " + VersionStr(rt) + " (built against " + VersionStr(CUBLAS_VERSION) +
-           "); its FP8 block scale modes (VEC128_32F / BLK128x128_32F) need 12.9 or newer";
-  }
-  return "";
-#else
-  return "te_ops._native_cublaslt was built against cuBLASLt headers " + VersionStr(CUBLAS_VERSION) +
-         ", which have no FP8 block scale modes (12.9 or newer needed); rebuild against a newer cuBLAS";
-#endif
-}
-
-// Why cuBLASLt's block-scaled FP8 GEMM cannot take these sizes and types ("" when it can, as far as
-// the documented rules go; the heuristic decides the rest).
-std::string ShapeError(int64_t m, int64_t n, int64_t k, cudaDataType_t a, cudaDataType_t b, cudaDataType_t d) {
-  const std::string mnk = "M=" + std::to_string(m) + ", N=" + std::to_string(n) + ", K=" + std::to_string(k);
-  if (m <= 0 || n <= 0 || k <= 0) return "empty dimensions are not supported by the cuBLASLt route (" + mnk + ")";
-  if (a == CUDA_R_8F_E5M2 && b == CUDA_R_8F_E5M2) {
-    return "cuBLASLt has no E5M2 x E5M2 FP8 GEMM (one operand must be E4M3)";
-  }
-  if (k % 16 != 0) return "K must be a multiple of 16 (16-byte rows of a and b for the FP8 kernels), got " + mnk;
-  if (m % 4 != 0 || n % 4 != 0) {
-    return "M and N must be multiples of 4 (cuBLASLt's block scale layouts), got " + mnk;
-  }
-  const int64_t d_bytes = d == CUDA_R_32F ? 4 : 2;
-  if (n * d_bytes % 16 != 0) {
-    return "the output rows must be 16-byte aligned (N * " + std::to_string(d_bytes) + " % 16 == 0), got " + mnk;
-  }
-  return "";
 }
 
 // The column-major GEMM of y[M, N] = a[M, K] x b[N, K]^T (see the top of this file).
@@ -140,34 +165,40 @@ ffi::Error Fp8BlockGemm(cudaStream_t stream, int32_t device, AnyBuffer a, AnyBuf
                                    DTypeName(y->element_type()));
   }
   const int64_t m = ad[0], k = ad[1], n = bd[0];
-  const int64_t kb = Cdiv(k, 128), kb4 = Cdiv(kb, 4) * 4, nb = Cdiv(n, 128);
   auto yd = y->dimensions();
   if (yd.size() != 2 || yd[0] != m || yd[1] != n) {
     return InvalidArgument(op, "output y must be [M, N] = [" + std::to_string(m) + ", " + std::to_string(n) +
                                    "], got " + ShapeStr(yd));
   }
+  // Python never sends a call the rules refuse (te_ops.fp8.cublaslt.unavailable_reason): a guard
+  const std::string why = StaticReason(m, n, k, at == CUDA_R_8F_E5M2, bt == CUDA_R_8F_E5M2, dt == CUDA_R_32F ? 4 : 2);
+  if (!why.empty()) {
+    return ffi::Error(ffi::ErrorCode::kUnimplemented, std::string("te_ops.") + op + ": " + why + " (a " +
+                                                          ShapeStr(ad) + ", b " + ShapeStr(bd) + ")");
+  }
+  GemmSpec spec = Fp8BlockGemmSpec(m, n, k, at, bt, dt);
+  // The scale layouts cuBLASLt reads for this spec (dense_gemm.h): cuBLAS's B scales are our a's, its
+  // A scales our b's
+  const ScaleDims sa_dims = ScaleShape(spec.scale_mode_b, spec.n, spec.k);
+  const ScaleDims sb_dims = ScaleShape(spec.scale_mode_a, spec.m, spec.k);
   auto sad = sa_t.dimensions();
-  if (sa_t.element_type() != ffi::DataType::F32 || sad.size() != 2 || sad[0] != kb || sad[1] != m) {
+  if (sa_t.element_type() != ffi::DataType::F32 || sad.size() != 2 || sad[0] != sa_dims.rows ||
+      sad[1] != sa_dims.cols) {
     return InvalidArgument(op, "sa_t (a's 1x128 inverse scales, transposed) must be float32 [cdiv(K, 128), M] = [" +
-                                   std::to_string(kb) + ", " + std::to_string(m) + "], got " +
+                                   std::to_string(sa_dims.rows) + ", " + std::to_string(sa_dims.cols) + "], got " +
                                    DTypeName(sa_t.element_type()) + " " + ShapeStr(sad));
   }
   auto sbd = sb.dimensions();
-  if (sb.element_type() != ffi::DataType::F32 || sbd.size() != 2 || sbd[0] != nb || sbd[1] != kb4) {
+  if (sb.element_type() != ffi::DataType::F32 || sbd.size() != 2 || sbd[0] != sb_dims.rows ||
+      sbd[1] != sb_dims.cols) {
     return InvalidArgument(op, "sb (b's 128x128 inverse scales) must be float32 [cdiv(N, 128), round_up(cdiv(K, 128), "
-                               "4)] = [" + std::to_string(nb) + ", " + std::to_string(kb4) + "] (pad the columns "
-                               "to a multiple of 4: cuBLASLt's column stride), got " +
+                               "4)] = [" + std::to_string(sb_dims.rows) + ", " + std::to_string(sb_dims.cols) +
+                                   "] (pad the columns to a multiple of 4: cuBLASLt's column stride), got " +
                                    DTypeName(sb.element_type()) + " " + ShapeStr(sbd));
   }
-  std::string why = VersionError();
-  if (!why.empty()) return ffi::Error(ffi::ErrorCode::kUnimplemented, std::string("te_ops.") + op + ": " + why);
-  why = ShapeError(m, n, k, at, bt, dt);
-  if (!why.empty()) return InvalidArgument(op, why + " (a " + ShapeStr(ad) + ", b " + ShapeStr(bd) + ")");
   if (Alignment(sa_t.untyped_data()) < 16 || Alignment(sb.untyped_data()) < 16) {
     return InvalidArgument(op, "the scale tensors must be 16-byte aligned (cuBLASLt's rule for block scales)");
   }
-
-  GemmSpec spec = Fp8BlockGemmSpec(m, n, k, at, bt, dt);
   spec.align_a = Alignment(b.untyped_data());
   spec.align_b = Alignment(a.untyped_data());
   spec.align_d = Alignment(y->untyped_data());
@@ -192,7 +223,7 @@ ffi::Error Fp8BlockGemm(cudaStream_t stream, int32_t device, AnyBuffer a, AnyBuf
     return ffi::Error(ffi::ErrorCode::kUnimplemented,
                       std::string("te_ops.") + op + ": cuBLASLt returned no algorithm for the block-scaled FP8 " +
                           spec.Describe() + " (a " + ShapeStr(ad) + ", b " + ShapeStr(bd) +
-                          "); te_ops.fp8.triton.cublaslt_gemm_unavailable_reason asks beforehand");
+                          "); te_ops.fp8.cublaslt.unavailable_reason asks beforehand");
   }
   auto launch = [&](cudaStream_t s) { return RunGemm(op, *dev, *plan, ptrs, s); };
   if constexpr (kStage == kInit) {
@@ -234,39 +265,47 @@ const TargetRegistrar kRegister({
 }  // namespace
 }  // namespace te
 
-// Support query for Python (te_ops.fp8.cublaslt, through ctypes, like te_fused_attention_query):
-// whether te_fp8_cublaslt_block_gemm can run y[M, N] = a[M, K] x b[N, K]^T on CUDA device `device`
-// (-1: the current one): the cuBLASLt version, the documented size rules, then cuBLASLt's heuristic
-// for the exact spec (nothing is cached or allocated but a process-wide query handle; needs a GPU).
+// The ctypes symbols of te_ops.fp8.cublaslt. Both return 0 when the route can take the call, 1 when
+// not (err filled with the reason: te::CopyError), 2 on bad arguments. Their ints after the device:
+// m, n, k, a format (0 E4M3, 1 E5M2), b format, output element bytes (2 bfloat16, 4 float32), the
+// values of te_ops/fp8/cublaslt_rules.def.
 //
-// ints: device, m, n, k, a format (0 E4M3, 1 E5M2), b format, output (0 bfloat16, 1 float32).
-// Returns 0 when supported, 1 when not (err filled with the reason), 2 on bad arguments.
+// te_fp8_cublaslt_block_gemm_static_reason (ints: the six): the rule table with this build's and the
+// loaded cuBLASLt's versions. No GPU needed.
+extern "C" __attribute__((visibility("default"))) int te_fp8_cublaslt_block_gemm_static_reason(const int64_t* ints,
+                                                                                                int n_ints, char* err,
+                                                                                                int err_len) {
+  constexpr const char* kSymbol = "te_fp8_cublaslt_block_gemm_static_reason: ";
+  if (ints == nullptr || n_ints != 6) return te::CopyError(std::string(kSymbol) + "expected 6 ints", err, err_len, 2);
+  std::string why = te::dense::CodeError(ints);
+  if (!why.empty()) return te::CopyError(kSymbol + why, err, err_len, 2);
+  why = te::dense::StaticReason(ints[0], ints[1], ints[2], ints[3], ints[4], ints[5]);
+  return why.empty() ? 0 : te::CopyError(why, err, err_len, 1);
+}
+
+// te_fp8_cublaslt_block_gemm_query (ints: CUDA device, -1 the current one, then the six): whether
+// te_fp8_cublaslt_block_gemm can run the call on that device: the rule table (again: this symbol
+// stands alone), then cuBLASLt's candidates for the exact spec, filtered as the handler's plan filters
+// them (CountAlgorithms; nothing is cached or allocated but a process-wide query handle). Needs a GPU.
 extern "C" __attribute__((visibility("default"))) int te_fp8_cublaslt_block_gemm_query(const int64_t* ints,
                                                                                         int n_ints, char* err,
                                                                                         int err_len) {
   using namespace te::dense;
-  auto fail = [&](const std::string& msg, int code) {
-    if (err != nullptr && err_len > 0) {
-      std::strncpy(err, msg.c_str(), static_cast<size_t>(err_len - 1));
-      err[err_len - 1] = '\0';
-    }
-    return code;
-  };
-  if (ints == nullptr || n_ints != 7) return fail("te_fp8_cublaslt_block_gemm_query: expected 7 ints", 2);
-  const auto fmt = [](int64_t c) { return c == 1 ? CUDA_R_8F_E5M2 : CUDA_R_8F_E4M3; };
-  if (ints[4] < 0 || ints[4] > 1 || ints[5] < 0 || ints[5] > 1 || ints[6] < 0 || ints[6] > 1) {
-    return fail("te_fp8_cublaslt_block_gemm_query: format codes must be 0 or 1", 2);
-  }
-  const cudaDataType_t at = fmt(ints[4]), bt = fmt(ints[5]);
-  const cudaDataType_t dt = ints[6] == 1 ? CUDA_R_32F : CUDA_R_16BF;
-  std::string why = VersionError();
-  if (why.empty()) why = ShapeError(ints[1], ints[2], ints[3], at, bt, dt);
-  if (!why.empty()) return fail(why, 1);
-  const GemmSpec spec = Fp8BlockGemmSpec(ints[1], ints[2], ints[3], at, bt, dt);
+  constexpr const char* kSymbol = "te_fp8_cublaslt_block_gemm_query: ";
+  if (ints == nullptr || n_ints != 7) return te::CopyError(std::string(kSymbol) + "expected 7 ints", err, err_len, 2);
+  const int64_t* v = ints + 1;
+  std::string why = CodeError(v);
+  if (!why.empty()) return te::CopyError(kSymbol + why, err, err_len, 2);
+  why = StaticReason(v[0], v[1], v[2], v[3], v[4], v[5]);
+  if (!why.empty()) return te::CopyError(why, err, err_len, 1);
+  const auto fmt = [](int64_t e5m2) { return e5m2 == 1 ? CUDA_R_8F_E5M2 : CUDA_R_8F_E4M3; };
+  const GemmSpec spec = Fp8BlockGemmSpec(v[0], v[1], v[2], fmt(v[3]), fmt(v[4]), v[5] == 4 ? CUDA_R_32F : CUDA_R_16BF);
   int count = 0;
   te::ffi::Error e = CountAlgorithms(kOp, static_cast<int>(ints[0]), spec, &count);
-  if (e.failure()) return fail(e.message(), 1);
-  if (count == 0) return fail("cuBLASLt returned no algorithm for the block-scaled FP8 " + spec.Describe(), 1);
+  if (e.failure()) return te::CopyError(e.message(), err, err_len, 1);
+  if (count == 0) {
+    return te::CopyError("cuBLASLt returned no algorithm for the block-scaled FP8 " + spec.Describe(), err, err_len, 1);
+  }
   return 0;
 }
 

@@ -13,14 +13,20 @@ Triton and Gluon kernels receive too) and qb_t's scales as stored (``[cdiv(N, 12
 K-blocks fastest) with the columns zero-padded to a multiple of 4 (cuBLASLt's fixed column stride
 for 128 x 128 scales; a few bytes).
 
-Where it applies (:func:`unavailable_reason`): the dense native module is loaded; cuBLASLt 12.9 or
-newer (headers and loaded library); a Hopper GPU (compute capability 9.0: the only architecture with
-these scale modes); no bias (cuBLASLt's FP8 bias is bf16, which would break te_ops.fp8's "float32
-bias, one rounding" rule); M, N, K > 0; E4M3 or E5M2 operands, not both E5M2 (cuBLASLt has no E5M2 x
-E5M2 GEMM); K % 16 == 0 (16-byte rows), M % 4 == 0 and N % 4 == 0 (the scale layouts), 16-byte
-output rows; and cuBLASLt's heuristic offering an algorithm for the exact shape (asked once per
-shape through the ctypes symbol ``te_fp8_cublaslt_block_gemm_query``; this needs the GPU). Elsewhere
-``block_scaled_gemm`` takes the Gluon route (and from there the Triton one).
+Where it applies (:func:`unavailable_reason`): no bias (cuBLASLt's FP8 bias is bf16, which would
+break te_ops.fp8's "float32 bias, one rounding" rule); E4M3 or E5M2 operands and a bfloat16 or
+float32 output; the rules of ``cublaslt_rules.def`` (next to this file: M, N, K > 0, not both E5M2,
+K % 16 == 0, M % 4 == 0 and N % 4 == 0, 16-byte output rows, cuBLASLt 12.9 or newer in the build's
+headers and the loaded library); the dense native module loaded; a Hopper GPU (compute capability
+9.0: the only architecture with these scale modes); and cuBLASLt offering an algorithm for the exact
+shape (asked once per shape through the ctypes symbol ``te_fp8_cublaslt_block_gemm_query``; this
+needs the GPU). Elsewhere ``block_scaled_gemm`` takes the Gluon route (and from there the Triton
+one).
+
+The rule table is one file read twice: compiled into the module (the FFI handler's guard, the
+support query, and ``te_fp8_cublaslt_block_gemm_static_reason``, which :func:`static_unavailable_reason`
+asks wherever the module is loaded) and read here by :func:`rules_reason` only where it is not (as far
+as the rules go without the module's cuBLASLt versions; the CPU tests).
 
 Status: built and syntax-checked without a GPU; not yet run or measured on one.
 """
@@ -29,7 +35,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import importlib
+import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -39,28 +46,77 @@ from te_ops.fp8.recipes import E4M3, E5M2
 
 MODULE = "_native_cublaslt"
 TARGET = "te_fp8_cublaslt_block_gemm"
-# cuBLASLt version (major * 10000 + minor * 100 + patch) with the FP8 block scale modes
-MIN_VERSION = 120900
+# The native symbols' codes: an operand's format is its a_e5m2 / b_e5m2 value, the output's its out_bytes.
 FORMAT_CODES = {jnp.dtype(E4M3): 0, jnp.dtype(E5M2): 1}
-OUT_CODES = {jnp.dtype(jnp.bfloat16): 0, jnp.dtype(jnp.float32): 1}
+OUT_BYTES = {jnp.dtype(jnp.bfloat16): 2, jnp.dtype(jnp.float32): 4}
+RULES_FILE = pathlib.Path(__file__).with_name("cublaslt_rules.def")
+# The rule table's values: those of a call, in the order of the native symbols' ints, then the two
+# cuBLASLt versions only the native module knows.
+VALUES = ("m", "n", "k", "a_e5m2", "b_e5m2", "out_bytes")
+VERSIONS = ("header", "runtime")
 
 
-def version_str(v: int) -> str:
-    return f"{v // 10000}.{v // 100 % 100}.{v % 100}"
+class _Value(int):
+    """A rule value in a message: ``{name}`` its decimal, ``{name:v}`` a cuBLASLt version (12.9.0)."""
+
+    def __format__(self, spec: str) -> str:
+        if spec == "v":
+            return f"{self // 10000}.{self // 100 % 100}.{self % 100}"
+        return format(int(self), spec)
 
 
 @functools.cache
-def _lib():
-    mod = importlib.import_module(f"te_ops.{MODULE}")
-    return ctypes.CDLL(mod.__file__)
+def rules() -> tuple[tuple[str, object, str], ...]:
+    """The rule table (``cublaslt_rules.def``) as Python reads it: (condition as written, the
+    condition compiled, message) in order."""
+    out = []
+    for line in RULES_FILE.read_text().splitlines():
+        if not line.startswith("TE_FP8_BLOCK_RULE("):
+            continue
+        match = re.fullmatch(r'TE_FP8_BLOCK_RULE\(([^"]+), "([^"\\]*)"\)', line.strip())
+        if match is None:
+            raise ValueError(f"{RULES_FILE.name}: cannot read the rule {line!r}")
+        cond, msg = match.groups()
+        code = compile(cond.replace("||", " or ").replace("&&", " and "), RULES_FILE.name, "eval")
+        unknown = set(code.co_names) - {*VALUES, *VERSIONS}
+        if unknown:
+            raise ValueError(f"{RULES_FILE.name}: the rule {cond!r} names {sorted(unknown)}, not rule values")
+        out.append((cond, code, msg))
+    return tuple(out)
+
+
+def rules_reason(values: dict[str, int]) -> str | None:
+    """The first rule of the table that holds for ``values`` (names of VALUES and VERSIONS), formatted;
+    None when none does. The reading stops at the first rule naming a value not given: without the
+    native module the cuBLASLt versions are unknown, and their rules come last."""
+    for _, code, msg in rules():
+        if not set(code.co_names) <= values.keys():
+            return None
+        if eval(code, {"__builtins__": {}}, dict(values)):
+            return msg.format_map({name: _Value(v) for name, v in values.items()})
+    return None
+
+
+def _ints(m: int, n: int, k: int, out_dtype, a_dtype, b_dtype) -> tuple[int, ...]:
+    """The call as the rule values (VALUES order); the dtypes must be ones the route takes."""
+    fa, fb = FORMAT_CODES[jnp.dtype(a_dtype)], FORMAT_CODES[jnp.dtype(b_dtype)]
+    return int(m), int(n), int(k), fa, fb, OUT_BYTES[jnp.dtype(out_dtype)]
+
+
+def native_static_reason(ints: tuple[int, ...]) -> str | None:
+    """The rule table as compiled into te_ops._native_cublaslt, with its cuBLASLt versions
+    (``te_fp8_cublaslt_block_gemm_static_reason``; no GPU needed): the first rule that holds for the
+    rule values ``ints``, or None."""
+    rc, why = _native.ctypes_query(MODULE, "te_fp8_cublaslt_block_gemm_static_reason", ints)
+    return why if rc else None
 
 
 @functools.cache
 def versions() -> tuple[int, int] | str:
     """(header version the module was built against, version of the cuBLASLt loaded now), or why they
-    cannot be read. No GPU needed."""
+    cannot be read. No GPU needed. For diagnostics and tests: the rules ask the module themselves."""
     try:
-        fn = _lib().te_cublaslt_version
+        fn = _native.ctypes_library(MODULE).te_cublaslt_version
     except (ImportError, OSError, AttributeError) as e:
         return f"cannot reach te_cublaslt_version in te_ops.{MODULE}: {e}"
     fn.restype = ctypes.c_int64
@@ -69,42 +125,24 @@ def versions() -> tuple[int, int] | str:
 
 
 def static_unavailable_reason(
-    m: int, n: int, k: int, out_dtype, *, a_dtype, b_dtype, has_bias: bool = False, cublaslt_versions=None
+    m: int, n: int, k: int, out_dtype, *, a_dtype, b_dtype, has_bias: bool = False
 ) -> str | None:
     """Why the cuBLASLt route cannot take ``[M, K] x [N, K]^T -> [M, N]`` by the rules that need no
-    GPU (None if it can as far as they go). ``cublaslt_versions`` (header, runtime) overrides the
-    module's (tests)."""
+    GPU (None if it can as far as they go): the bias and the dtypes here, then the rule table: the
+    module's answer where it is loaded, else this file's reading of it and the module's absence."""
     if has_bias:
         return ("the cuBLASLt route takes no bias (cuBLASLt's FP8 bias is bf16; te_ops.fp8 adds a float32 bias "
                 "before the one rounding): the Gluon / Triton kernels take calls with a bias")  # fmt: skip
-    if m == 0 or n == 0 or k == 0:
-        return f"an empty operand (M={m}, N={n}, K={k}): cuBLASLt refuses empty matrices"
     for name, dt in (("a", a_dtype), ("b", b_dtype)):
         if jnp.dtype(dt) not in FORMAT_CODES:
             return f"the cuBLASLt route takes float8_e4m3fn or float8_e5m2 operands, got {name} {jnp.dtype(dt)}"
-    if jnp.dtype(a_dtype) == jnp.dtype(E5M2) and jnp.dtype(b_dtype) == jnp.dtype(E5M2):
-        return "cuBLASLt has no E5M2 x E5M2 FP8 GEMM (one operand must be E4M3)"
-    if jnp.dtype(out_dtype) not in OUT_CODES:
+    if jnp.dtype(out_dtype) not in OUT_BYTES:
         return f"the cuBLASLt route writes bfloat16 or float32, got {jnp.dtype(out_dtype)}"
-    if k % 16:
-        return f"the cuBLASLt FP8 GEMM needs K % 16 == 0 (16-byte rows of both operands), got K={k}"
-    if m % 4 or n % 4:
-        return f"cuBLASLt's block scale layouts need M % 4 == 0 and N % 4 == 0, got M={m}, N={n}"
-    if n * jnp.dtype(out_dtype).itemsize % 16:
-        return f"the cuBLASLt route needs 16-byte output rows, got N={n} of {jnp.dtype(out_dtype)}"
-    why = _native.op_unavailable_reason(MODULE, "dense") if cublaslt_versions is None else None
-    if why:
-        return why
-    vs = versions() if cublaslt_versions is None else cublaslt_versions
-    if isinstance(vs, str):
-        return vs
-    header, runtime = vs
-    if header < MIN_VERSION:
-        return (f"te_ops.{MODULE} was built against cuBLASLt headers {version_str(header)}, which have no FP8 "
-                f"block scale modes (12.9 or newer needed)")  # fmt: skip
-    if runtime < MIN_VERSION:
-        return f"the loaded cuBLASLt is {version_str(runtime)}; its FP8 block scale modes need 12.9 or newer"
-    return None
+    ints = _ints(m, n, k, out_dtype, a_dtype, b_dtype)
+    missing = _native.op_unavailable_reason(MODULE, "dense")
+    if missing is None:
+        return native_static_reason(ints)
+    return rules_reason(dict(zip(VALUES, ints, strict=True))) or missing
 
 
 @functools.cache
@@ -119,35 +157,21 @@ def _device_reason() -> str | None:
 
 
 @functools.cache
-def query(m: int, n: int, k: int, a_code: int, b_code: int, out_code: int, device: int = -1) -> str | None:
-    """cuBLASLt's verdict for one shape on the GPU (te_fp8_cublaslt_block_gemm_query: version, size
-    rules and the heuristic for the exact spec); None when it offers an algorithm. Cached per shape."""
-    try:
-        fn = _lib().te_fp8_cublaslt_block_gemm_query
-    except (ImportError, OSError, AttributeError) as e:
-        return f"cannot reach te_fp8_cublaslt_block_gemm_query in te_ops.{MODULE}: {e}"
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
-    ints = (device, m, n, k, a_code, b_code, out_code)
-    arr = (ctypes.c_int64 * len(ints))(*ints)
-    err = ctypes.create_string_buffer(4096)
-    rc = fn(arr, len(ints), err, len(err))
-    if rc != 0:
-        return err.value.decode(errors="replace") or f"te_fp8_cublaslt_block_gemm_query returned {rc}"
-    return None
+def query(ints: tuple[int, ...], device: int = -1) -> str | None:
+    """cuBLASLt's verdict for one call (the rule values ``ints``) on the GPU
+    (te_fp8_cublaslt_block_gemm_query: the rule table, then the candidates the handler's plan would
+    time for the exact spec); None when it has one. Cached per call shape."""
+    rc, why = _native.ctypes_query(MODULE, "te_fp8_cublaslt_block_gemm_query", (device, *ints))
+    return why if rc else None
 
 
 def unavailable_reason(m: int, n: int, k: int, out_dtype, *, a_dtype, b_dtype, has_bias: bool = False) -> str | None:
     """Why the cuBLASLt route cannot take this call in this process (None if it can): the static rules,
-    then the GPU, then cuBLASLt's heuristic for the exact shape (asked once per shape)."""
+    then the GPU, then cuBLASLt's candidates for the exact shape (asked once per shape)."""
     why = static_unavailable_reason(m, n, k, out_dtype, a_dtype=a_dtype, b_dtype=b_dtype, has_bias=has_bias)
     if why:
         return why
-    why = _device_reason()
-    if why:
-        return why
-    fa, fb = FORMAT_CODES[jnp.dtype(a_dtype)], FORMAT_CODES[jnp.dtype(b_dtype)]
-    return query(int(m), int(n), int(k), fa, fb, OUT_CODES[jnp.dtype(out_dtype)])
+    return _device_reason() or query(_ints(m, n, k, out_dtype, a_dtype, b_dtype))
 
 
 def padded_block_scales(sb: jax.Array) -> jax.Array:

@@ -353,13 +353,12 @@ def _block_gemm_local(a, sa, b, sb, out_dtype, config, bias=None, kernels=None, 
     n = b.shape[0]
     route = (kernels or _kernel_choice())[0]
     if route == "cublaslt":
-        # no bias ever reaches cuBLASLt (its FP8 bias is bf16: te_ops.fp8 adds a float32 bias before
-        # the one rounding); the reason function says so too
-        why = "a bias" if bias is not None else cublaslt_gemm_unavailable_reason(
-            m, n, k, out_dtype, a_dtype=a.dtype, b_dtype=b.dtype)  # fmt: skip
-        if why is None:
-            from te_ops.fp8 import cublaslt
+        from te_ops.fp8 import cublaslt
 
+        why = cublaslt.unavailable_reason(
+            m, n, k, out_dtype, a_dtype=a.dtype, b_dtype=b.dtype, has_bias=bias is not None
+        )
+        if why is None:
             return cublaslt.block_gemm(a, sa, b, sb, out_dtype)
         route = "gluon"  # and on to "tiled" where the Gluon kernel cannot take the call either
     if route == "gluon" and (m == 0 or gluon_gemm_unavailable_reason(
@@ -465,17 +464,6 @@ def _gluon_config(cfg: tuple | None = None) -> tuple:
 # a bias and E5M2, test_fp8_dense_block_gemm_routes_match_reference[gluon]). False: calls with a
 # bias or E5M2 operands take the Triton kernels (kept as a switch for bisecting).
 GLUON_UNTESTED_OK = True
-
-
-def cublaslt_gemm_unavailable_reason(
-    m: int, n: int, k: int, out_dtype, *, a_dtype, b_dtype, has_bias: bool = False
-) -> str | None:
-    """Why the cuBLASLt block-scaled FP8 GEMM cannot take this call (None if it can; see
-    te_ops/fp8/cublaslt.py: native module, cuBLASLt >= 12.9, Hopper, no bias, sizes, and cuBLASLt's
-    heuristic for the exact shape, asked once per shape on the GPU)."""
-    from te_ops.fp8 import cublaslt
-
-    return cublaslt.unavailable_reason(m, n, k, out_dtype, a_dtype=a_dtype, b_dtype=b_dtype, has_bias=has_bias)
 
 
 def gluon_gemm_unavailable_reason(

@@ -222,7 +222,8 @@ def test_fp8_dense_block_through_cublaslt_matches_reference(recipe, bias):
 
 def test_handler_rejects_bad_inputs_naming_the_argument():
     """The FFI handler's checks (Python never sends these): unpadded 128 x 128 scale columns, a
-    non-FP8 operand, a wrong output dtype; each error names the argument and the expected value."""
+    non-FP8 operand, a wrong output dtype, a size the rule table refuses (its guard: the same table as
+    te_ops.fp8.cublaslt's); each error names the argument and the expected value, or the rule."""
     m, k, n = 256, 640, 256  # kb = 5: the padded sb has 8 columns
     a = jnp.zeros((m, k), E4)
     b = jnp.zeros((n, k), E4)
@@ -234,7 +235,9 @@ def test_handler_rejects_bad_inputs_naming_the_argument():
         ((jnp.bfloat16, a.astype(jnp.bfloat16), sa_t, b, sb_ok), "a must be float8_e4m3fn or float8_e5m2"),
         ((jnp.float16, a, sa_t, b, sb_ok), "output y must be bfloat16 or float32"),
         ((jnp.bfloat16, a, jnp.ones((m, 5), jnp.float32), b, sb_ok), r"sa_t .*\[5, 256\]"),
-    ]
+        ((jnp.bfloat16, jnp.zeros((m, 520), E4), sa_t, jnp.zeros((n, 520), E4), sb_ok),
+         r"K % 16 == 0 .*got K=520 \(a \[256, 520\]"),
+    ]  # fmt: skip
     for (out, *ops), pattern in cases:
         with pytest.raises(Exception, match=pattern):
             jax.block_until_ready(jax.jit(lambda *o, out=out: call(out, *o))(*ops))

@@ -6,6 +6,10 @@ tests/gpu/test_fp8_cublaslt_gpu.py."""
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import os
+import pathlib
 import re
 
 import jax
@@ -18,42 +22,146 @@ from te_ops._core import native
 from te_ops.fp8 import cublaslt
 
 E4, E5 = fp8.E4M3, fp8.E5M2
-OK_VERSIONS = (131000, 131000)  # (headers, loaded library) of a cuBLASLt with the block scale modes
+CALL = {"m": 1024, "n": 768, "k": 640, "a_e5m2": 0, "b_e5m2": 0, "out_bytes": 2}  # rule values of a call it takes
+OK_VERSIONS = {"header": 130100, "runtime": 130100}  # of a cuBLASLt with the block scale modes
+# (change to CALL, what the reason holds; None: no rule refuses the call)
+RULE_CASES = [
+    ({}, None),
+    ({"a_e5m2": 1}, None),  # E5M2 x E4M3 and E4M3 x E5M2 exist in cuBLASLt
+    ({"b_e5m2": 1}, None),
+    ({"out_bytes": 4, "n": 1028}, None),  # 1028 float32 = 16-byte rows
+    ({"m": 0}, "an empty operand (M=0, N=768, K=640)"),
+    ({"n": 0}, "an empty operand"),
+    ({"k": 0}, "an empty operand"),
+    ({"a_e5m2": 1, "b_e5m2": 1}, "no E5M2 x E5M2"),
+    ({"k": 1000}, "K % 16 == 0"),
+    ({"m": 1002}, "M % 4 == 0 and N % 4 == 0, got M=1002"),
+    ({"n": 1030}, "got M=1024, N=1030"),
+    ({"n": 1028}, "16-byte output rows, got N=1028 of 2-byte elements"),
+    ({"m": 0, "k": 1000}, "an empty operand"),  # the first rule that holds
+]
+VERSION_CASES = [
+    ({"header": 120800}, "headers 12.8.0, which have no FP8 block scale modes"),
+    ({"runtime": 120805}, "the loaded cuBLASLt is 12.8.5 (built against 13.1.0)"),
+    ({"header": 120800, "k": 1000}, "K % 16 == 0"),  # the size rules come first
+    ({"header": 120900, "runtime": 120900}, None),
+]
 
 
-@pytest.mark.parametrize(
-    "change, want",
-    [
-        ({}, None),
-        ({"a_dtype": E5}, None),  # E5M2 x E4M3 and E4M3 x E5M2 exist in cuBLASLt
-        ({"b_dtype": E5}, None),
-        ({"out_dtype": jnp.float32, "n": 1028}, None),  # 1028 float32 = 16-byte rows
-        ({"has_bias": True}, "takes no bias"),
-        ({"m": 0}, "an empty operand (M=0, N=768, K=640)"),
-        ({"n": 0}, "an empty operand"),
-        ({"k": 0}, "an empty operand"),
-        ({"a_dtype": jnp.bfloat16}, "got a bfloat16"),
-        ({"b_dtype": jnp.int8}, "got b int8"),
-        ({"a_dtype": E5, "b_dtype": E5}, "no E5M2 x E5M2"),
-        ({"out_dtype": jnp.float16}, "bfloat16 or float32, got float16"),
-        ({"k": 1000}, "K % 16 == 0"),
-        ({"m": 1002}, "M % 4 == 0 and N % 4 == 0, got M=1002"),
-        ({"n": 1030}, "got M=1024, N=1030"),
-        ({"n": 1028}, "16-byte output rows, got N=1028 of bfloat16"),
-        ({"cublaslt_versions": (120800, 131000)}, "headers 12.8.0"),
-        ({"cublaslt_versions": (131000, 120805)}, "the loaded cuBLASLt is 12.8.5"),
-        ({"cublaslt_versions": "cannot reach te_cublaslt_version"}, "cannot reach te_cublaslt_version"),
-    ],
-)
-def test_static_unavailable_reason(change, want):
-    args = {"m": 1024, "n": 768, "k": 640, "out_dtype": jnp.bfloat16, "a_dtype": E4, "b_dtype": E4,
-            "has_bias": False, "cublaslt_versions": OK_VERSIONS, **change}  # fmt: skip
-    m, n, k, out = args.pop("m"), args.pop("n"), args.pop("k"), args.pop("out_dtype")
-    why = cublaslt.static_unavailable_reason(m, n, k, out, **args)
+@pytest.fixture(autouse=True)
+def _fresh_traces():
+    """No trace, route choice or cached verdict outlives a test (several monkeypatch what they see)."""
+    from te_ops.fp8 import triton as tri
+
+    def clear():
+        tri._sharded_block_gemm.cache_clear()
+        for cached in (cublaslt._device_reason, cublaslt.query, cublaslt.versions):
+            cached.cache_clear()
+        jax.clear_caches()
+
+    clear()
+    yield
+    clear()
+
+
+@pytest.mark.parametrize("change, want", RULE_CASES + VERSION_CASES)
+def test_rules_reason(change, want):
+    """The rule table (te_ops/fp8/cublaslt_rules.def) as Python reads it, with the versions known."""
+    why = cublaslt.rules_reason({**CALL, **OK_VERSIONS, **change})
     if want is None:
         assert why is None
     else:
         assert why is not None and want in why, why
+
+
+@pytest.mark.parametrize("change, want", RULE_CASES)
+def test_rules_reason_stops_before_the_version_rules(change, want):
+    """Without the versions (no native module) the reading gives the size rules' verdict and stops."""
+    why = cublaslt.rules_reason({**CALL, **change})
+    assert why == cublaslt.rules_reason({**CALL, **OK_VERSIONS, **change})
+    assert cublaslt.rules_reason({**CALL, "header": 120800}) is not None  # would have refused
+    assert cublaslt.rules_reason(CALL) is None
+
+
+def test_rules_file_reads_every_rule():
+    """Every TE_FP8_BLOCK_RULE line of the table is a rule Python read (a line the pattern misses
+    would raise); the C++ side compiles the same lines."""
+    lines = [ln for ln in cublaslt.RULES_FILE.read_text().splitlines() if ln.startswith("TE_FP8_BLOCK_RULE(")]
+    assert len(cublaslt.rules()) == len(lines) == 7
+    for _, _, msg in cublaslt.rules():  # every {field} is a rule value
+        names = {f.split(":")[0] for f in re.findall(r"{([^}]*)}", msg)}
+        assert names <= {*cublaslt.VALUES, *cublaslt.VERSIONS}, msg
+
+
+def _static(m=1024, n=768, k=640, out=jnp.bfloat16, a=E4, b=E4, bias=False):
+    return cublaslt.static_unavailable_reason(m, n, k, out, a_dtype=a, b_dtype=b, has_bias=bias)
+
+
+@pytest.mark.parametrize(
+    "kw, want",
+    [
+        ({"bias": True}, "takes no bias"),
+        ({"a": jnp.bfloat16}, "got a bfloat16"),
+        ({"b": jnp.int8}, "got b int8"),
+        ({"out": jnp.float16}, "bfloat16 or float32, got float16"),
+        ({"bias": True, "k": 1000}, "takes no bias"),  # Python's own rules come before the table
+    ],
+)
+def test_static_unavailable_reason_python_rules(kw, want):
+    """What only Python knows (the bias, the dtypes) is checked before the rule table."""
+    why = _static(**kw)
+    assert why is not None and want in why, why
+
+
+@pytest.mark.parametrize("change, want", RULE_CASES)
+def test_static_unavailable_reason_asks_the_table(change, want):
+    """The dtypes become the rule values; a call the table refuses gets the table's reason (from the
+    native module where it is loaded, else from Python's reading), one it takes gets the module's
+    verdict (here: None) or the module's absence."""
+    v = {**CALL, **change}
+    out = {2: jnp.bfloat16, 4: jnp.float32}[v["out_bytes"]]
+    a, b = (E5 if v["a_e5m2"] else E4), (E5 if v["b_e5m2"] else E4)
+    why = _static(v["m"], v["n"], v["k"], out, a, b)
+    missing = native.op_unavailable_reason(cublaslt.MODULE, "dense")
+    if want is not None:
+        assert why is not None and want in why, why
+    elif missing is not None:
+        assert why == missing
+    else:
+        assert why is None or "cuBLASLt" in why, why  # a module built against old cuBLASLt refuses all
+
+
+@functools.cache
+def _built_library() -> ctypes.CDLL | None:
+    """te_ops._native_cublaslt as ctypes opens it: the one built by scripts/native_build_check.sh when
+    TE_NATIVE_CHECK_BUILD names its build folder, else the installed one; None when neither exists."""
+    build = os.environ.get("TE_NATIVE_CHECK_BUILD")
+    if build:
+        found = sorted(pathlib.Path(build).glob("_native_cublaslt*.so"))
+        assert found, f"TE_NATIVE_CHECK_BUILD={build} holds no _native_cublaslt module"
+        return ctypes.CDLL(str(found[0]))
+    if native.extension_unavailable_reason(cublaslt.MODULE) is not None:
+        return None
+    return native.ctypes_library(cublaslt.MODULE)
+
+
+@pytest.mark.parametrize("change, want", RULE_CASES)
+def test_native_rules_match_python_reading(monkeypatch, change, want):
+    """The rule table as compiled into the native module (te_fp8_cublaslt_block_gemm_static_reason, no
+    GPU) gives exactly Python's reading of it, message included, with the module's cuBLASLt versions.
+    Needs the module: scripts/native_build_check.sh runs this on the module it builds."""
+    lib = _built_library()
+    if lib is None:
+        pytest.skip(f"needs te_ops.{cublaslt.MODULE} (or TE_NATIVE_CHECK_BUILD): not built here")
+    monkeypatch.setattr(native, "ctypes_library", lambda name: lib)
+    header, runtime = cublaslt.versions()
+    values = {**CALL, **change}
+    got = cublaslt.native_static_reason(tuple(values[name] for name in cublaslt.VALUES))
+    assert got == cublaslt.rules_reason({**values, "header": header, "runtime": runtime})
+    if header >= 120900 and runtime >= 120900:
+        assert got is None if want is None else want in got, got
+    rc, why = native.ctypes_query(cublaslt.MODULE, "te_fp8_cublaslt_block_gemm_static_reason", (1, 2, 3, 0, 0, 3))
+    assert rc == 2 and "output 2 (bfloat16) or 4 (float32) bytes" in why, (rc, why)
 
 
 @pytest.mark.skipif(
@@ -65,10 +173,8 @@ def test_unavailable_without_the_native_module():
     why = cublaslt.unavailable_reason(1024, 768, 640, jnp.bfloat16, a_dtype=E4, b_dtype=E4)
     assert why is not None and "te_ops._native_cublaslt" in why, why
     assert isinstance(cublaslt.versions(), str)
-    assert cublaslt.query(1024, 768, 640, 0, 0, 0).startswith("cannot reach te_fp8_cublaslt_block_gemm_query")
-    from te_ops.fp8 import triton as tri
-
-    assert tri.cublaslt_gemm_unavailable_reason(1024, 768, 640, jnp.bfloat16, a_dtype=E4, b_dtype=E4) == why
+    assert cublaslt.query((1024, 768, 640, 0, 0, 2)).startswith("cannot reach te_fp8_cublaslt_block_gemm_query")
+    assert cublaslt.native_static_reason(tuple(CALL.values())).startswith("cannot reach")
 
 
 @pytest.mark.parametrize("kb", [1, 4, 5, 8, 11])
@@ -118,15 +224,6 @@ def _lower_block_dense(monkeypatch, route_available: bool, bias: bool):
                                     S((m, n), jnp.bfloat16))  # fmt: skip
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
     return launches, text
-
-
-@pytest.fixture(autouse=True)
-def _fresh_traces():
-    yield
-    from te_ops.fp8 import triton as tri
-
-    tri._sharded_block_gemm.cache_clear()
-    jax.clear_caches()
 
 
 def _ffi_signatures(text):
