@@ -475,6 +475,24 @@ def _cublaslt_route(qa, qb, x, w_t, m, k, n):
     return c, f"max |cuBLASLt - Gluon| / max |Gluon| = {dev:.2e}"
 
 
+def _torch_ms(torch, call):
+    """Median of 5 samples of 10 back-to-back ``call()``s on torch's current stream, after 3 warm-up
+    calls (ms per call): the timing of the torch peer rows."""
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(5):
+        st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        st.record()
+        for _ in range(10):
+            call()
+        en.record()
+        en.synchronize()
+        samples.append(st.elapsed_time(en) / 10)
+    return sorted(samples)[2]
+
+
 def torch_blockwise_gemm(m, k, n):
     """The torch peer of the block-scaled GEMM: torch's scaled mm with 1 x 128 x 128 x 128 block scales
     (cuBLASLt underneath on Hopper), same shape, bf16 out; a row with the error string instead of a
@@ -522,19 +540,7 @@ def torch_blockwise_gemm(m, k, n):
             sb_full = sb.repeat_interleave(128, dim=0).repeat_interleave(128, dim=1)[:n, :k]
             want = (a[:r].float() * sa_full) @ (b.float() * sb_full).t()
             rel = float((y[:r].float() - want).abs().max() / want.abs().max())
-            for _ in range(3):
-                call()
-            torch.cuda.synchronize()
-            samples = []
-            for _ in range(5):
-                t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                t0.record()
-                for _ in range(10):
-                    call()
-                t1.record()
-                t1.synchronize()
-                samples.append(t0.elapsed_time(t1) / 10)
-            t = sorted(samples)[2]
+            t = _torch_ms(torch, call)
             note = f"{label}; max rel. error vs dequantized float32 (first {r} rows) {rel:.2e}"
             if errors:
                 note += "; refused first: " + " | ".join(errors)
@@ -633,19 +639,7 @@ def torch_scaled_grouped(gemm_rows):
             def call(a=a, b=b, sa=sa, sb=sb, offs=offs):
                 return torch._scaled_grouped_mm(a, b, sa, sb, offs=offs, out_dtype=torch.bfloat16)
 
-            for _ in range(3):
-                call()
-            torch.cuda.synchronize()
-            samples = []
-            for _ in range(5):
-                st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                st.record()
-                for _ in range(10):
-                    call()
-                en.record()
-                en.synchronize()
-                samples.append(st.elapsed_time(en) / 10)
-            t = sorted(samples)[2]
+            t = _torch_ms(torch, call)
             row = {"gemm": f"grouped K{k} N{n} G{g} M{m}", "impl": "torch._scaled_grouped_mm rowwise FP8", "ms": t,
                    "TFLOPs": 2.0 * m * k * n / t / 1e9}  # fmt: skip
             gemm_rows.append(row)
