@@ -662,27 +662,18 @@ if __name__ == "__main__":
         sys.exit(1 if _kernel_main() else 0)
 
 
-def test_block_quantize_kernel_lowers_for_sm90_without_gpu(monkeypatch):
+def test_block_quantize_kernel_lowers_for_sm90_without_gpu(stub_triton_launcher):
     """The kernel compiles for sm_90 here (jaxlib's launcher stubbed): vectorised 16-byte row loads
     when C is a multiple of 16, correctly rounded divisions, no spills; one launch per call."""
-    from te_ops._core import native
     from te_ops._core import triton_bridge as tb
-
-    if tb.triton_unavailable_reason() is not None:
-        pytest.skip(f"needs Triton: {tb.triton_unavailable_reason()}")
     from te_ops.fp8 import triton as tri
 
-    launches = []
-    monkeypatch.setattr(native, "cuda_device_unavailable_reason", lambda: None)
-    monkeypatch.setattr(tb, "launcher_unavailable_reason", lambda: None)
-    monkeypatch.setattr(
-        tb, "_launcher_call", lambda params, compiled, grid, platform, name: launches.append((compiled, grid)) or b"x"
-    )
+    launches = stub_triton_launcher
     fn = jax.jit(lambda x: tri.block_quantize(x, (1, 128), fp8.E4M3, power_of_2=True))
     with tb.target_override(("cuda", 90, 32)):
         txt = fn.trace(jnp.ones((4, 96, 512), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
     assert txt.count(tb.FFI_TARGET) == 1 and len(launches) == 1
-    compiled, grid = launches[0]
+    _, compiled, grid = launches[0]
     ptx = compiled.asm["ptx"]
     assert grid == (4, 3, 4)  # batch, 96 rows / 32 per program, 512 / 128 column blocks
     assert "div.rn.f32" in ptx and "st.local" not in ptx and "ld.global.v" in ptx
@@ -921,20 +912,14 @@ def test_fp8_grouped_dense_errors(call, exc, match):
 
 @pytest.mark.parametrize("op", ["dense", "grouped"])
 @pytest.mark.parametrize("recipe", [fp8.BlockScaling(), fp8.CurrentScaling()], ids=["block", "current"])
-def test_default_implementation_is_staged_per_platform(monkeypatch, op, recipe):
+def test_default_implementation_is_staged_per_platform(monkeypatch, stub_triton_launcher, op, recipe):
     """Where the Triton FP8 path can run, ``implementation=None`` lowers the Triton kernels for CUDA
     and the reference for the CPU, in one jitted function (forward and backward); the CPU result is
     the reference's."""
-    from te_ops._core import native
     from te_ops._core import triton_bridge as tb
     from te_ops.fp8 import select
 
-    if tb.triton_unavailable_reason() is not None:
-        pytest.skip(f"needs Triton: {tb.triton_unavailable_reason()}")
     monkeypatch.setattr(select, "triton_fp8_unavailable_reason", lambda: None)
-    monkeypatch.setattr(native, "cuda_device_unavailable_reason", lambda: None)
-    monkeypatch.setattr(tb, "launcher_unavailable_reason", lambda: None)
-    monkeypatch.setattr(tb, "_launcher_call", lambda params, compiled, grid, platform, name: b"x")
     rng = np.random.default_rng(5)
     x = jnp.asarray(rng.standard_normal((256, 256)), jnp.bfloat16)
     if op == "dense":
@@ -1057,19 +1042,17 @@ def test_dact_dbias_quantize_errors_name_the_argument(call, exc, match):
         call()
 
 
-def _offline_sm90(monkeypatch, gluon=False):
-    """For lowering the FP8 kernels for sm_90a here: skips without Triton (or Gluon) or Triton's
-    bundled ptxas, stubs jaxlib's launcher (each launch appends (name, compiled kernel) to the list
-    returned), turns the sharded callables off. Returns (triton_bridge, te_ops.fp8.triton, ptxas,
-    launches); lower inside ``triton_bridge.target_override(("cuda", 90, 32))``."""
+def _offline_sm90(launches, monkeypatch, gluon=False):
+    """For lowering the FP8 kernels for sm_90a here, with ``launches`` from the stub_triton_launcher
+    fixture: skips without Gluon (``gluon=True``) or Triton's bundled ptxas, turns the sharded
+    callables off. Returns (triton_bridge, te_ops.fp8.triton, ptxas, launches); lower inside
+    ``triton_bridge.target_override(("cuda", 90, 32))``."""
     import os
 
-    from te_ops._core import native
     from te_ops._core import triton_bridge as tb
 
-    why = tb.gluon_unavailable_reason() if gluon else tb.triton_unavailable_reason()
-    if why is not None:
-        pytest.skip(f"needs Triton{' with Gluon' if gluon else ''}: {why}")
+    if gluon and tb.gluon_unavailable_reason() is not None:
+        pytest.skip(f"needs Triton with Gluon: {tb.gluon_unavailable_reason()}")
     import triton
 
     from te_ops.fp8 import triton as tri
@@ -1077,11 +1060,6 @@ def _offline_sm90(monkeypatch, gluon=False):
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     if not os.path.exists(ptxas):
         pytest.skip(f"Triton's bundled ptxas is not at {ptxas}")
-    launches = []
-    monkeypatch.setattr(native, "cuda_device_unavailable_reason", lambda: None)
-    monkeypatch.setattr(tb, "launcher_unavailable_reason", lambda: None)
-    monkeypatch.setattr(tb, "_launcher_call", lambda params, compiled, grid, platform, name: launches.append(
-        (name, compiled)) or b"x")  # fmt: skip
     monkeypatch.setattr(tri, "PARTITION", False)
     return tb, tri, ptxas, launches
 
@@ -1108,14 +1086,14 @@ def _qt_spec(shape, block, sshape, fmt=jnp.float8_e4m3fn):
     return fp8.QuantizedTensor(S(shape, fmt), S(sshape, jnp.float32), block, jnp.dtype(jnp.bfloat16))
 
 
-def test_fp8_kernels_compile_for_sm90_without_spills(monkeypatch):
+def test_fp8_kernels_compile_for_sm90_without_spills(monkeypatch, stub_triton_launcher):
     """Every FP8 Triton kernel in its default configuration compiles for sm_90a here (jaxlib's
     launcher stubbed) and Triton's bundled ptxas reports no register spills at sizes that are
     multiples of 128 (training shapes): a spill in a GEMM main loop or a quantize tile costs far more
     than any tuning gains. One measured exception, bounded: the dual quantize at 4 warps. (Sizes
     that are not multiples of 16 lose the vectorized accesses and the
     128 x 128-tile quantize kernels then spill: correct, slower.)"""
-    tb, tri, ptxas, launches = _offline_sm90(monkeypatch)
+    tb, tri, ptxas, launches = _offline_sm90(stub_triton_launcher, monkeypatch)
     S, qt = jax.ShapeDtypeStruct, _qt_spec
     m, k, n, g = 4096, 1024, 2048, 8
     calls = [
@@ -1140,10 +1118,10 @@ def test_fp8_kernels_compile_for_sm90_without_spills(monkeypatch):
             with tri.kernel_override(grouped="triton" if i == 2 else None, dense="tiled" if last else None):
                 jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     assert len(launches) == len(calls)
-    names = [nm for nm, _ in launches]
+    names = [launch.name for launch in launches]
     assert names[:3] == ["te_fp8_grouped_block_gemm_ws"] * 2 + ["te_fp8_grouped_block_gemm"], names
     assert names[-1] == "te_fp8_block_gemm", names
-    for name, compiled in launches:
+    for name, compiled, _ in launches:
         report = _ptxas_report(ptxas, compiled.asm["ptx"], name)
         if name == "te_fp8_dual_quantize":
             # at its default 4 warps per 128 x 128 tile the dual quantize spills a little (208 bytes
@@ -1157,14 +1135,14 @@ def test_fp8_kernels_compile_for_sm90_without_spills(monkeypatch):
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
-def test_gluon_gemm_scales_tma_variant_compiles_for_sm90_without_spills(bias, monkeypatch):
+def test_gluon_gemm_scales_tma_variant_compiles_for_sm90_without_spills(bias, monkeypatch, stub_triton_launcher):
     """The Gluon block-scaled GEMM's SCALES_TMA variant (the producer TMA-loads each step's A row
     scales into the stage; te_ops.fp8.triton.GLUON_SCALES_TMA, default off) and the default kernel,
     lowered for sm_90a at M4096 K7168 N4096 with bf16 output: grouped (G=8, the variant forced by a
     ("gluon", ..., True) config) or dense with a bias (one group, the variant by the module flag, which
     is read at trace time and keys the cached callable). Triton's bundled ptxas reports no spills for
     either; only the variant issues the rank-1 TMA load of the scales."""
-    tb, tri, ptxas, launches = _offline_sm90(monkeypatch, gluon=True)
+    tb, tri, ptxas, launches = _offline_sm90(stub_triton_launcher, monkeypatch, gluon=True)
     S, qt = jax.ShapeDtypeStruct, _qt_spec
     m, k, n, g = 4096, 7168, 4096, 8
     a = qt((m, k), (1, 128), (m, k // 128))
@@ -1180,8 +1158,8 @@ def test_gluon_gemm_scales_tma_variant_compiles_for_sm90_without_spills(bias, mo
                 args = (a, qt((g, n, k), (128, 128), (g, n // 128, k // 128)), S((g,), jnp.int32))
             with tri.kernel_override(dense="gluon", grouped="gluon"):
                 jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
-    assert [nm for nm, _ in launches] == ["te_fp8_grouped_block_gemm_ws"] * 2, launches
-    for scales_tma, (_, compiled) in zip((False, True), launches, strict=True):
+    assert [launch.name for launch in launches] == ["te_fp8_grouped_block_gemm_ws"] * 2, launches
+    for scales_tma, (_, compiled, _) in zip((False, True), launches, strict=True):
         ptx = compiled.asm["ptx"]
         # the scales' TMA load: a rank-1 bulk tensor copy, in the variant only
         assert ("cp.async.bulk.tensor.1d" in ptx) == scales_tma, scales_tma
@@ -1189,25 +1167,16 @@ def test_gluon_gemm_scales_tma_variant_compiles_for_sm90_without_spills(bias, mo
         assert "0 bytes spill stores" in report, (scales_tma, report[-2000:])
 
 
-def test_gemm_kernel_choice_is_read_at_each_trace(monkeypatch):
+def test_gemm_kernel_choice_is_read_at_each_trace(stub_triton_launcher):
     """kernel_override (and GEMM_KERNEL) pick the block-scaled GEMM kernel for every trace inside it,
     also after another choice traced the same op with the same shapes: the sharded callables are
     cached per kernel choice. (They were cached without it, so on 2026-12-06 a benchmark's second
     variant silently reused the first variant's kernels.) Lowered for sm_90 with the launcher
     stubbed; the launched kernels' names are compared."""
-    from te_ops._core import native
     from te_ops._core import triton_bridge as tb
-
-    if tb.triton_unavailable_reason() is not None:
-        pytest.skip(f"needs Triton: {tb.triton_unavailable_reason()}")
     from te_ops.fp8 import triton as tri
 
-    launches = []
-    monkeypatch.setattr(native, "cuda_device_unavailable_reason", lambda: None)
-    monkeypatch.setattr(tb, "launcher_unavailable_reason", lambda: None)
-    monkeypatch.setattr(
-        tb, "_launcher_call", lambda params, compiled, grid, platform, name: launches.append(name) or b"x"
-    )
+    launches = stub_triton_launcher
     S = jax.ShapeDtypeStruct
     m, k, n, g = 1024, 512, 768, 4
 
@@ -1235,7 +1204,7 @@ def test_gemm_kernel_choice_is_read_at_each_trace(monkeypatch):
             with tri.kernel_override(**override):
                 traced = jax.jit(make()).trace(S((m, k), jnp.bfloat16), w, S((m, n), jnp.bfloat16))
                 traced.lower(lowering_platforms=("cuda",))
-            gemms = [nm for nm in launches if "gemm" in nm]
+            gemms = [launch.name for launch in launches if "gemm" in launch.name]
             assert gemms == [want] * (3 if make is dense else 2), (override, launches)
 
 

@@ -186,21 +186,13 @@ def test_block_scales_padded_to_a_multiple_of_four_columns(kb):
     assert not got[:, kb:].any()
 
 
-def _lower_block_dense(monkeypatch, route_available: bool, bias: bool):
+def _lower_block_dense(launches, monkeypatch, route_available: bool, bias: bool):
     """fp8_dense (block recipe) forward + backward traced under kernel_override(dense="cublaslt") and
-    lowered for sm_90 (Triton launcher stubbed): (Triton kernel names launched, lowered text)."""
+    lowered for sm_90 (``launches`` from the stub_triton_launcher fixture): (Triton kernel names
+    launched, lowered text)."""
     from te_ops._core import triton_bridge as tb
-
-    if tb.triton_unavailable_reason() is not None:
-        pytest.skip(f"needs Triton: {tb.triton_unavailable_reason()}")
     from te_ops.fp8 import triton as tri
 
-    launches = []
-    monkeypatch.setattr(native, "cuda_device_unavailable_reason", lambda: None)
-    monkeypatch.setattr(tb, "launcher_unavailable_reason", lambda: None)
-    monkeypatch.setattr(
-        tb, "_launcher_call", lambda params, compiled, grid, platform, name: launches.append(name) or b"x"
-    )
     if route_available:
         available = lambda *a, has_bias=False, **k: "bias" if has_bias else None  # noqa: E731
         monkeypatch.setattr(cublaslt, "unavailable_reason", available)
@@ -223,7 +215,7 @@ def _lower_block_dense(monkeypatch, route_available: bool, bias: bool):
         traced = jax.jit(run).trace(S((m, k), jnp.bfloat16), S((k, n), jnp.bfloat16), S((n,), jnp.float32),
                                     S((m, n), jnp.bfloat16))  # fmt: skip
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
-    return launches, text
+    return [launch.name for launch in launches], text
 
 
 def _ffi_signatures(text):
@@ -238,21 +230,21 @@ def _ffi_signatures(text):
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
-def test_route_falls_back_to_gluon_where_cublaslt_cannot_run(monkeypatch, bias):
+def test_route_falls_back_to_gluon_where_cublaslt_cannot_run(monkeypatch, stub_triton_launcher, bias):
     """On this machine (no te_ops._native_cublaslt) kernel_override(dense="cublaslt") gives all three
     GEMMs of fp8_dense to the Gluon kernel, with or without a bias; no cuBLASLt call is lowered."""
     if native.extension_unavailable_reason(cublaslt.MODULE) is None:
         pytest.skip("te_ops._native_cublaslt is built here: the route may apply")
-    launches, text = _lower_block_dense(monkeypatch, route_available=False, bias=bias)
+    launches, text = _lower_block_dense(stub_triton_launcher, monkeypatch, route_available=False, bias=bias)
     assert [nm for nm in launches if "gemm" in nm] == ["te_fp8_grouped_block_gemm_ws"] * 3, launches
     assert not _ffi_signatures(text)
 
 
-def test_route_lowers_to_the_cublaslt_ffi_call(monkeypatch):
+def test_route_lowers_to_the_cublaslt_ffi_call(monkeypatch, stub_triton_launcher):
     """With the route available, fp8_dense's three GEMMs (forward, dgrad, wgrad) are one
     te_fp8_cublaslt_block_gemm call each: a [M, K] and b [N, K] FP8 as stored, a's scales transposed
     ([cdiv(K, 128), M]), b's scales with their columns padded to a multiple of 4; no Triton GEMM."""
-    launches, text = _lower_block_dense(monkeypatch, route_available=True, bias=False)
+    launches, text = _lower_block_dense(stub_triton_launcher, monkeypatch, route_available=True, bias=False)
     assert not [nm for nm in launches if "gemm" in nm], launches
     sigs = _ffi_signatures(text)
     e4 = "f8E4M3FN"
@@ -264,9 +256,9 @@ def test_route_lowers_to_the_cublaslt_ffi_call(monkeypatch):
     assert sorted((ops[:4], res) for ops, res in sigs) == sorted(want), sigs
 
 
-def test_route_keeps_the_gemm_with_a_bias_on_gluon(monkeypatch):
+def test_route_keeps_the_gemm_with_a_bias_on_gluon(monkeypatch, stub_triton_launcher):
     """A bias keeps the forward GEMM on the Gluon kernel (float32 bias, one rounding); dgrad and
     wgrad still take cuBLASLt."""
-    launches, text = _lower_block_dense(monkeypatch, route_available=True, bias=True)
+    launches, text = _lower_block_dense(stub_triton_launcher, monkeypatch, route_available=True, bias=True)
     assert [nm for nm in launches if "gemm" in nm] == ["te_fp8_grouped_block_gemm_ws"], launches
     assert len(_ffi_signatures(text)) == 2

@@ -390,20 +390,14 @@ def test_errors_name_the_argument(call, exc, match):
 
 
 @pytest.mark.parametrize("recipe", [RECIPES[0], RECIPES[2], DREC], ids=["block", "current", "delayed"])
-def test_default_implementation_is_staged_per_platform(monkeypatch, recipe):
+def test_default_implementation_is_staged_per_platform(monkeypatch, stub_triton_launcher, recipe):
     """Where the Triton FP8 path can run, ``implementation=None`` lowers Triton kernels for CUDA and
     only the reference for the CPU in one jitted function (forward and backward, the states passed
     through the staged calls); the CPU result is the reference's."""
-    from te_ops._core import native
     from te_ops._core import triton_bridge as tb
     from te_ops.fp8 import select
 
-    if tb.triton_unavailable_reason() is not None:
-        pytest.skip(f"needs Triton: {tb.triton_unavailable_reason()}")
     monkeypatch.setattr(select, "triton_fp8_unavailable_reason", lambda: None)
-    monkeypatch.setattr(native, "cuda_device_unavailable_reason", lambda: None)
-    monkeypatch.setattr(tb, "launcher_unavailable_reason", lambda: None)
-    monkeypatch.setattr(tb, "_launcher_call", lambda params, compiled, grid, platform, name: b"x")
     x, rm, w = _inputs(16, t=128, h=256, n=128)
     st = _state(recipe, 4)
 

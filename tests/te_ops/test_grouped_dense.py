@@ -420,19 +420,10 @@ def test_triton_tma_kernels_under_interpreter():
 
 
 @needs_triton
-def test_triton_lowering_for_sm90_without_gpu(monkeypatch):
+def test_triton_lowering_for_sm90_without_gpu(stub_triton_launcher):
     """Lowers fwd + bwd for CUDA here (kernels compiled for sm_90, jaxlib's launcher stubbed): the
     kernels compile, use wgmma, fit in shared memory, and a new M reuses the compiled kernels."""
-    from te_ops._core import native
-
-    launches = []
-    monkeypatch.setattr(native, "cuda_device_unavailable_reason", lambda: None)
-    monkeypatch.setattr(tb, "launcher_unavailable_reason", lambda: None)
-    monkeypatch.setattr(
-        tb,
-        "_launcher_call",
-        lambda params, compiled, grid, platform, name: launches.append((name, compiled, grid)) or b"x",
-    )
+    launches = stub_triton_launcher
 
     def lower(m):
         k, n, g = 256, 128, 5
