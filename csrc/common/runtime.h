@@ -41,4 +41,17 @@ ffi::Error WarmOnce(const std::string& handler, int device, const std::string& k
 // Records an execute-stage call; counts it as captured when `stream` is being captured.
 void RecordExecute(HandlerCounters& c, cudaStream_t stream);
 
+// The stage tail every graph-warmed handler shares. Initialize: WarmOnce(handler, device, key(),
+// launch); the key (a string) is built in this stage only, since XLA enters it before every execution
+// and the execute stage needs none. Execute: RecordExecute, then launch(stream) on XLA's stream.
+template <ffi::ExecutionStage kStage, typename KeyFn, typename Launch>
+ffi::Error WarmOrExecute(const std::string& handler, cudaStream_t stream, int device, KeyFn&& key, Launch&& launch) {
+  if constexpr (kStage == ffi::ExecutionStage::kInitialize) {
+    return WarmOnce(handler, device, key(), launch);
+  } else {
+    RecordExecute(Counters(handler), stream);
+    return launch(stream);
+  }
+}
+
 }  // namespace te

@@ -261,15 +261,11 @@ ffi::Error DenseFwdImpl(const char* op, cudaStream_t stream, int device, const A
                                                           " (tried " + tried + ")");
   }
   auto launch = [&](cudaStream_t s) { return FwdLaunch(op, *dev, *plan, path, p, s); };
-  if constexpr (kStage == kInit) {
-    const std::string key = plan->spec.Key() + "|f" + std::to_string(plan->forced) + "|p" +
-                            std::to_string(static_cast<int>(path)) + "|a" +
-                            std::to_string(activation) + "|m" + std::to_string(mode);
-    return WarmOnce(op, device, key, launch);
-  } else {
-    RecordExecute(Counters(op), stream);
-    return launch(stream);
-  }
+  auto key = [&] {
+    return plan->spec.Key() + "|f" + std::to_string(plan->forced) + "|p" + std::to_string(static_cast<int>(path)) +
+           "|a" + std::to_string(activation) + "|m" + std::to_string(mode);
+  };
+  return WarmOrExecute<kStage>(op, stream, device, key, launch);
 }
 
 template <ExecutionStage kStage>
@@ -456,16 +452,12 @@ ffi::Error DenseBwd(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer 
     TE_RETURN_IF_ERROR(RunGemm(op, *dev, *dx_plan, dx_ptrs, s));
     return RunGemm(op, *dev, *dw_plan, dw_ptrs, s);
   };
-  if constexpr (kStage == kInit) {
-    const std::string key = dx_plan->spec.Key() + "|" + dw_plan->spec.Key() + "|f" + std::to_string(dx_plan->forced) +
-                            "|a" + std::to_string(activation) +
-                            "|b" + std::to_string(has_bias) + "|c" + std::to_string(p.chunks) + "|v" +
-                            std::to_string(BackwardVariant());
-    return WarmOnce(op, device, key, launch);
-  } else {
-    RecordExecute(Counters(op), stream);
-    return launch(stream);
-  }
+  auto key = [&] {
+    return dx_plan->spec.Key() + "|" + dw_plan->spec.Key() + "|f" + std::to_string(dx_plan->forced) + "|a" +
+           std::to_string(activation) + "|b" + std::to_string(has_bias) + "|c" + std::to_string(p.chunks) + "|v" +
+           std::to_string(BackwardVariant());
+  };
+  return WarmOrExecute<kStage>(op, stream, device, key, launch);
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -226,12 +226,8 @@ ffi::Error Fp8BlockGemm(cudaStream_t stream, int32_t device, AnyBuffer a, AnyBuf
                           "); te_ops.fp8.cublaslt.unavailable_reason asks beforehand");
   }
   auto launch = [&](cudaStream_t s) { return RunGemm(op, *dev, *plan, ptrs, s); };
-  if constexpr (kStage == kInit) {
-    return WarmOnce(op, device, plan->spec.Key() + "|f" + std::to_string(plan->forced), launch);
-  } else {
-    RecordExecute(Counters(op), stream);
-    return launch(stream);
-  }
+  auto key = [&] { return plan->spec.Key() + "|f" + std::to_string(plan->forced); };
+  return WarmOrExecute<kStage>(op, stream, device, key, launch);
 }
 
 template <ExecutionStage kStage>

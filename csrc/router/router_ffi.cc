@@ -99,12 +99,7 @@ ffi::Error Run(const char* handler, cudaStream_t stream, int device, const std::
     if (st != cudaSuccess) return CudaError(handler, st, "kernel launch (" + key + ")");
     return ffi::Error::Success();
   };
-  if constexpr (kStage == ExecutionStage::kInitialize) {
-    return WarmOnce(handler, device, key, launch);
-  } else {
-    RecordExecute(Counters(handler), stream);
-    return launch(stream);
-  }
+  return WarmOrExecute<kStage>(handler, stream, device, [&] { return key; }, launch);
 }
 
 template <ExecutionStage kStage>

@@ -46,12 +46,7 @@ ffi::Error Run(const char* handler, cudaStream_t stream, int device, const Param
     }
     return ffi::Error::Success();
   };
-  if constexpr (kStage == ExecutionStage::kInitialize) {
-    return WarmOnce(handler, device, Key(p, shape_src, backward), launch);
-  } else {
-    RecordExecute(Counters(handler), stream);
-    return launch(stream);
-  }
+  return WarmOrExecute<kStage>(handler, stream, device, [&] { return Key(p, shape_src, backward); }, launch);
 }
 
 ffi::Error FillRowLayout(const char* op, const AnyBuffer& x, int mode, Params* p) {
