@@ -36,6 +36,20 @@ time_left() { echo $(( DEADLINE - ($(date +%s) - t0) )); }
 SKIPPED_STEPS=""
 
 stamp "host: $(hostname) $(date -u)"; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv || true
+# library versions the native modules load (cuDNN from site-packages, cuBLASLt from the toolkit)
+$PY - <<'PYEOF' || true
+import ctypes, ctypes.util, glob, os
+try:
+    import nvidia.cudnn as c
+    lib = sorted(glob.glob(os.path.join(list(c.__path__)[0], "lib", "libcudnn.so*")))[0]
+    print("[gpu_run] cudnn version:", ctypes.CDLL(lib).cudnnGetVersion())
+except Exception as e:
+    print("[gpu_run] cudnn version: unknown:", e)
+try:
+    print("[gpu_run] cublasLt version:", ctypes.CDLL(ctypes.util.find_library("cublasLt") or "libcublasLt.so").cublasLtGetVersion())
+except Exception as e:
+    print("[gpu_run] cublasLt version: unknown:", e)
+PYEOF
 
 if compgen -G ".whl/*.whl" > /dev/null; then
   stamp "installing carried wheels: $(ls .whl)"
