@@ -45,10 +45,15 @@ try:
     print("[gpu_run] cudnn version:", ctypes.CDLL(lib).cudnnGetVersion())
 except Exception as e:
     print("[gpu_run] cudnn version: unknown:", e)
-try:
-    print("[gpu_run] cublasLt version:", ctypes.CDLL(ctypes.util.find_library("cublasLt") or "libcublasLt.so").cublasLtGetVersion())
-except Exception as e:
-    print("[gpu_run] cublasLt version: unknown:", e)
+import site
+libs = [ctypes.util.find_library("cublasLt") or "libcublasLt.so"]
+for d in site.getsitepackages():  # pip's NVIDIA wheels (the JAX CUDA plugin's dependencies)
+    libs += sorted(glob.glob(os.path.join(d, "nvidia", "*", "lib", "libcublasLt.so*")))
+for lib in libs:
+    try:
+        print("[gpu_run] cublasLt version:", ctypes.CDLL(lib).cublasLtGetVersion(), lib)
+    except Exception as e:
+        print("[gpu_run] cublasLt version: unknown:", lib, e)
 PYEOF
 
 if compgen -G ".whl/*.whl" > /dev/null; then
