@@ -127,15 +127,66 @@ def main():
         old = tri.DUAL_TILE_WARPS
         for vname, setting in sweep.items():
             f = jax.jit(lambda x: tri.dual_quantize(x, 128, fp8.E4M3, power_of_2=True, trans_wide=False))
-            tri.DUAL_TILE_WARPS = setting
+            tri.DUAL_TILE_WARPS, kernel, tri.DUAL_KERNEL = setting, tri.DUAL_KERNEL, "triton"
             try:
                 jax.block_until_ready(f(sets[0][0]))
                 fns[vname] = f
             except Exception as e:  # noqa: BLE001 - report and go on
                 print(f"dual quantize {vname} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
             finally:
-                tri.DUAL_TILE_WARPS = old
+                tri.DUAL_TILE_WARPS, tri.DUAL_KERNEL = old, kernel
+        # the Gluon kernel (te_ops.fp8.triton.DUAL_KERNEL = "gluon": persistent, a TMA load ring of the bf16
+        # tiles, both FP8 tiles out through TMA stores) in its default configuration and a few others
+        # (GLUON_DUAL_CONFIG: stages, warps, FP8 output buffers), and x^T in 128 x 128 blocks (the output
+        # gradient's operand) through both kernels; compiled now, while the setting is on. bytes_equal_to_xla:
+        # the FP8 bytes of x and x^T against the jnp reference's (rows "dual 1x128 (x and x^T), gluon ...")
+        gluon_sweep = {}
+        why = tri.gluon_dual_unavailable_reason(r, c, jnp.bfloat16)
+        if why:
+            print(f"dual quantize: no Gluon rows ({why})", flush=True)
+        else:
+            for cfg in dict.fromkeys([tuple(tri.GLUON_DUAL_CONFIG), (4, 16, 2), (2, 16, 2), (3, 16, 1), (3, 8, 2)]):
+                gluon_sweep[f"gluon ({cfg[0]} stages, {cfg[1]} warps, {cfg[2]} output buffers)"] = (cfg, False)
+            gluon_sweep["gluon, x^T in 128x128 blocks"] = (tuple(tri.GLUON_DUAL_CONFIG), True)
+        square_rows = {"triton, x^T in 128x128 blocks": jax.jit(
+            lambda x: tri.dual_quantize(x, 128, fp8.E4M3, power_of_2=True, t_square=True))}  # fmt: skip
+        fns.update(square_rows)
+        old_kernel, old_cfg = tri.DUAL_KERNEL, tri.GLUON_DUAL_CONFIG
+        tri.DUAL_KERNEL = "triton"  # the "triton" rows compiled now: the Triton kernel whatever the default
+        try:
+            for vname in ["triton", "triton (transpose the input tile)", *square_rows]:
+                jax.block_until_ready(fns[vname](sets[0][0]))
+        finally:
+            tri.DUAL_KERNEL = old_kernel
+        gluon_equal = {}
+        for vname, (cfg, square) in gluon_sweep.items():
+            f = jax.jit(lambda x, square=square: tri.dual_quantize(x, 128, fp8.E4M3, power_of_2=True, t_square=square))
+            tri.DUAL_KERNEL, tri.GLUON_DUAL_CONFIG = "gluon", cfg
+            try:
+                got = jax.block_until_ready(f(sets[0][0]))
+                fns[vname] = f
+                want = (fns["triton, x^T in 128x128 blocks"] if square else fns["xla"])(sets[0][0])
+                gluon_equal[vname] = all(
+                    bool(jnp.array_equal(jax.lax.bitcast_convert_type(g.data, jnp.uint8),
+                                         jax.lax.bitcast_convert_type(w.data, jnp.uint8)))
+                    for g, w in zip(got, want, strict=True)
+                )  # fmt: skip
+            except Exception as e:  # noqa: BLE001 - report and go on
+                print(f"dual quantize {vname} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            finally:
+                tri.DUAL_KERNEL, tri.GLUON_DUAL_CONFIG = old_kernel, old_cfg
         times, _ = _timing.time_interleaved(fns, sets)
+        moved_square = r * c * (2 + 2) + 4 * (r * (c // 128) + (c // 128) * (r // 128))
+        for vname in [*gluon_sweep, *square_rows]:
+            if vname not in times:
+                continue
+            tp, mv = times[vname], moved_square if "blocks" in vname else moved
+            rows.append({"case": f"dual 1x128 (x and x^T), {vname}", "shape": f"{r}x{c}",
+                         "block": "1x128 + 128x128" if "blocks" in vname else "1x128 + 128x1", "dtype": "bfloat16",
+                         "ours_ms": tp, "xla_ms": times["xla"], "cast_ms": times["cast"], "ours_TBps": mv / tp / 1e9,
+                         "xla_TBps": moved / times["xla"] / 1e9, "speedup": times["xla"] / tp,
+                         "bytes_equal_to_xla": gluon_equal.get(vname),
+                         "meets_target": mv / tp / 1e9 >= TARGET_TBPS})  # fmt: skip
         for vname in sweep:
             if vname not in times:
                 continue

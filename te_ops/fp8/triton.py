@@ -130,6 +130,36 @@ DUAL_TILE_WARPS = 4
 # where the transposed output is transposed: the input tile (16-bit lanes) or the FP8 bytes; timed in
 # benchmarks/fp8.py
 DUAL_TRANS_WIDE = False
+# The dual quantize kernel: "triton" (dual_quantize_kernel above, one 128 x 128 tile a program) or
+# "gluon" (te_ops/fp8/gluon_quantize.py: persistent, a TMA load ring of the bf16 tiles, both FP8
+# tiles out through shared memory and TMA stores; the same bytes) where it applies: Gluon, an sm_90
+# target, block 128, 16-bit x, R and C multiples of 16 (16-byte TMA rows; gluon_dual_unavailable_reason);
+# elsewhere the Triton kernel. Both trans_wide settings give the same bytes, so the Gluon kernel takes
+# either. Not yet run on a GPU, so "triton". Read at trace time and part of the cached callable's key.
+DUAL_KERNEL = "triton"
+# (STAGES, num_warps, FP8 output buffers) of the Gluon dual quantize: 3 x 32 KiB bf16 stages + 2 x 2
+# x 16 KiB FP8 tiles = 160 KiB of shared memory, one program an SM; 16 warps: 98 registers a thread
+# (128 with t_square), no spills (sm_90a, Triton 3.6; 8 warps: 247). Unmeasured; benchmarks/fp8.py
+# times a few settings.
+GLUON_DUAL_CONFIG = (3, 16, 2)
+
+
+def gluon_dual_unavailable_reason(
+    r: int | None = None, c: int | None = None, dtype=None, block: int = 128
+) -> str | None:
+    """Why the Gluon dual quantize cannot take this call (None if it can)."""
+    from te_ops.grouped_dense import triton as gd
+
+    why = gd.gluon_ws_unavailable_reason()  # Gluon and an sm_90 target
+    if why:
+        return why
+    if block != 128:
+        return f"the Gluon dual quantize takes block 128, got {block}"
+    if dtype is not None and jnp.dtype(dtype).itemsize != 2:
+        return f"the Gluon dual quantize takes a 16-bit x (bfloat16 or float16), got {jnp.dtype(dtype)}"
+    if r is not None and c is not None and (r * c == 0 or r % 16 or c % 16):
+        return f"the Gluon dual quantize needs R and C multiples of 16 (16-byte TMA rows of q and q^T), got {r}x{c}"
+    return None
 
 
 def dual_quantize(
@@ -153,7 +183,7 @@ def dual_quantize(
     if x.size == 0:
         return _dual_quantize_local(x, block, fmt, power_of_2, margin, wide, bool(t_square))
     # the kernel settings are read when the sharded callable traces: part of its cache key
-    tuning = (DUAL_TILE_WARPS,)
+    tuning = (DUAL_TILE_WARPS, DUAL_KERNEL, tuple(GLUON_DUAL_CONFIG))
     q, s, qt, st = _sharded_dual_quantize(block, fmt, bool(power_of_2), margin, PARTITION, wide, bool(t_square),
                                           tuning)(x)  # fmt: skip
     return (
@@ -164,8 +194,14 @@ def dual_quantize(
 
 @functools.cache
 def _sharded_dual_quantize(block, fmt, power_of_2, margin, partition, wide=False, t_square=False, tuning=None):
+    _, kernel, gcfg = tuning if tuning is not None and len(tuning) == 3 else (None, "triton", GLUON_DUAL_CONFIG)
+
     def local(x):
-        a, b = _dual_quantize_local(x, block, fmt, power_of_2, margin, wide, t_square)
+        # the Gluon kernel where it takes this shard (shapes known here, at trace time), else Triton's
+        if kernel == "gluon" and gluon_dual_unavailable_reason(*x.shape, x.dtype, block) is None:
+            a, b = _gluon_dual_quantize_local(x, fmt, power_of_2, margin, t_square, gcfg)
+        else:
+            a, b = _dual_quantize_local(x, block, fmt, power_of_2, margin, wide, t_square)
         return a.data, a.scale_inv, b.data, b.scale_inv
 
     return sharding.dual_quantize(local, block, t_square) if partition else local
@@ -207,6 +243,56 @@ def _dual_quantize_local(x, block, fmt, power_of_2, margin, wide=False, t_square
         num_warps=DUAL_TILE_WARPS,
         divisible_by_16=tuple(n for n, v in (("R", r), ("C", c)) if v % 16 == 0),
         name="te_fp8_dual_quantize",
+    )
+    cast = lambda a: jax.lax.bitcast_convert_type(a, fmt)  # noqa: E731
+    return (
+        QuantizedTensor(cast(q), sinv, (1, block), jnp.dtype(x.dtype)),
+        QuantizedTensor(cast(qt), sinvt, t_block, jnp.dtype(x.dtype)),
+    )
+
+
+def _gluon_dual_quantize_local(x, fmt, power_of_2, margin, t_square, gcfg):
+    """The Gluon dual quantize (block 128) of x [R, C] (R, C multiples of 16, 16-bit): one persistent
+    program an SM (gluon_quantize.py)."""
+    from te_ops.fp8 import gluon_quantize
+    from te_ops.grouped_dense import triton as gd
+
+    stages, warps, out_bufs = (int(v) for v in gcfg)
+    r, c = x.shape
+    block = 128
+    mbits, emin = FORMAT_BITS[fmt]
+    nrb, ncb = -(-r // block), -(-c // block)
+    t_block, st_shape = ((block, block), (ncb, nrb)) if t_square else ((1, block), (c, nrb))
+    grid = max(1, min(gd.num_sms(), nrb * ncb))
+    q, sinv, qt, sinvt = tb.triton_call(
+        gluon_quantize.dual_quantize_tma_kernel,
+        x,
+        np.int32(r // 16),
+        np.int32(c // 16),
+        np.int32(grid),
+        out_shape=[
+            SDS((r, c), jnp.uint8),
+            SDS((r, ncb), jnp.float32),
+            SDS((c, r), jnp.uint8),
+            SDS(st_shape, jnp.float32),
+        ],
+        grid=(grid,),
+        constexprs=dict(
+            B=block,
+            STAGES=stages,
+            OUT_BUFS=out_bufs,
+            FMAX=format_max(fmt),
+            MBITS=mbits,
+            EMIN=emin,
+            MARGIN_MUL=2.0**-margin,
+            POW2=bool(power_of_2),
+            HW=_hw_cvt(),
+            T_SQUARE=bool(t_square),
+        ),
+        num_warps=warps,
+        num_stages=1,
+        scratch_bytes_per_program=gd.TMA_SCRATCH_BYTES,  # 3 device-side TMA descriptors (x, q, q^T)
+        name="te_fp8_dual_quantize_tma",
     )
     cast = lambda a: jax.lax.bitcast_convert_type(a, fmt)  # noqa: E731
     return (

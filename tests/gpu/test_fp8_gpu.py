@@ -3,6 +3,11 @@
 the inverse scales, odd and partial-block shapes, edge values, both formats, under jit with
 NaN-poisoned outputs (every byte written). Budget: < 60 s on an H200."""
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -95,6 +100,136 @@ def test_dual_quantize_matches_reference_bytes(shape, block, wide, square, warps
                                                     t_square=square))(x)  # fmt: skip
     _same(q, on_cpu(lambda x: ref.quantize_blocks(x, (1, block), fp8.E4M3, power_of_2=True), x))
     _same(qt, on_cpu(lambda x: ref.quantize_blocks(x.T, tb, fp8.E4M3, power_of_2=True), x))
+
+
+def _gluon_dual_reason():
+    if _reason() is not None:
+        return _reason()
+    from te_ops.fp8 import triton as tri
+
+    return tri.gluon_dual_unavailable_reason()
+
+
+def _dual_x(seed, shape, dtype=jnp.bfloat16):
+    """_x's edge values (a NaN, an Inf, zeros, tiny values, values on FP8 rounding edges) plus an all-zero
+    128 x 128 tile, a column holding an Inf, outliers, values near bf16's range ends, and NaNs in
+    the last (partial) tile where there is one."""
+    x = np.array(_x(seed, shape, jnp.float32))
+    r, c = shape
+    x[128:256, 128:256] = 0.0  # a zero tile (scale 1): none where the tensor is smaller
+    x[3:, 9] = 0.5
+    if r > 70:
+        x[70, 9] = -np.inf  # column 9: its column tile (and 128 x 128 block) gets scale 1
+    x[5, 100:104] = [3e38, -1e30, 1e-30, -1e-38]  # outliers and subnormal-range values
+    x[min(r - 1, 300), min(c - 1, 200)] = 6e4
+    x[r - 1, c - 1] = np.nan  # the last tile (partial where R or C is not a multiple of 128)
+    return jnp.asarray(x).astype(dtype)
+
+
+@needs_triton
+@pytest.mark.skipif(_gluon_dual_reason() is not None, reason=f"gluon dual quantize: {_gluon_dual_reason()}")
+@pytest.mark.parametrize("square", [False, True], ids=["rows", "square"])
+@pytest.mark.parametrize(
+    "shape,fmt,pow2,kernel",
+    [((272, 400), fp8.E4M3, True, "gluon"), ((272, 400), fp8.E5M2, False, "gluon"),
+     ((16, 2064), fp8.E4M3, True, "gluon"), ((4096, 7168), fp8.E4M3, True, "gluon"),
+     ((7168, 4096), fp8.E5M2, True, "gluon"), ((130, 200), fp8.E4M3, True, "triton")],
+)  # fmt: skip
+def test_gluon_dual_quantize_matches_reference_bytes(shape, fmt, pow2, kernel, square, monkeypatch):
+    """The Gluon dual quantize (te_ops.fp8.triton.DUAL_KERNEL = "gluon": persistent, TMA load ring, TMA
+    stores of both FP8 tiles) equal to the reference of each output, byte for byte and scale for
+    scale, under jit with poisoned outputs: whole tiles, partial tiles in both dims (272 x 400: 16
+    rows and columns past the last whole tile), fewer rows than a tile (16 x 2064), NaN / Inf / zero
+    tiles / outliers, both formats, power-of-2 scales or not, x^T in 1 x 128 tiles or 128 x 128
+    blocks. 130 x 200 (rows of 200 bytes: no TMA) takes the Triton kernel under the same flag. The
+    launched kernel is checked by name."""
+    from te_ops.fp8 import triton as tri
+
+    monkeypatch.setattr(tri, "DUAL_KERNEL", "gluon")
+    names = []
+    launch = tb._launcher_call
+    monkeypatch.setattr(tb, "_launcher_call", lambda *a: names.append(a[-1]) or launch(*a))
+    x = _dual_x(11, shape)
+    with native.poisoned_outputs():
+        q, qt = jax.jit(lambda x: tri.dual_quantize(x, 128, fmt, power_of_2=pow2, t_square=square))(x)
+    assert names and set(names) == {"te_fp8_dual_quantize_tma" if kernel == "gluon" else "te_fp8_dual_quantize"}, names
+    t_block = (128, 128) if square else (1, 128)
+    _same(q, on_cpu(lambda x: ref.quantize_blocks(x, (1, 128), fmt, power_of_2=pow2), x))
+    _same(qt, on_cpu(lambda x: ref.quantize_blocks(x.T, t_block, fmt, power_of_2=pow2), x))
+
+
+@needs_triton
+@pytest.mark.skipif(_gluon_dual_reason() is not None, reason=f"gluon dual quantize: {_gluon_dual_reason()}")
+@pytest.mark.parametrize("config", [(4, 16, 2), (2, 16, 2), (3, 16, 1), (3, 8, 2)], ids=str)
+def test_gluon_dual_quantize_configs_match_reference_bytes(config, monkeypatch):
+    """The other Gluon configurations benchmarks/fp8.py times (GLUON_DUAL_CONFIG: stages, warps, FP8
+    output buffers) give the reference bytes too (partial tiles, NaN / Inf, x^T in 1 x 128 tiles)."""
+    from te_ops.fp8 import triton as tri
+
+    monkeypatch.setattr(tri, "DUAL_KERNEL", "gluon")
+    monkeypatch.setattr(tri, "GLUON_DUAL_CONFIG", config)
+    x = _dual_x(12, (1040, 1168))
+    with native.poisoned_outputs():
+        q, qt = jax.jit(lambda x: tri.dual_quantize(x, 128, fp8.E4M3, power_of_2=True))(x)
+    _same(q, on_cpu(lambda x: ref.quantize_blocks(x, (1, 128), fp8.E4M3, power_of_2=True), x))
+    _same(qt, on_cpu(lambda x: ref.quantize_blocks(x.T, (1, 128), fp8.E4M3, power_of_2=True), x))
+
+
+_DUAL_CMD_BUFFER_SCRIPT = textwrap.dedent("""
+    import json, os
+    import jax, jax.numpy as jnp, numpy as np
+    from te_ops import fp8
+    from te_ops._core import triton_bridge as tb
+    from te_ops.fp8 import triton as tri
+    def step(kernel):
+        tri.DUAL_KERNEL = kernel  # read when the function below is traced (first call or lower)
+        def f(x):
+            q, qt = tri.dual_quantize(x, 128, fp8.E4M3, power_of_2=True)
+            qs, qts = tri.dual_quantize(x, 128, fp8.E5M2, power_of_2=True, t_square=True)
+            return [jax.lax.bitcast_convert_type(a, jnp.uint8) for a in (q.data, qt.data, qs.data, qts.data)] + [
+                q.scale_inv, qt.scale_inv, qs.scale_inv, qts.scale_inv]
+        f.__name__ = f"dq_cmdbuf_{kernel}"  # -> XLA module jit_dq_cmdbuf_<kernel> in the dump
+        return jax.jit(f)
+    x0 = jax.random.normal(jax.random.key(0), (1040, 1168), jnp.float32).astype(jnp.bfloat16)
+    ref = step("triton")
+    ref(x0)  # traced now, with the Triton kernel
+    fn = step("gluon")
+    hlo = fn.lower(x0).compile().as_text()
+    rep = tb.command_buffer_report(hlo, tb.find_thunk_dump(os.environ["TE_CMDBUF_DUMP_DIR"], "jit_dq_cmdbuf_gluon"))
+    print("CMDBUF " + json.dumps(rep))
+    assert rep["launches"], "no Triton launch in the optimized HLO"
+    assert rep["mode"] != "none", "XLA formed no command buffer (no thunk dump after the thunk passes)"
+    if rep["mode"] == "thunk_kinds":
+        assert rep["custom_calls_inside"] >= 1, rep
+        if rep["other_custom_calls"] == 0:
+            assert rep["custom_calls_outside"] == 0, rep
+    else:
+        assert rep["captured"] and not rep["not_captured"], rep
+    for i in range(4):  # graph replays with new inputs
+        x = (jax.random.normal(jax.random.key(i + 1), (1040, 1168), jnp.float32) * (i + 1)).astype(jnp.bfloat16)
+        for a, e in zip(fn(x), ref(x)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
+    print("OK cmdbuf")
+""")
+
+
+@needs_triton
+@pytest.mark.skipif(_gluon_dual_reason() is not None, reason=f"gluon dual quantize: {_gluon_dual_reason()}")
+def test_gluon_dual_quantize_under_command_buffers(tmp_path):
+    """The Gluon dual quantize (device-side TMA descriptors in an XLA scratch buffer) inside XLA's CUDA
+    command buffers, replayed with new inputs: the same bytes and scales as the Triton kernel."""
+    env = dict(
+        os.environ,
+        XLA_PYTHON_CLIENT_PREALLOCATE="false",
+        XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
+        f" --xla_dump_to={tmp_path}",
+        TE_CMDBUF_DUMP_DIR=str(tmp_path),
+    )
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", _DUAL_CMD_BUFFER_SCRIPT], capture_output=True, text=True, env=env,
+                       timeout=300, cwd=root)  # fmt: skip
+    assert r.returncode == 0 and "OK cmdbuf" in r.stdout, (r.stdout[-3000:], r.stderr[-5000:])
 
 
 def _gemm_kernel(kernel, monkeypatch, k, n, out_dtype):

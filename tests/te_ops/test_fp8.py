@@ -1167,6 +1167,46 @@ def test_gluon_gemm_scales_tma_variant_compiles_for_sm90_without_spills(bias, mo
         assert "0 bytes spill stores" in report, (scales_tma, report[-2000:])
 
 
+@pytest.mark.parametrize("t_square", [False, True], ids=["rows", "square"])
+def test_gluon_dual_quantize_compiles_for_sm90_with_tma_without_spills(t_square, monkeypatch, stub_triton_launcher):
+    """The Gluon dual quantize (te_ops.fp8.triton.DUAL_KERNEL = "gluon", default "triton"), lowered for
+    sm_90a here at whole 128 x 128 tiles (1024x1152) and partial ones (272x400: 16 rows and columns
+    past the last whole tile): one persistent program per tile up to the SM count, TMA loads into
+    the mbarrier-tracked ring and TMA stores of both FP8 tiles, the GPU's FP8 conversion, and no
+    register spills (Triton's bundled ptxas). Where it does not apply (R or C not a multiple of 16,
+    a float32 x) and with the flag back at "triton", the same call takes the Triton kernel: the flag
+    is read at trace time and keys the cached callable."""
+    tb, tri, ptxas, launches = _offline_sm90(stub_triton_launcher, monkeypatch, gluon=True)
+    S = jax.ShapeDtypeStruct
+    fmt = fp8.E5M2 if t_square else fp8.E4M3
+
+    def lower(shape, dtype=jnp.bfloat16):  # a fresh function per trace (jax.jit caches its traces)
+        fn = lambda x: tri.dual_quantize(x, 128, fmt, power_of_2=True, t_square=t_square)  # noqa: E731
+        jax.jit(fn).trace(S(shape, dtype)).lower(lowering_platforms=("cuda",))
+
+    monkeypatch.setattr(tri, "DUAL_KERNEL", "gluon")
+    with tb.target_override(("cuda", 90, 32)):
+        lower((1024, 1152))
+        lower((272, 400))
+        assert tri.gluon_dual_unavailable_reason(130, 200, jnp.bfloat16) is not None
+        lower((130, 200))  # rows of 200 bytes: no TMA; the Triton kernel
+        lower((256, 256), jnp.float32)
+        monkeypatch.setattr(tri, "DUAL_KERNEL", "triton")
+        lower((1024, 1152))
+    names = [launch.name for launch in launches]
+    assert names == ["te_fp8_dual_quantize_tma"] * 2 + ["te_fp8_dual_quantize"] * 3, names
+    # one program per tile here (the CPU reports no SM count: 132 assumed)
+    assert [launch.grid for launch in launches[:2]] == [(72, 1, 1), (12, 1, 1)]
+    conv = "cvt.rn.satfinite.e5m2x2.f32" if t_square else "cvt.rn.satfinite.e4m3x2.f32"
+    for shape, (name, compiled, _) in zip([(1024, 1152), (272, 400)], launches[:2], strict=True):
+        ptx = compiled.asm["ptx"]
+        assert "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier" in ptx, shape  # TMA loads of x
+        assert ptx.count("cp.async.bulk.tensor.2d.global.shared::cta") == 2, shape  # TMA stores of q, q^T
+        assert "mbarrier.try_wait.parity" in ptx and conv in ptx and "div.rn.f32" in ptx, shape
+        report = _ptxas_report(ptxas, ptx, (name, shape))
+        assert "0 bytes spill stores" in report, (shape, report[-2000:])
+
+
 def test_gemm_kernel_choice_is_read_at_each_trace(stub_triton_launcher):
     """kernel_override (and GEMM_KERNEL) pick the block-scaled GEMM kernel for every trace inside it,
     also after another choice traced the same op with the same shapes: the sharded callables are
