@@ -836,6 +836,38 @@ def _fp8_dual(c):
     c.fwd(make, [c.normal((130, 200), "bfloat16", 3), c.normal((37, 72), "float32", 3)], "triton")
 
 
+@case(
+    "fp8_dual_quantize_gluon_tma",
+    "fp8",
+    "triton (Gluon, TMA ring; te_ops.fp8.triton.DUAL_KERNEL = 'gluon')",
+    triton=("te_ops.fp8.gluon_quantize.dual_quantize_tma_kernel",),
+)
+def _fp8_dual_gluon(c):
+    """The Gluon dual quantize at partial tiles (272 x 400: R and C multiples of 16, not of 128), x^T
+    in 1 x 128 tiles and in 128 x 128 blocks, E4M3 and E5M2."""
+    from te_ops.fp8 import reference as ref
+
+    def make(impl):
+        def f(x):
+            if impl == "reference":
+                blocks = lambda a, b, fmt, p2: ref.quantize_blocks(a, b, fmt, power_of_2=p2)  # noqa: E731
+                return (
+                    (blocks(x, (1, 128), fp8.E4M3, True), blocks(x.T, (1, 128), fp8.E4M3, True)),
+                    (blocks(x, (1, 128), fp8.E5M2, False), blocks(x.T, (128, 128), fp8.E5M2, False)),
+                )
+            from te_ops.fp8 import triton as tri
+
+            with patched(tri, DUAL_KERNEL="gluon"):  # read when the call traces
+                return (
+                    tri.dual_quantize(x, 128, fp8.E4M3, power_of_2=True),
+                    tri.dual_quantize(x, 128, fp8.E5M2, power_of_2=False, t_square=True),
+                )
+
+        return f
+
+    c.fwd(make, [c.normal((272, 400), "bfloat16", 3)], "triton")
+
+
 @case("fp8_dact_dbias_quantize_triton", "fp8", "triton", triton=(F8T + "dact_dbias_quantize_kernel",))
 def _fp8_dact(c):
     dy = c.normal((37, 200), "bfloat16", 3)
