@@ -50,6 +50,14 @@ def _is_pow2(v: int) -> bool:
     return v >= 1 and v & (v - 1) == 0
 
 
+def _quant_constexprs(fmt, power_of_2: bool, margin: int = 0) -> dict:
+    """The rounding constants every quantize kernel takes: the format's max, mantissa bits and
+    minimum exponent, the margin's factor, power-of-2 scales, the hardware conversion."""
+    mbits, emin = FORMAT_BITS[jnp.dtype(fmt)]
+    return dict(FMAX=format_max(fmt), MBITS=mbits, EMIN=emin, MARGIN_MUL=2.0**-margin, POW2=bool(power_of_2),
+                HW=_hw_cvt())  # fmt: skip
+
+
 def unsupported_reason(*, dtype=None, block=None, fmt=None, **_) -> str | None:
     if dtype is not None and jnp.dtype(dtype) not in SUPPORTED_DTYPES:
         return f"the Triton FP8 quantize kernel takes float32, bfloat16 or float16, got {jnp.dtype(dtype)}"
@@ -87,7 +95,6 @@ def _block_quantize_local(x, block, fmt, power_of_2, margin) -> QuantizedTensor:
     br, bc = block
     nrb, ncb = -(-r // br), -(-c // bc)
     nb = max(1, ROWS_PER_PROGRAM // br)
-    mbits, emin = FORMAT_BITS[fmt]
     if b * r * c == 0:
         return QuantizedTensor(
             jnp.zeros(shape, fmt), jnp.ones(shape[:-2] + (nrb, ncb), jnp.float32), tuple(block), jnp.dtype(x.dtype)
@@ -103,12 +110,7 @@ def _block_quantize_local(x, block, fmt, power_of_2, margin) -> QuantizedTensor:
             BR=br,
             BC=bc,
             NB=nb,
-            FMAX=format_max(fmt),
-            MBITS=mbits,
-            EMIN=emin,
-            MARGIN_MUL=2.0**-margin,
-            POW2=bool(power_of_2),
-            HW=_hw_cvt(),
+            **_quant_constexprs(fmt, power_of_2, margin),
         ),
         num_warps=4,
         divisible_by_16=("C",) if c % 16 == 0 else (),  # lets Triton vectorise the row accesses
@@ -207,36 +209,40 @@ def _sharded_dual_quantize(block, fmt, power_of_2, margin, partition, wide=False
     return sharding.dual_quantize(local, block, t_square) if partition else local
 
 
+def _dual_outputs(r: int, c: int, block: int, t_square: bool) -> list:
+    """The output shapes of both dual quantize kernels: q [R, C] and q^T [C, R] bytes, sinv
+    [R, cdiv(C, block)] and sinvt ([C, cdiv(R, block)], t_square: [cdiv(C, block), cdiv(R, block)])."""
+    nrb, ncb = -(-r // block), -(-c // block)
+    st_shape = (ncb, nrb) if t_square else (c, nrb)
+    return [SDS((r, c), jnp.uint8), SDS((r, ncb), jnp.float32), SDS((c, r), jnp.uint8), SDS(st_shape, jnp.float32)]
+
+
+def _dual_result(x, fmt, block: int, t_square: bool, q, sinv, qt, sinvt) -> tuple[QuantizedTensor, QuantizedTensor]:
+    """A dual quantize kernel's outputs (bytes) as the two QuantizedTensors of ``x``."""
+    cast = lambda a: jax.lax.bitcast_convert_type(a, fmt)  # noqa: E731
+    return (
+        QuantizedTensor(cast(q), sinv, (1, block), jnp.dtype(x.dtype)),
+        QuantizedTensor(cast(qt), sinvt, (block, block) if t_square else (1, block), jnp.dtype(x.dtype)),
+    )
+
+
 def _dual_quantize_local(x, block, fmt, power_of_2, margin, wide=False, t_square=False):
     r, c = x.shape
-    mbits, emin = FORMAT_BITS[fmt]
     nrb, ncb = -(-r // block), -(-c // block)
-    t_block, st_shape = ((block, block), (ncb, nrb)) if t_square else ((1, block), (c, nrb))
     if r * c == 0:
-        return (
-            QuantizedTensor(jnp.zeros((r, c), fmt), jnp.ones((r, ncb), jnp.float32), (1, block), jnp.dtype(x.dtype)),
-            QuantizedTensor(jnp.zeros((c, r), fmt), jnp.ones(st_shape, jnp.float32), t_block, jnp.dtype(x.dtype)),
-        )
-    q, sinv, qt, sinvt = tb.triton_call(
+        zeros = [jnp.zeros(o.shape, jnp.uint8) if o.dtype == jnp.uint8 else jnp.ones(o.shape, jnp.float32)
+                 for o in _dual_outputs(r, c, block, t_square)]  # fmt: skip
+        return _dual_result(x, fmt, block, t_square, *zeros)
+    outs = tb.triton_call(
         _k().dual_quantize_kernel,
         x,
         np.int32(r),
         np.int32(c),
-        out_shape=[
-            SDS((r, c), jnp.uint8),
-            SDS((r, ncb), jnp.float32),
-            SDS((c, r), jnp.uint8),
-            SDS(st_shape, jnp.float32),
-        ],
+        out_shape=_dual_outputs(r, c, block, t_square),
         grid=(nrb, ncb),
         constexprs=dict(
             B=block,
-            FMAX=format_max(fmt),
-            MBITS=mbits,
-            EMIN=emin,
-            MARGIN_MUL=2.0**-margin,
-            POW2=bool(power_of_2),
-            HW=_hw_cvt(),
+            **_quant_constexprs(fmt, power_of_2, margin),
             TRANS_WIDE=bool(wide),
             T_SQUARE=bool(t_square),
         ),
@@ -244,11 +250,7 @@ def _dual_quantize_local(x, block, fmt, power_of_2, margin, wide=False, t_square
         divisible_by_16=tuple(n for n, v in (("R", r), ("C", c)) if v % 16 == 0),
         name="te_fp8_dual_quantize",
     )
-    cast = lambda a: jax.lax.bitcast_convert_type(a, fmt)  # noqa: E731
-    return (
-        QuantizedTensor(cast(q), sinv, (1, block), jnp.dtype(x.dtype)),
-        QuantizedTensor(cast(qt), sinvt, t_block, jnp.dtype(x.dtype)),
-    )
+    return _dual_result(x, fmt, block, t_square, *outs)
 
 
 def _gluon_dual_quantize_local(x, fmt, power_of_2, margin, t_square, gcfg):
@@ -260,33 +262,20 @@ def _gluon_dual_quantize_local(x, fmt, power_of_2, margin, t_square, gcfg):
     stages, warps, out_bufs = (int(v) for v in gcfg)
     r, c = x.shape
     block = 128
-    mbits, emin = FORMAT_BITS[fmt]
-    nrb, ncb = -(-r // block), -(-c // block)
-    t_block, st_shape = ((block, block), (ncb, nrb)) if t_square else ((1, block), (c, nrb))
-    grid = max(1, min(gd.num_sms(), nrb * ncb))
-    q, sinv, qt, sinvt = tb.triton_call(
+    grid = max(1, min(gd.num_sms(), -(-r // block) * -(-c // block)))
+    outs = tb.triton_call(
         gluon_quantize.dual_quantize_tma_kernel,
         x,
         np.int32(r // 16),
         np.int32(c // 16),
         np.int32(grid),
-        out_shape=[
-            SDS((r, c), jnp.uint8),
-            SDS((r, ncb), jnp.float32),
-            SDS((c, r), jnp.uint8),
-            SDS(st_shape, jnp.float32),
-        ],
+        out_shape=_dual_outputs(r, c, block, t_square),
         grid=(grid,),
         constexprs=dict(
             B=block,
             STAGES=stages,
             OUT_BUFS=out_bufs,
-            FMAX=format_max(fmt),
-            MBITS=mbits,
-            EMIN=emin,
-            MARGIN_MUL=2.0**-margin,
-            POW2=bool(power_of_2),
-            HW=_hw_cvt(),
+            **_quant_constexprs(fmt, power_of_2, margin),
             T_SQUARE=bool(t_square),
         ),
         num_warps=warps,
@@ -294,11 +283,7 @@ def _gluon_dual_quantize_local(x, fmt, power_of_2, margin, t_square, gcfg):
         scratch_bytes_per_program=gd.TMA_SCRATCH_BYTES,  # 3 device-side TMA descriptors (x, q, q^T)
         name="te_fp8_dual_quantize_tma",
     )
-    cast = lambda a: jax.lax.bitcast_convert_type(a, fmt)  # noqa: E731
-    return (
-        QuantizedTensor(cast(q), sinv, (1, block), jnp.dtype(x.dtype)),
-        QuantizedTensor(cast(qt), sinvt, t_block, jnp.dtype(x.dtype)),
-    )
+    return _dual_result(x, fmt, block, t_square, *outs)
 
 
 _ACT_CODES = {None: 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "silu": 4}
@@ -333,7 +318,6 @@ def _sharded_dact(act, block, fmt, power_of_2, partition, warps=None):  # warps:
 
 def _dact_local(dy, z, act, block, fmt, power_of_2):
     r, c = dy.shape
-    mbits, emin = FORMAT_BITS[fmt]
     nrb, ncb = -(-r // block), -(-c // block)
     if r * c == 0:
         return (jnp.zeros((r, c), fmt), jnp.ones((r, ncb), jnp.float32), jnp.zeros((c, r), fmt),
@@ -355,13 +339,8 @@ def _dact_local(dy, z, act, block, fmt, power_of_2):
         constexprs=dict(
             ACT=act,
             B=block,
-            FMAX=format_max(fmt),
-            MBITS=mbits,
-            EMIN=emin,
-            MARGIN_MUL=1.0,
-            POW2=bool(power_of_2),
-            HW=_hw_cvt(),
-        ),  # fmt: skip
+            **_quant_constexprs(fmt, power_of_2),
+        ),
         num_warps=QUANT_TILE_WARPS,
         divisible_by_16=tuple(n for n, v in (("R", r), ("C", c)) if v % 16 == 0),
         name="te_fp8_dact_dbias_quantize",
@@ -808,7 +787,6 @@ def _sharded_cast(fmt, with_amax, from_amax, margin, power_of_2, batched, partit
 
 def _tensor_cast_local(x, scale, fmt, with_amax, from_amax, margin, power_of_2, batch, vector=False):
     n = x.size // batch
-    mbits, emin = FORMAT_BITS[fmt]
     vec = (batch,) if vector or batch != 1 else ()
     if n == 0:
         from te_ops.fp8 import reference as ref
@@ -825,14 +803,9 @@ def _tensor_cast_local(x, scale, fmt, with_amax, from_amax, margin, power_of_2, 
         zeroed_outputs=(1,),
         constexprs=dict(
             BLOCK=ELEMS_PER_PROGRAM,
-            FMAX=format_max(fmt),
-            MBITS=mbits,
-            EMIN=emin,
             WITH_AMAX=bool(with_amax),
             FROM_AMAX=bool(from_amax),
-            MARGIN_MUL=2.0**-margin,
-            POW2=bool(power_of_2),
-            HW=_hw_cvt(),
+            **_quant_constexprs(fmt, power_of_2, margin),
         ),
         num_warps=4,
         name="te_fp8_tensor_cast",
