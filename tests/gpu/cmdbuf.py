@@ -44,3 +44,21 @@ def assert_graph_captured_and_warmed_once(report: dict, handlers: dict[str, int]
         assert c["captured_executes"] >= 1, f"{name} never ran inside a CUDA graph capture: {c}"
         assert c["warmups"] == keys, f"{name}: expected {keys} warm-ups (one per key), got {c}"
         assert c["initialize_calls"] >= c["warmups"], c
+
+
+def assert_triton_in_command_buffers(rep: dict, what: str = "", detail: str = "") -> None:
+    """``rep`` (``triton_bridge.command_buffer_report``) shows Triton launches, all inside XLA's command
+    buffers. XLA (jax 0.11.2) forms them on the thunk sequence after the HLO passes, so the proof is
+    the thunk dump; where its lines carry no HLO names, the kCustomCall thunks are counted instead.
+    ``what`` prefixes the messages; ``detail`` is added where no command buffer was formed."""
+    tag = f"{what}: " if what else ""
+    assert rep["launches"], f"{tag}no Triton launch in the optimized HLO: {rep}"
+    assert rep["mode"] != "none", (
+        f"{tag}XLA formed no command buffer (no thunk dump after the thunk passes): {rep} {detail}"
+    )
+    if rep["mode"] == "thunk_kinds":
+        assert rep["custom_calls_inside"] >= 1, f"{tag}{rep}"
+        if rep["other_custom_calls"] == 0:
+            assert rep["custom_calls_outside"] == 0, f"{tag}{rep}"
+    else:
+        assert rep["captured"] and not rep["not_captured"], f"{tag}launches outside command buffers: {rep}"
