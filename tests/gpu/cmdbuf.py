@@ -62,3 +62,15 @@ def assert_triton_in_command_buffers(rep: dict, what: str = "", detail: str = ""
             assert rep["custom_calls_outside"] == 0, f"{tag}{rep}"
     else:
         assert rep["captured"] and not rep["not_captured"], f"{tag}launches outside command buffers: {rep}"
+
+
+def run_script_under_command_buffers(script: str, dump_dir, preallocate: bool | None = False, timeout: int = 300):
+    """Runs ``python -c script`` from the repository root with command buffers on and XLA's dumps (the
+    thunk sequence) in ``dump_dir``, also passed as TE_CMDBUF_DUMP_DIR; ``preallocate`` False sets
+    XLA_PYTHON_CLIENT_PREALLOCATE=false (None leaves it as it is). Returns the CompletedProcess."""
+    env = dict(os.environ, XLA_FLAGS=f"{CMDBUF_FLAGS} --xla_dump_to={dump_dir}", TE_CMDBUF_DUMP_DIR=str(dump_dir))
+    if preallocate is not None:
+        env["XLA_PYTHON_CLIENT_PREALLOCATE"] = str(preallocate).lower()
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=timeout,
+                          cwd=ROOT)  # fmt: skip

@@ -3,9 +3,6 @@
 the inverse scales, odd and partial-block shapes, edge values, both formats, under jit with
 NaN-poisoned outputs (every byte written). Budget: < 60 s on an H200."""
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -17,6 +14,7 @@ from te_ops import fp8
 from te_ops._core import native
 from te_ops._core import triton_bridge as tb
 from te_ops.fp8 import reference as ref
+from tests.gpu.cmdbuf import run_script_under_command_buffers
 
 pytestmark = pytest.mark.gpu
 
@@ -212,17 +210,7 @@ _DUAL_CMD_BUFFER_SCRIPT = textwrap.dedent("""
 def test_gluon_dual_quantize_under_command_buffers(tmp_path):
     """The Gluon dual quantize (device-side TMA descriptors in an XLA scratch buffer) inside XLA's CUDA
     command buffers, replayed with new inputs: the same bytes and scales as the Triton kernel."""
-    env = dict(
-        os.environ,
-        XLA_PYTHON_CLIENT_PREALLOCATE="false",
-        XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
-        f" --xla_dump_to={tmp_path}",
-        TE_CMDBUF_DUMP_DIR=str(tmp_path),
-    )
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-c", _DUAL_CMD_BUFFER_SCRIPT], capture_output=True, text=True, env=env,
-                       timeout=300, cwd=root)  # fmt: skip
+    r = run_script_under_command_buffers(_DUAL_CMD_BUFFER_SCRIPT, tmp_path)
     assert r.returncode == 0 and "OK cmdbuf" in r.stdout, (r.stdout[-3000:], r.stderr[-5000:])
 
 

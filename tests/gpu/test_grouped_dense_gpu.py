@@ -5,9 +5,6 @@ native.poisoned_outputs), one compile for many group sizes, and under command bu
 with XLA_FLAGS: the Triton launches sit inside a command_buffer computation and replays with new
 device-side group sizes stay correct). Budget: < 90 s on an H200."""
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -18,6 +15,7 @@ import pytest
 from te_ops._core import native
 from te_ops._core import testing as T
 from te_ops.grouped_dense import api, grouped_dense
+from tests.gpu.cmdbuf import run_script_under_command_buffers
 
 pytestmark = pytest.mark.gpu
 
@@ -302,21 +300,5 @@ _CMD_BUFFER_SCRIPT = textwrap.dedent("""
 
 @needs_triton
 def test_under_command_buffers(tmp_path):
-    env = dict(
-        os.environ,
-        XLA_PYTHON_CLIENT_PREALLOCATE="false",
-        XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
-        f" --xla_dump_to={tmp_path}",
-        TE_CMDBUF_DUMP_DIR=str(tmp_path),
-    )
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run(
-        [sys.executable, "-c", _CMD_BUFFER_SCRIPT],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        cwd=root,
-    )
+    r = run_script_under_command_buffers(_CMD_BUFFER_SCRIPT, tmp_path)
     assert r.returncode == 0 and "OK cmdbuf" in r.stdout, (r.stdout[-3000:], r.stderr[-5000:])

@@ -10,9 +10,6 @@ when lowering from 8 threads.
 """
 
 import functools
-import os
-import subprocess
-import sys
 import textwrap
 import threading
 
@@ -26,6 +23,7 @@ from te_ops._core import triton_bridge as tb
 from te_ops._core.testing import assert_close
 from te_ops.permutation import api, sort_chunks_by_index, token_combine, token_dispatch
 from te_ops.permutation import reference as ref
+from tests.gpu.cmdbuf import run_script_under_command_buffers
 
 pytestmark = pytest.mark.gpu
 
@@ -322,20 +320,5 @@ def test_under_command_buffers(tmp_path):
     """
     if _reason("triton"):
         pytest.skip(_reason("triton"))
-    env = dict(
-        os.environ,
-        XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
-        f" --xla_dump_to={tmp_path}",
-        TE_CMDBUF_DUMP_DIR=str(tmp_path),
-    )
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run(
-        [sys.executable, "-c", _CMD_BUFFER_SCRIPT],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        cwd=root,
-    )
+    r = run_script_under_command_buffers(_CMD_BUFFER_SCRIPT, tmp_path, preallocate=None)
     assert r.returncode == 0 and "OK triton" in r.stdout, (r.stdout[-3000:], r.stderr[-5000:])
