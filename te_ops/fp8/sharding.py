@@ -235,6 +235,25 @@ def dual_quantize(
     return _wrap(local, rule, plan, True)
 
 
+def requantize_t(local: Callable[..., tuple], block: int) -> Callable[..., tuple]:
+    """``local(q[R, C], s[R, C/b]) -> (qt[C, R], st[C, R/b])``: FP8 1 x b row tiles dequantized and
+    quantized again as 1 x b tiles of the transpose (b x 1 column tiles); no collective when every
+    shard holds whole b x b tiles."""
+
+    def rule(shape, s_shape, mesh):
+        sizes: dict = {}
+        need: list = []
+        r, rs = _block_dims(shape[0], block, "r", sizes, need, mesh)
+        c, cs = _block_dims(shape[1], block, "c", sizes, need, mesh)
+        return f"{r} {c}, {r} {cs} -> {c} {r}, {c} {rs}", {"need_replication_factors": tuple(need), **sizes}
+
+    def plan(ctx: ShardContext) -> ShardPlan:
+        r, c = _tile_entries(ctx, block)
+        return ShardPlan([[r, c], [r, c]], [[c, r], [c, r]], None)
+
+    return _wrap(local, rule, plan, True)
+
+
 def dact_dbias_quantize(local: Callable[..., tuple], block: int) -> Callable[..., tuple]:
     """``local(dy[R, C], z[R, C]) -> (q[R, C], s[R, C/b], qt[C, R], st[C/b, R/b], dbp[R/b, C])``:
     elementwise over whole b x b tiles (the per-row-block dbias partials shard like the rows; their

@@ -253,6 +253,58 @@ def _dual_quantize_local(x, block, fmt, power_of_2, margin, wide=False, t_square
     return _dual_result(x, fmt, block, t_square, *outs)
 
 
+def requantize_t(q: QuantizedTensor, fmt, *, power_of_2: bool, margin: int = 0) -> QuantizedTensor:
+    """``q`` (FP8 [R, C] in 1 x ``b`` row tiles) dequantized in float32 and quantized again
+    transposed: ``[C, R]`` in 1 x ``b`` row tiles (q's b x 1 column tiles). Equal, byte for byte, to
+    ``reference.quantize_blocks(reference.dequantize(q, float32).T, (1, b), fmt)``, from one read of
+    the FP8 bytes (no float32 copy in memory). The weight-gradient operand of FP8 rows that have no
+    high-precision copy (the dispatched tokens of :mod:`te_ops.fp8.dispatch`)."""
+    if q.block is None or q.block[0] != 1 or q.data.ndim != 2:
+        raise ValueError(f"requantize_t takes a 2-D tensor in 1 x b row tiles, got shape {q.data.shape} "
+                         f"block {q.block}")  # fmt: skip
+    fmt = jnp.dtype(fmt)
+    block = q.block[1]
+    data = jax.lax.bitcast_convert_type(q.data, jnp.uint8)
+    if data.size == 0:
+        qt, st = _requantize_t_local(data, q.scale_inv, jnp.dtype(q.data.dtype), block, fmt, power_of_2, margin)
+    else:
+        fn = _sharded_requantize_t(jnp.dtype(q.data.dtype), block, fmt, bool(power_of_2), margin, PARTITION)
+        qt, st = fn(data, q.scale_inv)
+    # the tensor quantized is the float32 dequantization (its dtype, as the reference's)
+    return QuantizedTensor(jax.lax.bitcast_convert_type(qt, fmt), st, (1, block), jnp.dtype(jnp.float32))
+
+
+@functools.cache
+def _sharded_requantize_t(in_fmt, block, fmt, power_of_2, margin, partition):
+    def local(data, sinv):
+        return _requantize_t_local(data, sinv, in_fmt, block, fmt, power_of_2, margin)
+
+    return sharding.requantize_t(local, block) if partition else local
+
+
+def _requantize_t_local(data, sinv, in_fmt, block, fmt, power_of_2, margin):
+    """data [R, C] uint8 (FP8 bytes of ``in_fmt``), sinv [R, cdiv(C, block)] -> (qt [C, R] uint8,
+    sinvt [C, cdiv(R, block)])."""
+    r, c = data.shape
+    nrb = -(-r // block)
+    if r * c == 0:
+        return jnp.zeros((c, r), jnp.uint8), jnp.ones((c, nrb), jnp.float32)
+    in_mbits, in_emin = FORMAT_BITS[jnp.dtype(in_fmt)]
+    return tb.triton_call(
+        _k().requantize_t_kernel,
+        data,
+        sinv,
+        np.int32(r),
+        np.int32(c),
+        out_shape=[SDS((c, r), jnp.uint8), SDS((c, nrb), jnp.float32)],
+        grid=(nrb, -(-c // block)),
+        constexprs=dict(B=block, **_quant_constexprs(fmt, power_of_2, margin), IN_MBITS=in_mbits, IN_EMIN=in_emin),
+        num_warps=DUAL_TILE_WARPS,
+        divisible_by_16=tuple(n for n, v in (("R", r), ("C", c)) if v % 16 == 0),
+        name="te_fp8_requantize_t",
+    )
+
+
 def _gluon_dual_quantize_local(x, fmt, power_of_2, margin, t_square, gcfg):
     """The Gluon dual quantize (block 128) of x [R, C] (R, C multiples of 16, 16-bit): one persistent
     program an SM (gluon_quantize.py)."""

@@ -266,6 +266,74 @@ def dual_quantize_kernel(
 
 
 @triton.jit
+def decode_fp8(code, MBITS: tl.constexpr, EMIN: tl.constexpr, HW: tl.constexpr):
+    """The float32 value of FP8 bytes ``code`` (uint8) of the format with MBITS mantissa bits and
+    smallest normal exponent EMIN (E4M3FN: 3, -6; E5M2: 2, -14). HW: the GPU's conversion; otherwise
+    integer arithmetic (Triton's CPU interpreter): normals by their bit fields, subnormals as an
+    exact integer times 2**(EMIN - MBITS), E4M3FN's 0x7F / 0xFF as NaN, E5M2's top exponent as Inf /
+    NaN. Exact either way: every FP8 value is a float32."""
+    if HW:
+        if MBITS == 3:
+            v = code.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            v = code.to(tl.float8e5, bitcast=True).to(tl.float32)
+    else:
+        EBITS: tl.constexpr = 7 - MBITS
+        c = code.to(tl.uint32)
+        sign = (c >> 7) << 31
+        e = (c >> MBITS) & ((1 << EBITS) - 1)
+        m = c & ((1 << MBITS) - 1)
+        normal = sign | ((e + (127 - (1 - EMIN))) << 23) | (m << (23 - MBITS))
+        if MBITS == 3:  # E4M3FN: no Inf; S.1111.111 is NaN
+            special = (e == 15) & (m == 7)
+            top = sign | 0x7FC00000
+        else:  # E5M2: IEEE-like top exponent (Inf, NaN)
+            special = e == 31
+            top = sign | 0x7F800000 | (m << 21)
+        bits = tl.where(special, top, normal)
+        sub = (m.to(tl.float32) * (2.0 ** (EMIN - MBITS))).to(tl.uint32, bitcast=True) | sign
+        bits = tl.where(e == 0, sub, bits)
+        v = bits.to(tl.float32, bitcast=True)
+    return v
+
+
+@triton.jit
+def requantize_t_kernel(
+    q_ptr,
+    sinv_ptr,
+    R,
+    C,
+    qt_ptr,
+    sinvt_ptr,
+    B: tl.constexpr,
+    FMAX: tl.constexpr,
+    MBITS: tl.constexpr,
+    EMIN: tl.constexpr,
+    MARGIN_MUL: tl.constexpr,
+    POW2: tl.constexpr,
+    HW: tl.constexpr,
+    IN_MBITS: tl.constexpr,
+    IN_EMIN: tl.constexpr,
+):
+    """An FP8 tensor in 1 x B row tiles (q [R, C] bytes, sinv [R, cdiv(C, B)]) dequantized in float32
+    (``q * sinv``, as the reference's dequantize) and quantized again transposed: qt [C, R] in 1 x B
+    row tiles, i.e. B x 1 column tiles of the dequantized tensor, sinvt [C, cdiv(R, B)]. One read of
+    the FP8 bytes, no float32 copy in memory. IN_MBITS / IN_EMIN: the input's format; FMAX / MBITS /
+    EMIN: the output's. Grid (cdiv(R, B), cdiv(C, B))."""
+    rb = tl.program_id(0)
+    cb = tl.program_id(1)
+    cols = cb * B + tl.arange(0, B)
+    rows = rb * B + tl.arange(0, B)
+    code = _load_rows(q_ptr, rows, cols, R, C)  # zeros outside the tensor: FP8 zero
+    ncb = tl.cdiv(C, B)
+    s = tl.load(sinv_ptr + rows.to(tl.int64) * ncb + cb, mask=rows < R, other=1.0)
+    x = decode_fp8(code, IN_MBITS, IN_EMIN, HW) * s[:, None]
+    scol = _col_scales(tl.max(_abs_inf(x), axis=0), FMAX, MARGIN_MUL, POW2, False)
+    _col_tiles(x, x, scol, rows, cols, R, C, qt_ptr, FMAX, MBITS, EMIN, HW, False)
+    _col_sinv(scol, cols, rb, cb, R, C, sinvt_ptr, B, False)
+
+
+@triton.jit
 def _act_grad(z, ACT: tl.constexpr):
     """act'(z) in float32 (the formulas of reference.act_grad): ACT 1 GELU (erf), 2 GELU (tanh
     approximation), 3 ReLU (0 at z <= 0), 4 SiLU; 0 (no activation) is 1."""

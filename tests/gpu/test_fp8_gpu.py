@@ -100,6 +100,22 @@ def test_dual_quantize_matches_reference_bytes(shape, block, wide, square, warps
     _same(qt, on_cpu(lambda x: ref.quantize_blocks(x.T, tb, fp8.E4M3, power_of_2=True), x))
 
 
+@needs_triton
+@pytest.mark.parametrize("fmt", [fp8.E4M3, fp8.E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("pow2", [True, False], ids=["pow2", "exact"])
+@pytest.mark.parametrize("shape", [(300, 200), (131072, 1024), (4096, 7168)])
+def test_requantize_t_matches_reference_bytes(shape, pow2, fmt):
+    """FP8 row tiles dequantized and quantized again transposed (the FP8 dispatch's weight-gradient
+    operand): the GPU's conversions give the reference's bytes; every output element written."""
+    from te_ops.fp8 import triton as tri
+
+    q = on_cpu(lambda x: ref.quantize_blocks(x, (1, 128), fmt, power_of_2=pow2), _x(8, shape, jnp.bfloat16))
+    with native.poisoned_outputs():
+        got = jax.jit(lambda q: tri.requantize_t(q, fmt, power_of_2=pow2))(jax.device_put(q, GPU))
+    _same(got, on_cpu(lambda q: ref.quantize_blocks(ref.dequantize(q, jnp.float32).T, (1, 128), fmt,
+                                                    power_of_2=pow2), q))  # fmt: skip
+
+
 def _gluon_dual_reason():
     if _reason() is not None:
         return _reason()

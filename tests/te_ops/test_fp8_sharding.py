@@ -184,6 +184,27 @@ def test_dual_quantize_no_collective_on_block_boundaries(t_square):
     assert _nonzero(counts) == {}
 
 
+@pytest.mark.parametrize(
+    "rows, spec, gathers",
+    [(1024, P("a", "b"), False), (1024, P("b", "a"), False), (1024, P(None, "a"), False), (512, P(("a", "b")), True)],
+)
+def test_requantize_t_partitions(rows, spec, gathers):
+    """FP8 row tiles -> 1 x 128 tiles of the transpose (te_ops.fp8.triton.requantize_t): bit-identical
+    sharded and unsharded, no collective when every shard holds whole 128 x 128 tiles (a gather when
+    a shard boundary cuts a tile: 512 rows over 8 shards)."""
+    mesh = T.cpu_mesh((4, 2), ("a", "b"))
+    q = ref.quantize_blocks(_x(7, (rows, 512), jnp.bfloat16), (1, 128), E4M3, power_of_2=True)
+
+    def local(data, sinv):
+        return ref_requantize_t_local(data, sinv, E4M3, 128, E4M3, True)
+
+    sharded = fsh.requantize_t(local, 128)
+    data = jax.lax.bitcast_convert_type(q.data, jnp.uint8)
+    out, expect, counts = T.run_sharded(sharded, [data, q.scale_inv], [spec, spec], None, mesh=mesh)
+    _same_bits(out, expect)
+    assert bool(gathers) == bool(_nonzero(counts)), counts
+
+
 def _gemm_operands(seed, m, k, n):
     qa = ref.quantize_blocks(_x(seed, (m, k), jnp.bfloat16), (1, 128), E4M3, power_of_2=False)
     qb = ref.quantize_blocks(_x(seed + 1, (n, k), jnp.bfloat16), (128, 128), E4M3, power_of_2=False)
@@ -264,13 +285,23 @@ def triton_on_cpu(monkeypatch):
     monkeypatch.setattr(tri, "_grouped_gemm_local", ref_grouped_local)
     monkeypatch.setattr(tri, "_wgrad_local", ref_wgrad_local)
     monkeypatch.setattr(tri, "_dact_local", ref_dact_local)
+    monkeypatch.setattr(tri, "_requantize_t_local", ref_requantize_t_local)
     caches = [tri._sharded_amax, tri._sharded_cast, tri._sharded_block_quantize, tri._sharded_dual_quantize,
-              tri._sharded_block_gemm, tri._sharded_grouped_gemm, tri._sharded_wgrad, tri._sharded_dact]  # fmt: skip
+              tri._sharded_block_gemm, tri._sharded_grouped_gemm, tri._sharded_wgrad, tri._sharded_dact,
+              tri._sharded_requantize_t]  # fmt: skip
     for c in caches:
         c.cache_clear()
     yield
     for c in caches:
         c.cache_clear()
+
+
+def ref_requantize_t_local(data, sinv, in_fmt, block, fmt, power_of_2, margin=0):
+    """requantize_t's kernel outputs (bytes) from the reference: dequantize, transpose, quantize."""
+    assert margin == 0
+    qd = ref.QuantizedTensor(jax.lax.bitcast_convert_type(data, in_fmt), sinv, (1, block), jnp.dtype(jnp.bfloat16))
+    qt = ref.quantize_blocks(ref.dequantize(qd, F32).T, (1, block), fmt, power_of_2=power_of_2)
+    return jax.lax.bitcast_convert_type(qt.data, jnp.uint8), qt.scale_inv
 
 
 _ACT_NAMES = {0: None, 1: "gelu", 2: "gelu_tanh", 3: "relu", 4: "silu"}
