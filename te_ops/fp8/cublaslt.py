@@ -16,7 +16,7 @@ for 128 x 128 scales; a few bytes).
 Where it applies (:func:`unavailable_reason`): no bias (cuBLASLt's FP8 bias is bf16, which would
 break te_ops.fp8's "float32 bias, one rounding" rule); E4M3 or E5M2 operands and a bfloat16 or
 float32 output; the rules of ``cublaslt_rules.def`` (next to this file: M, N, K > 0, not both E5M2,
-K % 16 == 0, M % 4 == 0 and N % 4 == 0, 16-byte output rows, cuBLASLt 12.9 or newer in the build's
+K % 16 == 0, M % 8 == 0 and N % 8 == 0 (so 16-byte output rows), cuBLASLt 12.9 or newer in the build's
 headers and the loaded library); the dense native module loaded; a Hopper GPU (compute capability
 9.0: the only architecture with these scale modes); and cuBLASLt offering an algorithm for the exact
 shape (asked once per shape through the ctypes symbol ``te_fp8_cublaslt_block_gemm_query``; this

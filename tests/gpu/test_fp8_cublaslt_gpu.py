@@ -161,11 +161,11 @@ def test_cublaslt_route_is_not_worse_than_gluon():
 @pytest.mark.parametrize(
     "m,k,n,fa,fb,bias,reason",
     [(256, 512, 256, E5, E5, False, "no E5M2 x E5M2"), (256, 520, 256, E4, E4, False, "K % 16 == 0"),
-     (256, 512, 256, E4, E4, True, "takes no bias"), (258, 512, 256, E4, E4, False, "M % 4 == 0")],
-    ids=["e5m2xe5m2", "k520", "bias", "m258"],
+     (256, 512, 256, E4, E4, True, "takes no bias"), (260, 512, 256, E4, E4, False, "M % 8 == 0")],
+    ids=["e5m2xe5m2", "k520", "bias", "m260"],
 )  # fmt: skip
 def test_unsupported_calls_fall_back_and_stay_correct(m, k, n, fa, fb, bias, reason):
-    """Calls the route cannot take (both E5M2, K % 16, a bias, M % 4) run the Gluon / Triton kernels
+    """Calls the route cannot take (both E5M2, K % 16, a bias, M % 8) run the Gluon / Triton kernels
     under kernel_override(dense="cublaslt") and give the reference's numbers."""
     from te_ops.fp8 import triton as tri
 
