@@ -9,6 +9,7 @@ from te_ops.fp8.dispatch import (
     fp8_dispatch_grouped_dense,
     token_dispatch_quantized,
 )
+from te_ops.fp8.ffn import fp8_dispatch_ffn
 from te_ops.fp8.grouped import fp8_grouped_dense, initial_grouped_state
 from te_ops.fp8.recipes import E4M3, E5M2, BlockScaling, CurrentScaling, DelayedScaling, format_max
 from te_ops.fp8.reference import DelayedScalingState, QuantizedTensor
@@ -27,6 +28,7 @@ __all__ = [
     "dact_dbias_quantize",
     "dequantize",
     "fp8_dense",
+    "fp8_dispatch_ffn",
     "fp8_dispatch_grouped_dense",
     "fp8_grouped_dense",
     "format_max",

@@ -254,6 +254,48 @@ def requantize_t(local: Callable[..., tuple], block: int) -> Callable[..., tuple
     return _wrap(local, rule, plan, True)
 
 
+def _row_entry(ctx: ShardContext, block: int) -> Any:
+    """The spec entry of the first argument's rows (whole blocks per shard), for the FFN kernels."""
+    return spec_entry(_block_axes(ctx.arg_specs[0][0], ctx.arg_shapes[0][0], block, ctx.mesh, set()))
+
+
+def ffn_act_quantize(local: Callable[..., tuple], block: int) -> Callable[..., tuple]:
+    """``local(h[R, W]) -> (q[R, F], s[R, F/b], qt[F, R], st[F, R/b])`` (the activation of each row,
+    gated: of its two halves, then dual_quantize's outputs): rows shard in whole blocks, columns are
+    gathered (a gated row's two halves belong together)."""
+
+    def rule(shape, mesh):
+        sizes: dict = {}
+        need: list = ["w", "f", "fs"]
+        r, rs = _block_dims(shape[0], block, "r", sizes, need, mesh)
+        return f"{r} w -> {r} f, {r} fs, f {r}, f {rs}", {"need_replication_factors": tuple(need), **sizes}
+
+    def plan(ctx: ShardContext) -> ShardPlan:
+        r = _row_entry(ctx, block)
+        return ShardPlan([[r, None]], [[r, None], [r, None], [None, r], [None, r]], None)
+
+    return _wrap(local, rule, plan, True)
+
+
+def ffn_dact_quantize(local: Callable[..., tuple], block: int) -> Callable[..., tuple]:
+    """``local(da[R, F], h[R, W]) -> (q[R, W], s[R, W/b], qt[W, R], st[W/b, R/b])`` (the activation's
+    backward, then 1 x b tiles and b x b blocks of the transpose): rows shard in whole blocks,
+    columns are gathered."""
+
+    def rule(shape, h_shape, mesh):
+        sizes: dict = {}
+        need: list = ["f", "w", "ws"]
+        r, rs = _block_dims(shape[0], block, "r", sizes, need, mesh)
+        outs = f"{r} w, {r} ws, w {r}, ws {rs}"
+        return f"{r} f, {r} w -> {outs}", {"need_replication_factors": tuple(need), **sizes}
+
+    def plan(ctx: ShardContext) -> ShardPlan:
+        r = _row_entry(ctx, block)
+        return ShardPlan([[r, None], [r, None]], [[r, None], [r, None], [None, r], [None, r]], None)
+
+    return _wrap(local, rule, plan, True)
+
+
 def dact_dbias_quantize(local: Callable[..., tuple], block: int) -> Callable[..., tuple]:
     """``local(dy[R, C], z[R, C]) -> (q[R, C], s[R, C/b], qt[C, R], st[C/b, R/b], dbp[R/b, C])``:
     elementwise over whole b x b tiles (the per-row-block dbias partials shard like the rows; their

@@ -401,6 +401,112 @@ def _dact_local(dy, z, act, block, fmt, power_of_2):
     return cast(q), sinv, cast(qt), sinvt, dbp
 
 
+# activations the fused FFN kernels compute (the GELUs cancel in 1 + erf / 1 + tanh for very negative
+# inputs, where XLA uses erfc and a clamped tanh: they run unfused, ffn_activation + dual_quantize)
+FFN_FUSED_ACTIVATIONS = (None, "relu", "silu")
+
+
+def ffn_unsupported_reason(f: int, activation, gated: bool, block: int = 128) -> str | None:
+    """Why the fused FFN activation kernels cannot take an activation (None when they can)."""
+    if activation not in FFN_FUSED_ACTIVATIONS:
+        return f"the fused FFN activation kernels take None, 'relu' or 'silu', got {activation!r}"
+    if gated and f % block:
+        return f"the gated backward kernel needs the FFN width F to be a multiple of {block}, got F={f}"
+    return None
+
+
+def ffn_act_dual_quantize(
+    h: jax.Array, activation, gated: bool, fmt, *, power_of_2: bool, margin: int = 0
+) -> tuple[QuantizedTensor, QuantizedTensor]:
+    """``a = act(h)`` ([R, F]) or gated ``act(h[:, :F]) * h[:, F:]`` (h [R, 2F]), in float32 rounded
+    to h's dtype, quantized from one read of h: ``(a in 1 x 128 row tiles, a^T in 1 x 128 row
+    tiles)``, equal to ``dual_quantize(a, 128, fmt)`` up to the activation's last-ulp rounding."""
+    fmt = jnp.dtype(fmt)
+    r, w = h.shape
+    f = w // 2 if gated else w
+    why = ffn_unsupported_reason(f, activation, False)
+    if why:
+        raise ValueError(f"ffn_act_dual_quantize: {why}")
+    fn = _sharded_ffn_act(_ACT_CODES[activation], bool(gated), fmt, bool(power_of_2), margin, PARTITION,
+                          DUAL_TILE_WARPS)  # fmt: skip
+    q, s, qt, st = fn(h) if r * f else _ffn_empty(r, f, False)
+    return _dual_result(h, fmt, 128, False, q, s, qt, st)
+
+
+def ffn_dact_dual_quantize(
+    da: jax.Array, h: jax.Array, activation, gated: bool, fmt, *, power_of_2: bool, margin: int = 0
+) -> tuple[QuantizedTensor, QuantizedTensor]:
+    """The backward of :func:`ffn_act_dual_quantize`'s activation, ``dh`` ([R, F], or [R, 2F]
+    gated: ``[da * h[:, F:] * act'(h[:, :F]), da * act(h[:, :F])]``) in float32 rounded to h's
+    dtype, quantized from one read of da and h: ``(dh in 1 x 128 row tiles, dh^T in 128 x 128
+    blocks)``, equal to ``dual_quantize(dh, 128, fmt, t_square=True)`` up to the activation's
+    last-ulp rounding. Gated: F a multiple of 128 (:func:`ffn_unsupported_reason`)."""
+    fmt = jnp.dtype(fmt)
+    r, f = da.shape
+    why = ffn_unsupported_reason(f, activation, gated)
+    if why:
+        raise ValueError(f"ffn_dact_dual_quantize: {why}")
+    fn = _sharded_ffn_dact(_ACT_CODES[activation], bool(gated), fmt, bool(power_of_2), margin, PARTITION,
+                           QUANT_TILE_WARPS)  # fmt: skip
+    q, s, qt, st = fn(da, h) if r * f else _ffn_empty(r, h.shape[1], True)
+    return _dual_result(h, fmt, 128, True, q, s, qt, st)
+
+
+def _ffn_empty(r: int, c: int, t_square: bool) -> list:
+    return [jnp.zeros(o.shape, jnp.uint8) if o.dtype == jnp.uint8 else jnp.ones(o.shape, jnp.float32)
+            for o in _dual_outputs(r, c, 128, t_square)]  # fmt: skip
+
+
+@functools.cache
+def _sharded_ffn_act(act, gated, fmt, power_of_2, margin, partition, warps=None):  # warps: read at trace time, keyed
+    def local(h):
+        return _ffn_act_local(h, act, gated, fmt, power_of_2, margin)
+
+    return sharding.ffn_act_quantize(local, 128) if partition else local
+
+
+def _ffn_act_local(h, act, gated, fmt, power_of_2, margin):
+    r, w = h.shape
+    f = w // 2 if gated else w
+    return tb.triton_call(
+        _k().ffn_act_dual_quantize_kernel,
+        h,
+        np.int32(r),
+        np.int32(f),
+        out_shape=_dual_outputs(r, f, 128, False),
+        grid=(-(-r // 128), -(-f // 128)),
+        constexprs=dict(ACT=act, GATED=gated, B=128, **_quant_constexprs(fmt, power_of_2, margin)),
+        num_warps=DUAL_TILE_WARPS,
+        divisible_by_16=("F",) if f % 16 == 0 else (),
+        name="te_fp8_ffn_act_dual_quantize",
+    )
+
+
+@functools.cache
+def _sharded_ffn_dact(act, gated, fmt, power_of_2, margin, partition, warps=None):
+    def local(da, h):
+        return _ffn_dact_local(da, h, act, gated, fmt, power_of_2, margin)
+
+    return sharding.ffn_dact_quantize(local, 128) if partition else local
+
+
+def _ffn_dact_local(da, h, act, gated, fmt, power_of_2, margin):
+    r, f = da.shape
+    return tb.triton_call(
+        _k().ffn_dact_dual_quantize_kernel,
+        da,
+        h,
+        np.int32(r),
+        np.int32(f),
+        out_shape=_dual_outputs(r, h.shape[1], 128, True),
+        grid=(-(-r // 128), -(-f // 128)),
+        constexprs=dict(ACT=act, GATED=gated, B=128, **_quant_constexprs(fmt, power_of_2, margin)),
+        num_warps=QUANT_TILE_WARPS,
+        divisible_by_16=("F",) if f % 16 == 0 else (),
+        name="te_fp8_ffn_dact_dual_quantize",
+    )
+
+
 # (BM, BN, num_warps, num_stages) of block_scaled_gemm; timed in benchmarks/fp8.py
 GEMM_CONFIG = (128, 128, 8, 3)
 # "tiled": block_scaled_gemm_kernel, one program per output tile; "persistent": the Triton grouped

@@ -353,6 +353,146 @@ def _act_grad(z, ACT: tl.constexpr):
 
 
 @triton.jit
+def _dact(d, z, ACT: tl.constexpr):
+    """d * act'(z) in float32 as automatic differentiation gives it: for ReLU a select (where(z > 0,
+    d, 0): a NaN or Inf d at z <= 0 gives 0), a product otherwise."""
+    if ACT == 3:
+        r = tl.where(z > 0.0, d, 0.0)
+    else:
+        r = d * _act_grad(z, ACT)
+    return r
+
+
+@triton.jit
+def _act(z, ACT: tl.constexpr):
+    """act(z) in float32 for the fused FFN kernels (ACT as _act_grad's): ReLU (NaN kept), SiLU
+    z / (1 + exp(-z)), 0: z. (The GELUs are not fused: ``1 + erf`` and ``1 + tanh`` cancel for very
+    negative z, where XLA's erfc and clamped tanh give other values; those run unfused.)"""
+    if ACT == 3:
+        a = tl.where(z > 0.0, z, tl.where(z != z, z, 0.0))
+    elif ACT == 4:
+        a = z / (1.0 + tl.exp(-z))
+    else:
+        a = z
+    return a
+
+
+@triton.jit
+def _round_to(x, dt: tl.constexpr, HW: tl.constexpr):
+    """float32 ``x`` rounded to ``dt`` (bfloat16, float16 or float32) to nearest even, as float32.
+    HW: the GPU's conversion; otherwise integer arithmetic (Triton's interpreter truncates, and
+    its round-to-nearest mode misses the carry into the exponent)."""
+    if HW:
+        r = x.to(dt).to(tl.float32)
+    elif dt == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        r = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        r = tl.where(x != x, x, r)
+    elif dt == tl.float16:
+        r = round_to_fp8_grid(x, 10, -14)  # float16's grid: 10 mantissa bits, normals from 2**-14
+        r = tl.where(tl.abs(r) >= 65536.0, tl.where(x > 0.0, float("inf"), float("-inf")), r)  # past 65504
+    else:
+        r = x
+    return r
+
+
+@triton.jit
+def _ffn_load(h_ptr, rows, cols, R, F, W):
+    """The [len(rows), len(cols)] tile at columns ``cols`` (< F) of an [R, W] tensor, float32."""
+    offs = rows.to(tl.int64)[:, None] * W + cols[None, :]
+    return tl.load(h_ptr + offs, mask=(rows < R)[:, None] & (cols < F)[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def ffn_act_dual_quantize_kernel(
+    h_ptr,
+    R,
+    F,
+    q_ptr,
+    sinv_ptr,
+    qt_ptr,
+    sinvt_ptr,
+    ACT: tl.constexpr,
+    GATED: tl.constexpr,
+    B: tl.constexpr,
+    FMAX: tl.constexpr,
+    MBITS: tl.constexpr,
+    EMIN: tl.constexpr,
+    MARGIN_MUL: tl.constexpr,
+    POW2: tl.constexpr,
+    HW: tl.constexpr,
+):
+    """The MoE FFN's activation fused with the dual quantize of its output (the second expert
+    GEMM's operands), one read of the first GEMM's output h:
+
+    * a = act(h) [R, F] (h [R, F]), or gated a = act(h[:, :F]) * h[:, F:] (h [R, 2F]), in float32,
+      rounded to h's dtype (what the unfused activation writes);
+    * q [R, F] in 1 x B row tiles, sinv [R, cdiv(F, B)]; qt [F, R] = a^T in 1 x B row tiles, sinvt
+      [F, cdiv(R, B)] (dual_quantize_kernel's outputs for a).
+    Grid (cdiv(R, B), cdiv(F, B))."""
+    rb = tl.program_id(0)
+    cb = tl.program_id(1)
+    cols = cb * B + tl.arange(0, B)
+    rows = rb * B + tl.arange(0, B)
+    W = 2 * F if GATED else F
+    a = _act(_ffn_load(h_ptr, rows, cols, R, F, W), ACT)
+    if GATED:
+        a = a * _ffn_load(h_ptr + F, rows, cols, R, F, W)
+    a = _round_to(a, h_ptr.dtype.element_ty, HW)
+    _dual_tile(a, a, rows, cols, rb, cb, R, F, q_ptr, sinv_ptr, qt_ptr, sinvt_ptr, B, FMAX, MBITS, EMIN, MARGIN_MUL,
+               POW2, HW, False, False)  # fmt: skip
+
+
+@triton.jit
+def ffn_dact_dual_quantize_kernel(
+    da_ptr,
+    h_ptr,
+    R,
+    F,
+    q_ptr,
+    sinv_ptr,
+    qt_ptr,
+    sinvt_ptr,
+    ACT: tl.constexpr,
+    GATED: tl.constexpr,
+    B: tl.constexpr,
+    FMAX: tl.constexpr,
+    MBITS: tl.constexpr,
+    EMIN: tl.constexpr,
+    MARGIN_MUL: tl.constexpr,
+    POW2: tl.constexpr,
+    HW: tl.constexpr,
+):
+    """The backward of ffn_act_dual_quantize_kernel's activation fused with the dual quantize of the
+    gradient (the first expert GEMM's backward operands), one read of da [R, F] and h:
+
+    * dh = da * act'(h) (h [R, F]), or gated dh = [da * h[:, F:] * act'(h[:, :F]), da * act(h[:, :F])]
+      ([R, 2F]; F a multiple of B), in float32, rounded to h's dtype (the unfused gradient);
+    * q [R, W] (W = F, or 2F gated) in 1 x B row tiles, sinv [R, cdiv(W, B)]; qt [W, R] = dh^T in
+      B x B blocks, sinvt [cdiv(W, B), cdiv(R, B)].
+    Grid (cdiv(R, B), cdiv(F, B)): a program writes one tile of dh, two when gated."""
+    rb = tl.program_id(0)
+    cb = tl.program_id(1)
+    cols = cb * B + tl.arange(0, B)
+    rows = rb * B + tl.arange(0, B)
+    dt = h_ptr.dtype.element_ty
+    da = _ffn_load(da_ptr, rows, cols, R, F, F)
+    if GATED:
+        g = _ffn_load(h_ptr, rows, cols, R, F, 2 * F)
+        u = _ffn_load(h_ptr + F, rows, cols, R, F, 2 * F)
+        du = _round_to(da * _act(g, ACT), dt, HW)
+        _dual_tile(du, du, rows, F + cols, rb, cb + F // B, R, 2 * F, q_ptr, sinv_ptr, qt_ptr, sinvt_ptr, B, FMAX,
+                   MBITS, EMIN, MARGIN_MUL, POW2, HW, False, True)  # fmt: skip
+        dg = _round_to(_dact(da * u, g, ACT), dt, HW)
+        _dual_tile(dg, dg, rows, cols, rb, cb, R, 2 * F, q_ptr, sinv_ptr, qt_ptr, sinvt_ptr, B, FMAX, MBITS, EMIN,
+                   MARGIN_MUL, POW2, HW, False, True)  # fmt: skip
+    else:
+        dh = _round_to(_dact(da, _ffn_load(h_ptr, rows, cols, R, F, F), ACT), dt, HW)
+        _dual_tile(dh, dh, rows, cols, rb, cb, R, F, q_ptr, sinv_ptr, qt_ptr, sinvt_ptr, B, FMAX, MBITS, EMIN,
+                   MARGIN_MUL, POW2, HW, False, True)  # fmt: skip
+
+
+@triton.jit
 def dact_dbias_quantize_kernel(
     dy_ptr,
     z_ptr,

@@ -606,3 +606,53 @@ def test_fp8_dense_activation_triton_matches_reference(recipe, act):
         a32, c32 = np.asarray(a, np.float32), np.asarray(c, np.float32)
         assert not np.isnan(a32).any(), name
         np.testing.assert_allclose(a32, c32, rtol=0, atol=2e-2 * float(np.max(np.abs(c32))), err_msg=name)
+
+
+@needs_triton
+@pytest.mark.parametrize("act,gated", [("silu", True), ("silu", False), ("relu", True), (None, False)], ids=str)
+@pytest.mark.parametrize("shape", [(300, 256), (131072, 2048)], ids=str)
+def test_ffn_fused_kernels_match_reference(act, gated, shape):
+    """The fused FFN activation (+ backward) and dual quantize kernels: the reference's bytes up to
+    the GPU's exp in its last ulp moving an FP8 rounding (tests/te_ops/test_fp8_ffn._compare: a
+    fraction <= 1e-3, every value within one FP8 step, NaN positions equal); all outputs written."""
+    from te_ops.fp8 import ffn
+    from te_ops.fp8 import triton as tri
+    from tests.te_ops.test_fp8_ffn import _compare, _edge
+
+    r, f = shape
+    rng = np.random.default_rng(21)
+    h = jnp.asarray(_edge(rng.standard_normal((r, 2 * f if gated else f)) * 2.0), jnp.bfloat16)
+    da = jnp.asarray(_edge(rng.standard_normal((r, f))), jnp.bfloat16)
+    with native.poisoned_outputs():
+        got_a = jax.jit(lambda h: tri.ffn_act_dual_quantize(h, act, gated, fp8.E4M3, power_of_2=True))(h)
+        got_d = jax.jit(lambda da, h: tri.ffn_dact_dual_quantize(da, h, act, gated, fp8.E5M2, power_of_2=True))(da, h)
+
+    def want_a(h):
+        a = ffn.ffn_activation(h, act, gated)
+        return (ref.quantize_blocks(a, (1, 128), fp8.E4M3, power_of_2=True),
+                ref.quantize_blocks(a.T, (1, 128), fp8.E4M3, power_of_2=True))  # fmt: skip
+
+    def want_d(da, h):
+        dh = jax.vjp(lambda h: ffn.ffn_activation(h, act, gated), h)[1](da)[0]
+        return (ref.quantize_blocks(dh, (1, 128), fp8.E5M2, power_of_2=True),
+                ref.quantize_blocks(dh.T, (128, 128), fp8.E5M2, power_of_2=True))  # fmt: skip
+
+    for tag, got, want in (("act", got_a, on_cpu(want_a, h)), ("dact", got_d, on_cpu(want_d, da, h))):
+        ok, msg = _compare(jax.device_get(got), want, tag)
+        assert ok, msg
+
+
+@needs_triton
+def test_fp8_dispatch_ffn_triton_matches_reference():
+    """The fused expert FFN op on the GPU kernels vs its reference (forward and the three gradients)."""
+    from tests.te_ops.test_fp8_ffn import _fused, _inputs, _value_and_grads
+
+    x, rm, wi, wo = _inputs(22, t=2048, h=1024, e=8, f=512)
+    n = 2 * x.shape[0]
+    dy = jnp.asarray(np.random.default_rng(23).standard_normal((n, 1024)), jnp.bfloat16)
+    got = jax.jit(lambda *a: _value_and_grads(_fused(rm, n, "silu", True, "triton"), *a, dy))(x, wi, wo)
+    want = on_cpu(lambda *a: _value_and_grads(_fused(rm, n, "silu", True, "reference"), *a, dy), x, wi, wo)
+    for name, a, b in zip(("y", "dx", "dwi", "dwo"), got, want, strict=True):
+        a32, b32 = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        err = float(np.max(np.abs(a32 - b32)) / np.max(np.abs(b32)))
+        assert err < 3e-2 and not np.isnan(a32).any(), (name, err)  # a few FP8 roundings moved by an exp ulp

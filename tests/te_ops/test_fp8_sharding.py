@@ -286,9 +286,11 @@ def triton_on_cpu(monkeypatch):
     monkeypatch.setattr(tri, "_wgrad_local", ref_wgrad_local)
     monkeypatch.setattr(tri, "_dact_local", ref_dact_local)
     monkeypatch.setattr(tri, "_requantize_t_local", ref_requantize_t_local)
+    monkeypatch.setattr(tri, "_ffn_act_local", ref_ffn_act_local)
+    monkeypatch.setattr(tri, "_ffn_dact_local", ref_ffn_dact_local)
     caches = [tri._sharded_amax, tri._sharded_cast, tri._sharded_block_quantize, tri._sharded_dual_quantize,
               tri._sharded_block_gemm, tri._sharded_grouped_gemm, tri._sharded_wgrad, tri._sharded_dact,
-              tri._sharded_requantize_t]  # fmt: skip
+              tri._sharded_requantize_t, tri._sharded_ffn_act, tri._sharded_ffn_dact]  # fmt: skip
     for c in caches:
         c.cache_clear()
     yield
@@ -302,6 +304,32 @@ def ref_requantize_t_local(data, sinv, in_fmt, block, fmt, power_of_2, margin=0)
     qd = ref.QuantizedTensor(jax.lax.bitcast_convert_type(data, in_fmt), sinv, (1, block), jnp.dtype(jnp.bfloat16))
     qt = ref.quantize_blocks(ref.dequantize(qd, F32).T, (1, block), fmt, power_of_2=power_of_2)
     return jax.lax.bitcast_convert_type(qt.data, jnp.uint8), qt.scale_inv
+
+
+def _u8(a):
+    return jax.lax.bitcast_convert_type(a, jnp.uint8)
+
+
+def ref_ffn_act_local(h, act, gated, fmt, power_of_2, margin=0):
+    """The fused FFN activation + dual quantize kernel's outputs (bytes) from the reference."""
+    from te_ops.fp8.ffn import ffn_activation
+
+    assert margin == 0
+    a = ffn_activation(h, _ACT_NAMES[act], gated)
+    q = ref.quantize_blocks(a, (1, 128), fmt, power_of_2=power_of_2)
+    qt = ref.quantize_blocks(a.T, (1, 128), fmt, power_of_2=power_of_2)
+    return _u8(q.data), q.scale_inv, _u8(qt.data), qt.scale_inv
+
+
+def ref_ffn_dact_local(da, h, act, gated, fmt, power_of_2, margin=0):
+    """The fused FFN activation backward + dual quantize kernel's outputs (bytes) from the reference."""
+    from te_ops.fp8.ffn import ffn_activation
+
+    assert margin == 0
+    dh = jax.vjp(lambda h: ffn_activation(h, _ACT_NAMES[act], gated), h)[1](da.astype(h.dtype))[0]
+    q = ref.quantize_blocks(dh, (1, 128), fmt, power_of_2=power_of_2)
+    qt = ref.quantize_blocks(dh.T, (128, 128), fmt, power_of_2=power_of_2)
+    return _u8(q.data), q.scale_inv, _u8(qt.data), qt.scale_inv
 
 
 _ACT_NAMES = {0: None, 1: "gelu", 2: "gelu_tanh", 3: "relu", 4: "silu"}
