@@ -26,11 +26,11 @@ from te_ops._core import triton_bridge as tb  # noqa: E402
 from te_ops.fp8 import reference as ref  # noqa: E402
 
 TARGET_TBPS = 3.8
-# FP8_BENCH_SECTIONS=dense,grouped_fb,quant,gemm,grouped,torch (default all): run only these sections
+# FP8_BENCH_SECTIONS=dense,grouped_fb,ffn,quant,gemm,grouped,torch (default all): run only these sections
 # (gemm: the dense block-scaled GEMM routes incl. cuBLASLt's and torch's blockwise scaled mm;
 # dense: fp8_dense fwd+bwd, block rows per GEMM route incl. cuBLASLt);
 # FP8_DENSE_MATCH=<substring>,...: only the fp8_dense variants whose name contains one of them
-ALL_SECTIONS = "dense,grouped_fb,quant,gemm,grouped,torch"
+ALL_SECTIONS = "dense,grouped_fb,ffn,quant,gemm,grouped,torch"
 # the block-scaled dense GEMM routes timed in fp8_dense fwd+bwd (te_ops.fp8.triton.GEMM_KERNEL)
 BLOCK_DENSE_KERNELS = {"tiled": "Triton tiled GEMM", "gluon": "Gluon warp-specialized GEMM",
                        "cublaslt": "cuBLASLt block-scaled GEMM"}  # fmt: skip
@@ -76,6 +76,9 @@ def main():
     save()
     if "grouped_fb" in SECTIONS:
         grouped_fwd_bwd(summary, gemm_rows)  # then the MoE experts' fwd+bwd and the wgrad kernel alone
+    save()
+    if "ffn" in SECTIONS:
+        ffn_fwd_bwd(summary, gemm_rows)  # the MoE expert FFN: bf16, FP8 block unfused, FP8 block fused
     save()
     if "quant" in SECTIONS:
         for name, shape, block in CASES:
@@ -664,6 +667,66 @@ def grouped_fwd_bwd(summary, gemm_rows):
         gemm_rows.append({"gemm": f"grouped wgrad K{k} N{n} G{g} M{m}",
                           "impl": f"fp8 block-scaled wgrad (triton {cfg or tri.WGRAD_CONFIG})", "ms": t,
                           "TFLOPs": 2.0 * m * k * n / t / 1e9})  # fmt: skip
+
+
+def ffn_fwd_bwd(summary, gemm_rows, t=65536, h=1024, e=16, k=2, f=2048):
+    """The MoE experts of benchmarks/train_moe.py at 64 x 1024 tokens (H 1024, 16 experts top-2, gated
+    SiLU FFN 2048), forward+backward from the tokens to the expert outputs (dispatch, wi GEMM,
+    activation, wo GEMM; combine excluded), one process: te_ops in bf16 (token_dispatch,
+    grouped_dense), FP8 block scaling unfused (fp8_dispatch_grouped_dense, the activation in XLA,
+    fp8_grouped_dense: what te_layers runs), and fused (te_ops.fp8.fp8_dispatch_ffn)."""
+    import numpy as np
+
+    from te_ops.fp8 import ffn
+    from te_ops.grouped_dense import grouped_dense
+    from te_ops.permutation import token_dispatch
+
+    rng = np.random.default_rng(8)
+    x = jnp.asarray(rng.standard_normal((t, h), np.float32), jnp.bfloat16)
+    top = np.argsort(-rng.standard_normal((t, e)), axis=1)[:, :k]
+    rm_np = np.zeros((t, e), bool)
+    np.put_along_axis(rm_np, top, True, axis=1)
+    rm, n = jnp.asarray(rm_np), t * k
+    wi = jnp.asarray(rng.standard_normal((e, h, 2 * f), np.float32) / h**0.5, jnp.bfloat16)
+    wo = jnp.asarray(rng.standard_normal((e, f, h), np.float32) / f**0.5, jnp.bfloat16)
+    dy = jnp.asarray(rng.standard_normal((n, h), np.float32), jnp.bfloat16)
+    rec = fp8.BlockScaling()
+
+    def bf16(x, wi, wo):
+        d = token_dispatch(x, rm, n)
+        return grouped_dense(ffn.ffn_activation(grouped_dense(d.out, wi, d.tokens_per_expert), "silu", True), wo,
+                             d.tokens_per_expert)  # fmt: skip
+
+    def unfused(x, wi, wo):
+        d = fp8.fp8_dispatch_grouped_dense(x, rm, n, wi, rec, implementation="triton")
+        a = ffn.ffn_activation(d.out, "silu", True)
+        return fp8.fp8_grouped_dense(a, wo, d.tokens_per_expert, rec, implementation="triton")
+
+    def fused(x, wi, wo):
+        return fp8.fp8_dispatch_ffn(x, rm, n, wi, wo, rec, activation="silu", gated=True, implementation="triton").out
+
+    def fb(fn):
+        def run(x, wi, wo, dy):
+            y, vjp = jax.vjp(fn, x, wi, wo)
+            return y, *vjp(dy)
+
+        return jax.jit(run)
+
+    times = {}
+    for name, fn in (("bf16 te_ops", bf16), ("fp8 block, unfused", unfused), ("fp8 block, fused FFN", fused)):
+        try:
+            times[name] = _timing.time_fn(fb(fn), [(x, wi, wo, dy)], repeats=5, calls=5)
+        except Exception as ex:  # one failing implementation must not hide the others
+            print(f"ffn fwd+bwd {name} failed: {type(ex).__name__}: {str(ex)[:300]}", flush=True)
+    flops = 6.0 * n * h * 3 * f  # two GEMMs (2F and F wide), forward + dx + dW
+    base = times.get("bf16 te_ops")
+    for name, ms in times.items():
+        gemm_rows.append({"gemm": f"moe expert ffn fwd+bwd T{t} H{h} E{e} top{k} F{f} gated silu", "impl": name,
+                          "ms": ms, "TFLOPs": flops / ms / 1e9, "vs_bf16": (base / ms) if base else None})  # fmt: skip
+    if base and "fp8 block, fused FFN" in times:
+        summary.append({"workload": f"MoE expert FFN fwd+bwd T{t} H{h} E{e} top{k} F{f}, FP8 block, fused",
+                        "ours_ms": times["fp8 block, fused FFN"], "alternative": "te_ops bf16",
+                        "alternative_ms": base, "headline": False})  # fmt: skip
 
 
 def torch_scaled_grouped(gemm_rows):

@@ -73,6 +73,9 @@ def build_models(cfg: dict, names: list[str]) -> dict[str, tuple]:
         elif name in GROUPED_GEMM_VARIANTS:  # te_layers with another grouped GEMM kernel configuration
             out[name] = (ex.MoELM(dict(cfg, norm="te")), f"te_layers, {GROUPED_GEMM_VARIANTS[name]} grouped GEMM",
                          {"grouped_gemm": name.removeprefix("te_layers_")})  # fmt: skip
+        elif name == "te_layers_fp8_block_fused":  # the same, experts as one op (te_ops.fp8.fp8_dispatch_ffn)
+            label = "te_layers, FP8 block scaling, fused expert FFN (activation fused into the quantizations)"
+            out[name] = (ex.MoELM(dict(cfg, norm="te", fp8="block")), label, {"fp8": "block", "fused_ffn": True})
         elif name.startswith("te_layers_fp8_"):  # te_layers with FP8 projections and experts (stateless recipes)
             recipe = name.removeprefix("te_layers_fp8_")
             if recipe not in ("current", "block"):
@@ -94,7 +97,7 @@ def build_models(cfg: dict, names: list[str]) -> dict[str, tuple]:
         else:
             raise SystemExit(f"train_moe benchmark: unknown model {name!r} in --models; known: te_layers, "
                              "te_layers_flax_norm, te_layers_ws, te_layers_pp, te_layers_tma, te_layers_fp8_current, "
-                             "te_layers_fp8_block, ragged_dot, "
+                             "te_layers_fp8_block, te_layers_fp8_block_fused, ragged_dot, "
                              "strong_cf<factor>")  # fmt: skip
     return out
 
@@ -108,8 +111,22 @@ GROUPED_GEMM_VARIANTS = {
 }
 
 
+@contextlib.contextmanager
+def _fused_ffn():
+    """te_layers' FP8 block-scaled experts as one op while the step traces (te_layers._common.FP8_FUSED_FFN)."""
+    from te_layers import _common as C
+
+    prev, C.FP8_FUSED_FFN = C.FP8_FUSED_FFN, True
+    try:
+        yield
+    finally:
+        C.FP8_FUSED_FFN = prev
+
+
 def _context(extra: dict):
     """The trace-time setting a model variant needs (``extra["grouped_gemm"]``), else None."""
+    if extra.get("fused_ffn"):
+        return _fused_ffn
     kind = extra.get("grouped_gemm")
     if kind is None:
         return None

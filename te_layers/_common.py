@@ -425,12 +425,35 @@ def expert_ffn(x, wi, wo, group_sizes, *, activation, gated, backend, fp8=None, 
     return grouped(h, wo.astype(x.dtype), group_sizes, backend, "wo")
 
 
+# The FP8 block-scaled MoE experts as one op, te_ops.fp8.fp8_dispatch_ffn (the activation fused into
+# the quantizations around it: neither the activation nor its gradient goes to memory in high
+# precision). Same numbers as the unfused path (bit for bit on the reference path). Off until its
+# kernels have run on a GPU (benchmarks/train_moe.py model te_layers_fp8_block_fused turns it on);
+# read at trace time.
+FP8_FUSED_FFN = False
+
+
+def _fused_ffn_applies(fp8, cfg: MoEConfig) -> bool:
+    from te_ops.fp8 import BlockScaling
+    from te_ops.fp8.ffn import ACTIVATIONS
+
+    blocks = (getattr(fp8, "act_block", None), getattr(fp8, "weight_block", None))
+    named = cfg.activation is None or (isinstance(cfg.activation, str) and cfg.activation in ACTIVATIONS)
+    return FP8_FUSED_FFN and isinstance(fp8, BlockScaling) and blocks == ((1, 128), (128, 128)) and named
+
+
 def _fp8_dispatch_ffn(x2d, routing_map, n, wi, wo, cfg: MoEConfig, fp8, fp8_state):
     """FP8 token dispatch: ``te_ops.fp8.fp8_dispatch_grouped_dense`` (tokens quantized once, FP8
     rows dispatched, the wi GEMM on them), then the activation and the wo GEMM as in
-    :func:`expert_ffn`. Returns (y [N, H], row_id_map)."""
+    :func:`expert_ffn`; with ``FP8_FUSED_FFN`` and block scaling all of it in
+    ``te_ops.fp8.fp8_dispatch_ffn``. Returns (y [N, H], row_id_map)."""
     from te_layers._fp8 import from_tree
-    from te_ops.fp8 import DelayedScaling, fp8_dispatch_grouped_dense
+    from te_ops.fp8 import DelayedScaling, fp8_dispatch_ffn, fp8_dispatch_grouped_dense
+
+    if _fused_ffn_applies(fp8, cfg):
+        d = fp8_dispatch_ffn(x2d, routing_map, n, wi.astype(x2d.dtype), wo.astype(x2d.dtype), fp8,
+                             activation=cfg.activation, gated=cfg.gated)  # fmt: skip
+        return d.out, d.row_id_map
 
     st = from_tree(fp8_state["wi"]) if isinstance(fp8, DelayedScaling) else None
     d = fp8_dispatch_grouped_dense(x2d, routing_map, n, wi.astype(x2d.dtype), fp8, state=st)

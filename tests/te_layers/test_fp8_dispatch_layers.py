@@ -179,3 +179,32 @@ def test_fp8_dispatch_must_be_a_bool(framework):
             te_nnx.MoEBlock(A.H, A.E, A.K, A.F, fp8_dispatch="yes", rngs=nnx.Rngs(0))
         else:
             te_eqx.MoEBlock(A.H, A.E, A.K, A.F, fp8_dispatch=None, key=jax.random.key(0))
+
+
+@pytest.mark.parametrize("activation, gated", [("silu", True), ("relu", False), ("gelu", True)])
+def test_fused_ffn_switch_is_the_unfused_path(monkeypatch, activation, gated):
+    """te_layers._common.FP8_FUSED_FFN routes block-scaled MoE experts through
+    te_ops.fp8.fp8_dispatch_ffn: on the reference path (this CPU) the output and every gradient are
+    the unfused path's bit for bit, in Linen, NNX and Equinox, and the fused op really ran."""
+    from te_layers import _common as C
+    from te_ops.fp8 import ffn
+
+    recipe = RECIPES["block"]
+    kw = dict(aux_loss_coeff=0.0, fp8=recipe, activation=activation, gated=gated)
+    m = te_linen.MoEBlock(A.E, A.K, A.F, **kw)
+    x = _x(7)
+    variables = nn.meta.unbox(jax.jit(m.init)(jax.random.key(8), x))
+    nm = A.load_nnx(te_nnx.MoEBlock(A.H, A.E, A.K, A.F, **kw, rngs=nnx.Rngs(1)), variables["params"])
+    em = A.load_eqx(te_eqx.MoEBlock(A.H, A.E, A.K, A.F, **kw, key=jax.random.key(2)), variables["params"])
+    calls = []
+    real = ffn._fused
+    monkeypatch.setattr(ffn, "_fused", lambda *a: calls.append(1) or real(*a))
+    res = {}
+    for fused in (False, True):
+        monkeypatch.setattr(C, "FP8_FUSED_FFN", fused)
+        val, g = jax.value_and_grad(lambda p, x: _loss_of(m.apply({"params": p}, x)), argnums=(0, 1))(
+            variables["params"], x
+        )
+        res[fused] = (val, g, nm(x), em(x)[0])
+    assert calls, "fp8_dispatch_ffn was not called with FP8_FUSED_FFN on"
+    jax.tree.map(lambda a, b: _exact(a, b, "fused vs unfused"), res[True], res[False])
