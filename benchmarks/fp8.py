@@ -712,12 +712,22 @@ def ffn_fwd_bwd(summary, gemm_rows, t=65536, h=1024, e=16, k=2, f=2048):
 
         return jax.jit(run)
 
+    from te_ops.fp8 import triton as tri
+
     times = {}
-    for name, fn in (("bf16 te_ops", bf16), ("fp8 block, unfused", unfused), ("fp8 block, fused FFN", fused)):
+    variants = [("bf16 te_ops", bf16, None), ("fp8 block, unfused", unfused, None),
+                ("fp8 block, fused FFN", fused, None),
+                ("fp8 block, fused FFN (act 8 warps, dact 16 warps)", fused, (8, 16))]  # fmt: skip
+    for name, fn, warps in variants:
+        prev = (tri.FFN_ACT_WARPS, tri.FFN_DACT_WARPS)
+        if warps:  # read at trace time: a fresh jitted function below traces with them
+            tri.FFN_ACT_WARPS, tri.FFN_DACT_WARPS = warps
         try:
             times[name] = _timing.time_fn(fb(fn), [(x, wi, wo, dy)], repeats=5, calls=5)
         except Exception as ex:  # one failing implementation must not hide the others
             print(f"ffn fwd+bwd {name} failed: {type(ex).__name__}: {str(ex)[:300]}", flush=True)
+        finally:
+            tri.FFN_ACT_WARPS, tri.FFN_DACT_WARPS = prev
     flops = 6.0 * n * h * 3 * f  # two GEMMs (2F and F wide), forward + dx + dW
     base = times.get("bf16 te_ops")
     for name, ms in times.items():

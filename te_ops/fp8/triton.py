@@ -401,6 +401,12 @@ def _dact_local(dy, z, act, block, fmt, power_of_2):
     return cast(q), sinv, cast(qt), sinvt, dbp
 
 
+# warps per 128 x 128 tile of the fused FFN kernels (read at trace time, part of the cached callables'
+# keys; not yet timed on a GPU). Offline ptxas (sm_90a, Triton 3.6, bf16, 4096 rows): the gated
+# forward spills 592 bytes a thread at 4 warps (0 at 8), the gated backward 392 at 8 (it reloads da and
+# the gate for its second half: 1192 without).
+FFN_ACT_WARPS = 4
+FFN_DACT_WARPS = 8
 # activations the fused FFN kernels compute (the GELUs cancel in 1 + erf / 1 + tanh for very negative
 # inputs, where XLA uses erfc and a clamped tanh: they run unfused, ffn_activation + dual_quantize)
 FFN_FUSED_ACTIVATIONS = (None, "relu", "silu")
@@ -428,7 +434,7 @@ def ffn_act_dual_quantize(
     if why:
         raise ValueError(f"ffn_act_dual_quantize: {why}")
     fn = _sharded_ffn_act(_ACT_CODES[activation], bool(gated), fmt, bool(power_of_2), margin, PARTITION,
-                          DUAL_TILE_WARPS)  # fmt: skip
+                          FFN_ACT_WARPS)  # fmt: skip
     q, s, qt, st = fn(h) if r * f else _ffn_empty(r, f, False)
     return _dual_result(h, fmt, 128, False, q, s, qt, st)
 
@@ -447,7 +453,7 @@ def ffn_dact_dual_quantize(
     if why:
         raise ValueError(f"ffn_dact_dual_quantize: {why}")
     fn = _sharded_ffn_dact(_ACT_CODES[activation], bool(gated), fmt, bool(power_of_2), margin, PARTITION,
-                           QUANT_TILE_WARPS)  # fmt: skip
+                           FFN_DACT_WARPS)  # fmt: skip
     q, s, qt, st = fn(da, h) if r * f else _ffn_empty(r, h.shape[1], True)
     return _dual_result(h, fmt, 128, True, q, s, qt, st)
 
@@ -476,7 +482,7 @@ def _ffn_act_local(h, act, gated, fmt, power_of_2, margin):
         out_shape=_dual_outputs(r, f, 128, False),
         grid=(-(-r // 128), -(-f // 128)),
         constexprs=dict(ACT=act, GATED=gated, B=128, **_quant_constexprs(fmt, power_of_2, margin)),
-        num_warps=DUAL_TILE_WARPS,
+        num_warps=FFN_ACT_WARPS,
         divisible_by_16=("F",) if f % 16 == 0 else (),
         name="te_fp8_ffn_act_dual_quantize",
     )
@@ -501,7 +507,7 @@ def _ffn_dact_local(da, h, act, gated, fmt, power_of_2, margin):
         out_shape=_dual_outputs(r, h.shape[1], 128, True),
         grid=(-(-r // 128), -(-f // 128)),
         constexprs=dict(ACT=act, GATED=gated, B=128, **_quant_constexprs(fmt, power_of_2, margin)),
-        num_warps=QUANT_TILE_WARPS,
+        num_warps=FFN_DACT_WARPS,
         divisible_by_16=("F",) if f % 16 == 0 else (),
         name="te_fp8_ffn_dact_dual_quantize",
     )

@@ -476,18 +476,19 @@ def ffn_dact_dual_quantize_kernel(
     cols = cb * B + tl.arange(0, B)
     rows = rb * B + tl.arange(0, B)
     dt = h_ptr.dtype.element_ty
-    da = _ffn_load(da_ptr, rows, cols, R, F, F)
-    if GATED:
-        g = _ffn_load(h_ptr, rows, cols, R, F, 2 * F)
-        u = _ffn_load(h_ptr + F, rows, cols, R, F, 2 * F)
-        du = _round_to(da * _act(g, ACT), dt, HW)
+    if GATED:  # the two halves one after the other (da and g loaded twice, from L2: fewer live registers)
+        da = _ffn_load(da_ptr, rows, cols, R, F, F)
+        du = _round_to(da * _act(_ffn_load(h_ptr, rows, cols, R, F, 2 * F), ACT), dt, HW)
         _dual_tile(du, du, rows, F + cols, rb, cb + F // B, R, 2 * F, q_ptr, sinv_ptr, qt_ptr, sinvt_ptr, B, FMAX,
                    MBITS, EMIN, MARGIN_MUL, POW2, HW, False, True)  # fmt: skip
-        dg = _round_to(_dact(da * u, g, ACT), dt, HW)
+        da = _ffn_load(da_ptr, rows, cols, R, F, F)
+        u = _ffn_load(h_ptr + F, rows, cols, R, F, 2 * F)
+        dg = _round_to(_dact(da * u, _ffn_load(h_ptr, rows, cols, R, F, 2 * F), ACT), dt, HW)
         _dual_tile(dg, dg, rows, cols, rb, cb, R, 2 * F, q_ptr, sinv_ptr, qt_ptr, sinvt_ptr, B, FMAX, MBITS, EMIN,
                    MARGIN_MUL, POW2, HW, False, True)  # fmt: skip
     else:
-        dh = _round_to(_dact(da, _ffn_load(h_ptr, rows, cols, R, F, F), ACT), dt, HW)
+        dh = _round_to(_dact(_ffn_load(da_ptr, rows, cols, R, F, F), _ffn_load(h_ptr, rows, cols, R, F, F), ACT), dt,
+                       HW)  # fmt: skip
         _dual_tile(dh, dh, rows, cols, rb, cb, R, F, q_ptr, sinv_ptr, qt_ptr, sinvt_ptr, B, FMAX, MBITS, EMIN,
                    MARGIN_MUL, POW2, HW, False, True)  # fmt: skip
 

@@ -1134,6 +1134,41 @@ def test_fp8_kernels_compile_for_sm90_without_spills(monkeypatch, stub_triton_la
             assert "0 bytes spill stores" in report, (name, report[-2000:])
 
 
+def test_fused_ffn_and_requantize_kernels_compile_for_sm90(monkeypatch, stub_triton_launcher):
+    """The FP8 dispatch's requantize (FP8 rows -> 1 x 128 tiles of the transpose) and the fused FFN
+    activation kernels (te_ops.fp8.fp8_dispatch_ffn), lowered for sm_90a here at the MoE training
+    shapes: they compile with the GPU's FP8 and bfloat16 conversions (not the interpreter's integer
+    formulations) and spill at most as much as the dual quantize they are built on."""
+    tb, tri, ptxas, launches = _offline_sm90(stub_triton_launcher, monkeypatch)
+    S = jax.ShapeDtypeStruct
+    r, h, f = 4096, 1024, 2048
+    calls = [
+        (lambda q: tri.requantize_t(q, fp8.E4M3, power_of_2=True), _qt_spec((r, h), (1, 128), (r, h // 128))),
+        (lambda x: tri.ffn_act_dual_quantize(x, "silu", True, fp8.E4M3, power_of_2=True), S((r, 2 * f), jnp.bfloat16)),
+        (lambda x: tri.ffn_act_dual_quantize(x, "relu", False, fp8.E4M3, power_of_2=True), S((r, f), jnp.bfloat16)),
+        (lambda d, x: tri.ffn_dact_dual_quantize(d, x, "silu", True, fp8.E5M2, power_of_2=True),
+         S((r, f), jnp.bfloat16), S((r, 2 * f), jnp.bfloat16)),
+        (lambda d, x: tri.ffn_dact_dual_quantize(d, x, None, False, fp8.E4M3, power_of_2=False),
+         S((r, f), jnp.bfloat16), S((r, f), jnp.bfloat16)),
+    ]  # fmt: skip
+    with tb.target_override(("cuda", 90, 32)):
+        for fn, *args in calls:
+            jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    names = [launch.name for launch in launches]
+    assert (
+        names == ["te_fp8_requantize_t"] + ["te_fp8_ffn_act_dual_quantize"] * 2 + ["te_fp8_ffn_dact_dual_quantize"] * 2
+    ), names
+    for i, (name, compiled, _) in enumerate(launches):
+        ptx = compiled.asm["ptx"]
+        assert "cvt.rn.satfinite.e" in ptx, name  # the GPU's FP8 conversion
+        if i in (1, 3):
+            assert "cvt.rn.bf16" in ptx, name  # the activation rounded to bfloat16 by the GPU
+        report = _ptxas_report(ptxas, ptx, name)
+        spilled = re.search(r"(\d+) bytes spill stores", report)
+        print(name, spilled.group(0) if spilled else report[-300:])
+        assert spilled and int(spilled.group(1)) <= 600, (name, report[-2000:])
+
+
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 def test_gluon_gemm_scales_tma_variant_compiles_for_sm90_without_spills(bias, monkeypatch, stub_triton_launcher):
     """The Gluon block-scaled GEMM's SCALES_TMA variant (the producer TMA-loads each step's A row
