@@ -117,8 +117,9 @@ for step in $STEPS; do
     stamp "GPU tests: $f"
     v="PYTEST_ARGS_$name"; if [ -n "${!v+x}" ]; then file_args=${!v}; else file_args=${PYTEST_ARGS:-}; fi
     v="TEST_TIMEOUT_$name"; file_timeout=${!v:-${TEST_TIMEOUT:-300}}
+    eval "file_argv=( ${file_args:-} )"  # shell quoting honoured: -n 3 -k 'ffn or requantize'
     XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s INT -k 20 $(( left < file_timeout ? left - 25 : file_timeout )) $PY -m pytest -m gpu "$f" -q -rs \
-      -p no:cacheprovider -o junit_family=xunit2 --junitxml "$OUT/results/$name.xml" ${file_args:-} \
+      -p no:cacheprovider -o junit_family=xunit2 --junitxml "$OUT/results/$name.xml" "${file_argv[@]}" \
       || { rc=$?; test_rc=$rc; stamp "$f rc=$rc"; }
   elif [ "$kind" = sh ]; then
     # sh:<name> runs scripts/<name>.sh (e.g. sh:sanitize, compute-sanitizer over the kernels); its
