@@ -103,7 +103,7 @@ def test_dual_quantize_matches_reference_bytes(shape, block, wide, square, warps
 @needs_triton
 @pytest.mark.parametrize("fmt", [fp8.E4M3, fp8.E5M2], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("pow2", [True, False], ids=["pow2", "exact"])
-@pytest.mark.parametrize("shape", [(300, 200), (131072, 1024), (4096, 7168)])
+@pytest.mark.parametrize("shape", [(300, 200), (32768, 1024), (4096, 7168)])
 def test_requantize_t_matches_reference_bytes(shape, pow2, fmt):
     """FP8 row tiles dequantized and quantized again transposed (the FP8 dispatch's weight-gradient
     operand): the GPU's conversions give the reference's bytes; every output element written."""
@@ -610,7 +610,7 @@ def test_fp8_dense_activation_triton_matches_reference(recipe, act):
 
 @needs_triton
 @pytest.mark.parametrize("act,gated", [("silu", True), ("silu", False), ("relu", True), (None, False)], ids=str)
-@pytest.mark.parametrize("shape", [(300, 256), (131072, 2048)], ids=str)
+@pytest.mark.parametrize("shape", [(300, 256), (16384, 2048)], ids=str)
 def test_ffn_fused_kernels_match_reference(act, gated, shape):
     """The fused FFN activation (+ backward) and dual quantize kernels: the reference's bytes up to
     the GPU's exp in its last ulp moving an FP8 rounding (tests/te_ops/test_fp8_ffn._compare: a
