@@ -205,6 +205,25 @@ def test_requantize_t_partitions(rows, spec, gathers):
     assert bool(gathers) == bool(_nonzero(counts)), counts
 
 
+@pytest.mark.parametrize("spec, gathers", [(P("a"), False), (P(("a", "b")), False), (P(None, "a"), True)],
+                         ids=["rows", "rows8", "columns"])  # fmt: skip
+def test_ffn_fused_kernels_partition_by_rows(spec, gathers):
+    """The fused FFN activation (+ backward) quantize kernels (te_ops.fp8.fp8_dispatch_ffn):
+    bit-identical sharded and unsharded; rows in whole 128-row blocks need no collective, sharded
+    columns are gathered (a gated row's two halves belong together)."""
+    mesh = T.cpu_mesh((4, 2), ("a", "b"))
+    h = _x(8, (1024, 512), jnp.bfloat16)
+    da = _x(9, (1024, 256), jnp.bfloat16)
+    act = fsh.ffn_act_quantize(lambda h: ref_ffn_act_local(h, 4, True, E4M3, True), 128)
+    out, expect, counts = T.run_sharded(act, [h], [spec], None, mesh=mesh)
+    _same_bits(out, expect)
+    assert bool(gathers) == bool(_nonzero(counts)), counts
+    dact = fsh.ffn_dact_quantize(lambda d, h: ref_ffn_dact_local(d, h, 4, True, E5M2, True), 128)
+    out, expect, counts = T.run_sharded(dact, [da, h], [spec, spec], None, mesh=mesh)
+    _same_bits(out, expect)
+    assert bool(gathers) == bool(_nonzero(counts)), counts
+
+
 def _gemm_operands(seed, m, k, n):
     qa = ref.quantize_blocks(_x(seed, (m, k), jnp.bfloat16), (1, 128), E4M3, power_of_2=False)
     qb = ref.quantize_blocks(_x(seed + 1, (n, k), jnp.bfloat16), (128, 128), E4M3, power_of_2=False)
