@@ -222,7 +222,7 @@ def _main() -> int:
         w = 2 * f if gated else f
         h = jnp.asarray(_edge(rng.standard_normal((r, w)) * 2.0), dtype)
         da = jnp.asarray(_edge(rng.standard_normal((r, f))), dtype)
-        for fmt, pow2 in ((fp8.E4M3, True), (fp8.E5M2, False)):
+        for fmt, pow2 in [((fp8.E4M3, True), (fp8.E5M2, False))[i % 2]]:  # both formats over the cases
             a = ffn.ffn_activation(h, act, gated)
             got = tri.ffn_act_dual_quantize(h, act, gated, fmt, power_of_2=pow2)
             want = (ref.quantize_blocks(a, (1, 128), fmt, power_of_2=pow2),
