@@ -868,6 +868,56 @@ def _fp8_dual_gluon(c):
     c.fwd(make, [c.normal((272, 400), "bfloat16", 3)], "triton")
 
 
+@case("fp8_requantize_t_triton", "fp8", "triton", triton=(F8T + "requantize_t_kernel",))
+def _fp8_requantize(c):
+    """FP8 rows in 1 x 128 tiles -> 1 x 128 tiles of the transpose (the FP8 dispatch's wgrad operand),
+    partial tiles both ways, E4M3 with power-of-two scales and E5M2 without."""
+    from te_ops.fp8 import reference as ref
+
+    def make(impl):
+        def f(x):
+            out = []
+            for fmt, p2 in ((fp8.E4M3, True), (fp8.E5M2, False)):
+                q = ref.quantize_blocks(x, (1, 128), fmt, power_of_2=p2)
+                if impl == "reference":
+                    out.append(ref.quantize_blocks(ref.dequantize(q, jnp.float32).T, (1, 128), fmt, power_of_2=p2))
+                else:
+                    from te_ops.fp8 import triton as tri
+
+                    out.append(tri.requantize_t(q, fmt, power_of_2=p2))
+            return tuple(out)
+
+        return f
+
+    c.fwd(make, [c.normal((130, 200), "bfloat16", 3)], "triton")
+
+
+@case(
+    "fp8_dispatch_ffn_triton",
+    "fp8",
+    "triton (fused FFN activation kernels, requantize, Gluon / Triton grouped GEMMs)",
+    triton=(F8T + "ffn_act_dual_quantize_kernel", F8T + "ffn_dact_dual_quantize_kernel", F8T + "requantize_t_kernel"),
+)
+def _fp8_dispatch_ffn(c):
+    """te_ops.fp8.fp8_dispatch_ffn forward and backward (gated SiLU, F = 128, 4 experts top-2, 64
+    tokens, one routed nowhere): every kernel of the fused expert FFN."""
+    rng = np.random.default_rng(5)
+    t, h, e, f = 64, 128, 4, 128
+    rm = np.zeros((t, e), bool)
+    np.put_along_axis(rm, np.argsort(-rng.standard_normal((t, e)), axis=1)[:, :2], True, axis=1)
+    rm[0] = False
+    args = [c.normal((t, h), "bfloat16"), c.normal((e, h, 2 * f), "bfloat16", 1 / np.sqrt(h)),
+            c.normal((e, f, h), "bfloat16", 1 / np.sqrt(f))]  # fmt: skip
+
+    def make(impl):
+        def fn(x, wi, wo):
+            return fp8.fp8_dispatch_ffn(x, rm, 2 * t, wi, wo, activation="silu", gated=True, implementation=impl).out
+
+        return fn
+
+    c.vjp(make, args, "triton", tol=5e-2, l2=True)
+
+
 @case("fp8_dact_dbias_quantize_triton", "fp8", "triton", triton=(F8T + "dact_dbias_quantize_kernel",))
 def _fp8_dact(c):
     dy = c.normal((37, 200), "bfloat16", 3)
