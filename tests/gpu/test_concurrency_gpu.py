@@ -589,6 +589,32 @@ def _build_fp8_grouped(impl: str) -> Case:
     return Case(step, (x, kernels, gs, ct), {})
 
 
+@_op("fp8_dispatch_ffn_block_bf16", "triton", _why_fp8, "triton")
+def _build_fp8_dispatch_ffn(impl: str) -> Case:
+    """The fused FP8 expert FFN (token dispatch of FP8 rows, the requantized wgrad operand, the fused
+    activation kernels, both grouped GEMMs), forward and backward."""
+    from te_ops import fp8
+
+    rng = np.random.default_rng(78)
+    t, h, e, f = 96, 256, 4, 128
+    rm = np.zeros((t, e), bool)
+    np.put_along_axis(rm, np.argsort(-rng.standard_normal((t, e)), axis=1)[:, :2], True, axis=1)
+    x = _dev(_np(rng, (t, h)), jnp.bfloat16)
+    wi = _dev(_np(rng, (e, h, 2 * f), 1 / 16), jnp.bfloat16)
+    wo = _dev(_np(rng, (e, f, h), 1 / 11), jnp.bfloat16)
+    ct = _dev(_np(rng, (2 * t, h)), jnp.bfloat16)
+    rmd = _dev(rm)
+
+    def step(x, wi, wo, rmd, ct):
+        def fn(x, wi, wo):
+            return fp8.fp8_dispatch_ffn(x, rmd, 2 * t, wi, wo, activation="silu", implementation=impl).out
+
+        y, vjp = jax.vjp(fn, x, wi, wo)
+        return y, vjp(ct)
+
+    return Case(step, (x, wi, wo, rmd, ct), {})
+
+
 # ----------------------------------------------------------------------------------------------
 # The child process: runs every builder, writes the outputs' bytes and prints the report
 # ----------------------------------------------------------------------------------------------
