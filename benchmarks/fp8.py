@@ -26,11 +26,11 @@ from te_ops._core import triton_bridge as tb  # noqa: E402
 from te_ops.fp8 import reference as ref  # noqa: E402
 
 TARGET_TBPS = 3.8
-# FP8_BENCH_SECTIONS=dense,grouped_fb,ffn,quant,gemm,grouped,torch (default all): run only these sections
+# FP8_BENCH_SECTIONS=dense,grouped_fb,ffn,quant,gemm,grouped,grouped_model,torch (default all): run only these
 # (gemm: the dense block-scaled GEMM routes incl. cuBLASLt's and torch's blockwise scaled mm;
 # dense: fp8_dense fwd+bwd, block rows per GEMM route incl. cuBLASLt);
 # FP8_DENSE_MATCH=<substring>,...: only the fp8_dense variants whose name contains one of them
-ALL_SECTIONS = "dense,grouped_fb,ffn,quant,gemm,grouped,torch"
+ALL_SECTIONS = "dense,grouped_fb,ffn,quant,gemm,grouped,grouped_model,torch"
 # the block-scaled dense GEMM routes timed in fp8_dense fwd+bwd (te_ops.fp8.triton.GEMM_KERNEL)
 BLOCK_DENSE_KERNELS = {"tiled": "Triton tiled GEMM", "gluon": "Gluon warp-specialized GEMM",
                        "cublaslt": "cuBLASLt block-scaled GEMM"}  # fmt: skip
@@ -371,6 +371,9 @@ def main():
                                   "impl": f"fp8 block-scaled ({label})", "ms": t,
                                   "TFLOPs": 2.0 * m * k * n / t / 1e9, "target_TFLOPs": target})  # fmt: skip
             del qa, qb, x
+    save()
+    if "grouped_model" in SECTIONS:
+        grouped_model_shapes(gemm_rows)
     save()
     if "torch" in SECTIONS:
         torch_rows.extend(torch_scaled_grouped(gemm_rows))
@@ -737,6 +740,37 @@ def ffn_fwd_bwd(summary, gemm_rows, t=65536, h=1024, e=16, k=2, f=2048):
         summary.append({"workload": f"MoE expert FFN fwd+bwd T{t} H{h} E{e} top{k} F{f}, FP8 block, fused",
                         "ours_ms": times["fp8 block, fused FFN"], "alternative": "te_ops bf16",
                         "alternative_ms": base, "headline": False})  # fmt: skip
+
+
+def grouped_model_shapes(gemm_rows, m=131072, g=16):
+    """The grouped GEMMs of benchmarks/train_moe.py's experts at 64 x 1024 tokens (top-2: M = 131072
+    rows, 16 experts, short K): the FP8 block-scaled kernel (operands quantized) against te_ops'
+    bf16 grouped_dense on the same shapes, one process. FP8 is no faster than bf16 in the model's
+    profile (docs/perf_notes.md); these rows say which shapes lose."""
+    import numpy as np
+
+    from te_ops.fp8 import triton as tri
+    from te_ops.grouped_dense import grouped_dense
+
+    sizes = jnp.asarray(np.full(g, m // g, np.int32))
+    for k, n, what in [(1024, 4096, "wi fwd"), (2048, 1024, "wo fwd"), (4096, 1024, "wi dx"), (1024, 2048, "wo dx")]:
+        rng = np.random.default_rng(k + n)
+        x = jnp.asarray(rng.standard_normal((m, k), np.float32), jnp.bfloat16)
+        w = jnp.asarray(rng.standard_normal((g, k, n), np.float32) / k**0.5, jnp.bfloat16)
+        qa = jax.jit(lambda x: ref.quantize_blocks(x, (1, 128), fp8.E4M3, power_of_2=True))(x)
+        qb = jax.jit(lambda w: ref.quantize_blocks(jnp.swapaxes(w, 1, 2), (128, 128), fp8.E4M3, power_of_2=True))(w)
+        bf16 = jax.jit(lambda x, w: grouped_dense(x, w, sizes))
+        fp8_fn = jax.jit(lambda a, b: tri.grouped_block_scaled_gemm(a, b, sizes, jnp.bfloat16))
+        fns = {"bf16 grouped_dense (te_ops)": (bf16, (x, w)), "fp8 block-scaled (default)": (fp8_fn, (qa, qb))}
+        for impl, (fn, args) in fns.items():
+            try:
+                t = _timing.time_fn(fn, [args], repeats=5, calls=10)
+            except Exception as ex:
+                print(f"grouped model shape {what} {impl} failed: {type(ex).__name__}: {str(ex)[:300]}", flush=True)
+                continue
+            gemm_rows.append({"gemm": f"model grouped ({what}) K{k} N{n} G{g} M{m}", "impl": impl, "ms": t,
+                              "TFLOPs": 2.0 * m * k * n / t / 1e9})  # fmt: skip
+        del x, w, qa, qb
 
 
 def torch_scaled_grouped(gemm_rows):
