@@ -201,7 +201,7 @@ PERMUTATION_KERNELS = _jit_kernel_names("permutation/triton_kernels.py", "permut
 NORM_KERNELS = _jit_kernel_names("normalization/triton_kernels.py")
 # te_ops.fp8: the block-scaled GEMMs count as (grouped) GEMM, every other kernel (quantize, amax, cast,
 # fused activation backward + quantize) as "fp8 quantize"
-_FP8_KERNELS = _jit_kernel_names("fp8/triton_kernels.py", "fp8/gluon_kernels.py")
+_FP8_KERNELS = _jit_kernel_names("fp8/triton_kernels.py", "fp8/gluon_kernels.py", "fp8/gluon_quantize.py")
 FP8_GEMM_KERNELS = frozenset(k for k in _FP8_KERNELS if "gemm" in k or "wgrad" in k)
 FP8_QUANTIZE_KERNELS = _FP8_KERNELS - FP8_GEMM_KERNELS
 
