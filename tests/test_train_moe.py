@@ -248,8 +248,8 @@ def test_profile_classifier_on_hand_built_trace(tmp_path):
     assert {"grouped_gemm_kernel", "grouped_wgrad_kernel"} <= _profile.GROUPED_GEMM_KERNELS
     assert {"dispatch_kernel", "combine_kernel", "combine_bwd_kernel"} <= _profile.PERMUTATION_KERNELS
     assert "norm_fwd_kernel" in _profile.NORM_KERNELS
-    quantizers = ("dual_quantize_kernel", "dual_quantize_tma_kernel", "ffn_act_dual_quantize_kernel", "requantize_t_kernel")
-    for k in quantizers:
+    quantizers = ["dual_quantize_kernel", "dual_quantize_tma_kernel", "ffn_act_dual_quantize_kernel"]
+    for k in [*quantizers, "ffn_dact_dual_quantize_kernel", "requantize_t_kernel"]:
         assert _profile.classify_kernel(k) == "fp8 quantize", k  # every te_ops.fp8 quantize kernel, Gluon ones too
     trace, kernels = _trace_fixture()
     for name, scope, cat, _ in kernels:
