@@ -73,9 +73,14 @@ def build_models(cfg: dict, names: list[str]) -> dict[str, tuple]:
         elif name in GROUPED_GEMM_VARIANTS:  # te_layers with another grouped GEMM kernel configuration
             out[name] = (ex.MoELM(dict(cfg, norm="te")), f"te_layers, {GROUPED_GEMM_VARIANTS[name]} grouped GEMM",
                          {"grouped_gemm": name.removeprefix("te_layers_")})  # fmt: skip
-        elif name == "te_layers_fp8_block_fused":  # the same, experts as one op (te_ops.fp8.fp8_dispatch_ffn)
-            label = "te_layers, FP8 block scaling, fused expert FFN (activation fused into the quantizations)"
-            out[name] = (ex.MoELM(dict(cfg, norm="te", fp8="block")), label, {"fp8": "block", "fused_ffn": True})
+        elif name in ("te_layers_fp8_block_fused", "te_layers_fp8_block_experts", "te_layers_fp8_block_experts_fused"):
+            # FP8 block scaling with the experts as one op (te_ops.fp8.fp8_dispatch_ffn) and / or the
+            # attention projections kept in bf16 (FP8 where K is small may not pay)
+            fused, experts_only = name.endswith("_fused"), "_experts" in name
+            label = "te_layers, FP8 block scaling" + (" (experts only)" if experts_only else "")
+            label += ", fused expert FFN (activation fused into the quantizations)" if fused else ""
+            mcfg = dict(cfg, norm="te", fp8="block", fp8_attention=not experts_only)
+            out[name] = (ex.MoELM(mcfg), label, {"fp8": "block", "fused_ffn": fused, "fp8_attention": not experts_only})
         elif name.startswith("te_layers_fp8_"):  # te_layers with FP8 projections and experts (stateless recipes)
             recipe = name.removeprefix("te_layers_fp8_")
             if recipe not in ("current", "block"):
@@ -97,7 +102,8 @@ def build_models(cfg: dict, names: list[str]) -> dict[str, tuple]:
         else:
             raise SystemExit(f"train_moe benchmark: unknown model {name!r} in --models; known: te_layers, "
                              "te_layers_flax_norm, te_layers_ws, te_layers_pp, te_layers_tma, te_layers_fp8_current, "
-                             "te_layers_fp8_block, te_layers_fp8_block_fused, ragged_dot, "
+                             "te_layers_fp8_block, te_layers_fp8_block_fused, te_layers_fp8_block_experts, "
+                             "te_layers_fp8_block_experts_fused, ragged_dot, "
                              "strong_cf<factor>")  # fmt: skip
     return out
 

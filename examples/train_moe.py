@@ -95,6 +95,7 @@ class Block(nn.Module):
         a = tel.MultiHeadAttention(
             c["heads"], c["d_model"] // c["heads"], num_kv_heads=c["kv_heads"], mask_type="causal", use_rope=True,
             dropout_rate=c["dropout"], dtype=c["dtype"], name="attn",
+            fp8=None if c.get("fp8_attention", True) else False,  # False: projections in --dtype under --fp8
         )(h, deterministic=deterministic)  # fmt: skip
         if c.get("norm", "te") == "flax":
             x = x + a
@@ -229,8 +230,9 @@ def make_train_step(model, tx, donate: bool = False, fp8_state: bool = False):
 
 
 MODEL_KEYS = ("d_model", "layers", "heads", "kv_heads", "experts", "topk", "ffn", "aux_coeff", "dropout", "dtype",
-              "norm", "fp8")
-MODEL_DEFAULTS = {"norm": "te", "fp8": "none"}  # keys that older checkpoints may lack
+              "norm", "fp8", "fp8_attention")
+# keys that older checkpoints may lack; fp8_attention False keeps the attention projections out of --fp8
+MODEL_DEFAULTS = {"norm": "te", "fp8": "none", "fp8_attention": True}
 
 
 def model_config(cfg: dict) -> dict:
