@@ -13,8 +13,6 @@ with the activation fused into the quantizations around it.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 
 import jax
@@ -25,6 +23,7 @@ import pytest
 from te_ops import fp8
 from te_ops._core import testing as T
 from te_ops.fp8 import ffn
+from tests.te_ops._interpret_runner import run_interpreted
 from tests.te_ops.test_fp8_sharding import triton_on_cpu  # noqa: F401 - a fixture
 
 F32 = jnp.float32
@@ -200,17 +199,9 @@ def _compare(got, want, tag, frac=1e-3):
 
 
 def _main() -> int:
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    sys.path.insert(0, root)
-    from tests.te_ops import _triton_interpret as ti  # sets TRITON_INTERPRET=1 before triton loads
+    from tests.te_ops._interpret_runner import interpreter_setup
 
-    jax.config.update("jax_platforms", "cpu")
-    ti._fix_interpreter_for_numpy2()
-    from te_ops.fp8 import reference as ref
-    from te_ops.fp8 import triton as tri
-
-    tri.tb.triton_call = ti.interpreted_call
-    tri.PARTITION = False
+    ref, tri = interpreter_setup()
     failures = 0
     rng = np.random.default_rng(11)
     for i, (r, f, act, gated, dtype) in enumerate([(200, 256, "silu", True, jnp.bfloat16),
@@ -255,16 +246,7 @@ def _main() -> int:
 
 
 def test_fused_ffn_kernels_under_interpreter():
-    from te_ops._core import triton_bridge as tb
-
-    if tb.triton_unavailable_reason() is not None:
-        pytest.skip(f"needs Triton: {tb.triton_unavailable_reason()}")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, TRITON_INTERPRET="1", JAX_PLATFORMS="cpu")
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, os.path.abspath(__file__), "--interpret"], capture_output=True, text=True,
-                       env=env, timeout=900, cwd=root)  # fmt: skip
-    assert r.returncode == 0 and "interpret failures: 0" in r.stdout, (r.stdout[-3000:], r.stderr[-3000:])
+    run_interpreted(__file__)
 
 
 if __name__ == "__main__" and "--interpret" in sys.argv:

@@ -4,8 +4,6 @@ byte for byte against the reference's ``quantize_blocks(dequantize(q, float32).T
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 
 import jax
@@ -14,6 +12,7 @@ import numpy as np
 import pytest
 
 from te_ops import fp8
+from tests.te_ops._interpret_runner import run_interpreted
 
 # (shape, block, input format, output format, power_of_2, margin): partial tiles both ways
 _CASES = [
@@ -46,17 +45,9 @@ def _input(shape, block, fmt, pow2, seed):
 
 
 def _main() -> int:
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    sys.path.insert(0, root)
-    from tests.te_ops import _triton_interpret as ti  # sets TRITON_INTERPRET=1 before triton loads
+    from tests.te_ops._interpret_runner import interpreter_setup
 
-    jax.config.update("jax_platforms", "cpu")
-    ti._fix_interpreter_for_numpy2()
-    from te_ops.fp8 import reference as ref
-    from te_ops.fp8 import triton as tri
-
-    tri.tb.triton_call = ti.interpreted_call
-    tri.PARTITION = False  # the interpreter runs kernels eagerly; sharding: test_fp8_sharding.py
+    ref, tri = interpreter_setup()
     failures = 0
     for i, (shape, block, fin, fout, pow2, margin) in enumerate(_CASES):
         q = _input(shape, block, fin, pow2, 300 + i)
@@ -98,16 +89,7 @@ def _main() -> int:
 
 
 def test_requantize_t_under_interpreter():
-    from te_ops._core import triton_bridge as tb
-
-    if tb.triton_unavailable_reason() is not None:
-        pytest.skip(f"needs Triton: {tb.triton_unavailable_reason()}")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, TRITON_INTERPRET="1", JAX_PLATFORMS="cpu")
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, os.path.abspath(__file__), "--interpret"], capture_output=True, text=True,
-                       env=env, timeout=600, cwd=root)  # fmt: skip
-    assert r.returncode == 0 and "interpret failures: 0" in r.stdout, (r.stdout[-3000:], r.stderr[-3000:])
+    run_interpreted(__file__)
 
 
 def test_requantize_t_rejects_other_blocks():
