@@ -643,9 +643,14 @@ def test_ffn_fused_kernels_match_reference(act, gated, shape):
 
 
 @needs_triton
-def test_fp8_dispatch_ffn_triton_matches_reference():
-    """The fused expert FFN op on the GPU kernels vs its reference (forward and the three gradients)."""
+@pytest.mark.parametrize("requantize", [False, True], ids=["xla_requantize", "requantize_kernel"])
+def test_fp8_dispatch_ffn_triton_matches_reference(requantize, monkeypatch):
+    """The fused expert FFN op on the GPU kernels vs its reference (forward and the three gradients),
+    with the dispatch's wgrad operand from XLA + block_quantize or from requantize_t."""
+    from te_ops.fp8 import dispatch as fd
     from tests.te_ops.test_fp8_ffn import _fused, _inputs, _value_and_grads
+
+    monkeypatch.setattr(fd, "REQUANTIZE_KERNEL", requantize)
 
     x, rm, wi, wo = _inputs(22, t=2048, h=1024, e=8, f=512)
     n = 2 * x.shape[0]

@@ -202,6 +202,9 @@ def _main() -> int:
     from tests.te_ops._interpret_runner import interpreter_setup
 
     ref, tri = interpreter_setup()
+    from te_ops.fp8 import dispatch as fd
+
+    fd.REQUANTIZE_KERNEL = True  # the whole op with the requantize kernel too
     failures = 0
     rng = np.random.default_rng(11)
     for i, (r, f, act, gated, dtype) in enumerate([(200, 256, "silu", True, jnp.bfloat16),
