@@ -87,15 +87,14 @@ def _dact_quant(recipe, activation, gated, name, da, h):
     """(dh in 1 x 128 row tiles, dh^T in 128 x 128 blocks), dh the gradient of ffn_activation at h
     for the output gradient da, in h's dtype."""
     fg, p2 = recipe.format("g"), recipe.power_of_2
+    tri = None
     if name == "triton":
         from te_ops.fp8 import triton as tri
 
         if tri.ffn_unsupported_reason(da.shape[1], activation, gated) is None:
             return tri.ffn_dact_dual_quantize(da, h, activation, gated, fg, power_of_2=p2)
     dh = jax.vjp(lambda h: ffn_activation(h, activation, gated), h)[1](da.astype(h.dtype))[0]
-    if name == "triton":
-        from te_ops.fp8 import triton as tri
-
+    if tri is not None:  # the unfused backward (GELUs; a gated F that is not a multiple of 128)
         return tri.dual_quantize(dh, TILE, fg, power_of_2=p2, t_square=True)
     return (ref.quantize_blocks(dh, (1, TILE), fg, power_of_2=p2),
             ref.quantize_blocks(dh.T, (TILE, TILE), fg, power_of_2=p2))  # fmt: skip
