@@ -27,6 +27,8 @@ from jax.sharding import PartitionSpec
 
 from te_layers import _validation as V
 from te_ops.dense import dense as _te_dense
+from te_ops.dense.reference import activate as _activate
+from te_ops.fp8.ffn import ffn_activation as _ffn_act
 from te_ops.fused_attention import fused_attention
 from te_ops.grouped_dense import grouped_dense as _te_grouped_dense
 from te_ops.permutation import sort_chunks_by_index, token_combine, token_dispatch
@@ -38,11 +40,8 @@ from te_ops.softmax import scaled_masked_softmax, scaled_softmax, scaled_upper_t
 # ----------------------------------------------------------------------------------------------
 
 FUSED_ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")  # the ones te_ops.dense fuses into its epilogue
-_NAMED_ACTIVATIONS: dict[str, Callable] = {
-    "gelu": lambda z: jax.nn.gelu(z, approximate=False),
-    "gelu_tanh": lambda z: jax.nn.gelu(z, approximate=True),
-    "relu": jax.nn.relu,
-    "silu": jax.nn.silu,
+_NAMED_ACTIVATIONS: dict[str, Callable] = {  # te_ops.dense's activations (one definition), plus two
+    **{a: functools.partial(_activate, activation=a) for a in FUSED_ACTIVATIONS},
     "tanh": jnp.tanh,
     "sigmoid": jax.nn.sigmoid,
 }
@@ -403,13 +402,9 @@ def _grouped_gemm(fp8, fp8_state):
 
 
 def _ffn_activation(h, activation, gated, dtype):
-    """``act(h)`` or, gated, ``act(h[:, :F]) * h[:, F:]``, in float32, rounded to ``dtype``."""
-    act = activation_fn(activation)
-    hf = h.astype(jnp.float32)
-    if gated:
-        f = h.shape[-1] // 2
-        return (act(hf[:, :f]) * hf[:, f:]).astype(dtype)
-    return act(hf).astype(dtype)
+    """``act(h)`` or, gated, ``act(h[:, :F]) * h[:, F:]``, in float32, rounded to ``dtype``
+    (te_ops.fp8's :func:`ffn_activation`, which the fused FP8 expert FFN computes too)."""
+    return _ffn_act(h, activation_fn(activation), gated).astype(dtype)
 
 
 def expert_ffn(x, wi, wo, group_sizes, *, activation, gated, backend, fp8=None, fp8_state=None):

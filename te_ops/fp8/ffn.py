@@ -34,6 +34,7 @@ import jax.numpy as jnp
 
 from te_ops._core.partitioning import match_vma
 from te_ops._core.validation import check_bool, check_float, check_rank, err, static_choice, static_int
+from te_ops.dense.reference import ACTIVATIONS, activate
 from te_ops.fp8 import dispatch as D
 from te_ops.fp8 import grouped as G
 from te_ops.fp8 import reference as ref
@@ -45,19 +46,13 @@ OP = "fp8_dispatch_ffn"
 F32 = jnp.float32
 TILE = 128
 
-ACTIVATIONS = {
-    None: lambda z: z,
-    "gelu": lambda z: jax.nn.gelu(z, approximate=False),
-    "gelu_tanh": lambda z: jax.nn.gelu(z, approximate=True),
-    "relu": jax.nn.relu,
-    "silu": jax.nn.silu,
-}
 
-
-def ffn_activation(h: jax.Array, activation: str | None, gated: bool) -> jax.Array:
+def ffn_activation(h: jax.Array, activation, gated: bool) -> jax.Array:
     """``act(h)`` or, gated, ``act(h[:, :F]) * h[:, F:]`` (h ``[R, 2F]``), in float32, rounded to h's
-    dtype: the activation between the two expert GEMMs."""
-    act = ACTIVATIONS[activation]
+    dtype: the activation between the two expert GEMMs. ``activation``: None, one of te_ops.dense's
+    named activations (:data:`ACTIVATIONS`) or a callable on float32 arrays (te_layers' unfused path
+    passes its own; the fused op takes names only)."""
+    act = activation if callable(activation) else functools.partial(activate, activation=activation)
     hf = h.astype(F32)
     if gated:
         f = h.shape[-1] // 2
