@@ -1,5 +1,6 @@
-"""Test helpers shared by every op's tests: the dtype tolerance table, sharded-vs-unsharded runs on
-virtual CPU devices with collective counts from the compiled HLO, and output poisoning."""
+"""Test helpers shared by every op's tests: the dtype tolerance table, byte-for-byte comparison of
+FP8 arrays, sharded-vs-unsharded runs on virtual CPU devices with collective counts from the
+compiled HLO, and output poisoning."""
 
 from __future__ import annotations
 
@@ -36,6 +37,98 @@ def assert_close(actual: Any, expected: Any, dtype: Any = None, *, scale: float 
     e = np.asarray(jnp.asarray(expected, jnp.float32), dtype=np.float64)
     assert not np.isnan(a).any() or np.isnan(e).any(), f"NaN in result {err_msg}"
     np.testing.assert_allclose(a, e, rtol=tol["rtol"], atol=tol["atol"] * scale, err_msg=err_msg)
+
+
+def fp8_bytes(a: Any) -> np.ndarray:
+    """``a`` on the host as a NumPy array (``jax.device_get``); viewed as uint8 when its elements are
+    one byte wide (FP8, int8, bool), so equal means the same bytes; other dtypes as they are."""
+    a = np.asarray(jax.device_get(a))
+    return a.view(np.uint8) if a.dtype.itemsize == 1 else a
+
+
+def assert_same_bytes(actual: Any, expected: Any, err_msg: str = "") -> None:
+    """Every leaf of ``actual`` equals the leaf of ``expected`` in the same place (leaves zipped
+    strictly), one-byte leaves compared as bytes (``fp8_bytes``: FP8 NaN payloads and the sign of
+    zero count; a one-byte leaf against a wider one fails), the others by
+    ``np.testing.assert_array_equal`` (NaN equal to NaN)."""
+    leaves, want = jax.tree_util.tree_flatten_with_path(actual)[0], jax.tree.leaves(expected)
+    if len(leaves) != len(want):
+        problem = f"{len(leaves)} leaves, expected {len(want)}"
+        raise AssertionError(f"{err_msg}: {problem}" if err_msg else problem)
+    for (path, a), e in zip(leaves, want, strict=True):
+        where = " ".join(filter(None, (err_msg, f"leaf {jax.tree_util.keystr(path)}" if len(leaves) > 1 else "")))
+        a, e = np.asarray(jax.device_get(a)), np.asarray(jax.device_get(e))
+        if (a.dtype.itemsize == 1) != (e.dtype.itemsize == 1):  # bytes against values: never equal
+            problem = f"{a.dtype} vs expected {e.dtype}: bytes against values"
+            raise AssertionError(f"{where}: {problem}" if where else problem)
+        np.testing.assert_array_equal(fp8_bytes(a), fp8_bytes(e), err_msg=where)
+
+
+def fp8_nan_mismatches(got: Any, want: Any) -> np.ndarray:
+    """Indices (``np.argwhere`` rows) of the elements NaN in exactly one of ``got`` / ``want`` (FP8
+    arrays of one shape); empty when their NaN positions agree."""
+    g, w = (np.asarray(jax.device_get(a)) for a in (got, want))
+    if g.shape != w.shape:
+        raise ValueError(f"shapes differ: {g.shape} vs {w.shape}")
+    return np.argwhere(np.isnan(g.astype(np.float32)) != np.isnan(w.astype(np.float32)))
+
+
+def _fp8_difference(got: Any, want: Any) -> str | None:
+    """None when ``got`` and ``want`` have one dtype and shape, NaN in the same places and the same
+    bytes everywhere else; else what differs first."""
+    g, w = (np.asarray(jax.device_get(a)) for a in (got, want))
+    if g.dtype != w.dtype or g.shape != w.shape:
+        return f"{g.dtype}{list(g.shape)} vs expected {w.dtype}{list(w.shape)}"
+    nan = fp8_nan_mismatches(g, w)
+    if nan.size:
+        i = tuple(int(k) for k in nan[0])
+        return f"NaN positions differ at {len(nan)} of {g.size} elements; first at {i}: got {g[i]}, expected {w[i]}"
+    gb, wb = fp8_bytes(g), fp8_bytes(w)
+    bad = np.argwhere((gb != wb) & ~np.isnan(w.astype(np.float32)))
+    if bad.size:
+        i = tuple(int(k) for k in bad[0])
+        return (
+            f"{len(bad)} of {g.size} bytes differ; first at {i}: got 0x{int(gb[i]):02x} ({g[i]}), expected "
+            f"0x{int(wb[i]):02x} ({w[i]}); first indices {bad[:5].tolist()}"
+        )
+    return None
+
+
+def same_fp8_bytes(got: Any, want: Any) -> bool:
+    """Whether ``got`` and ``want`` (FP8 arrays) have one dtype and shape, NaN in the same places and
+    the same bytes everywhere else. NaN bytes are not compared: E4M3 has two NaN codes (either
+    sign) and E5M2 six, and which one a NaN input becomes depends on the cast (XLA's convert, a
+    Triton kernel and ml_dtypes need not agree on the sign or payload); the semantics only require
+    that a NaN stays NaN."""
+    return _fp8_difference(got, want) is None
+
+
+def assert_same_fp8_bytes(actual: Any, expected: Any, err_msg: str = "") -> None:
+    """``same_fp8_bytes`` as an assertion; the message names the first differing element (index,
+    bytes, values) and how many differ."""
+    problem = _fp8_difference(actual, expected)
+    if problem is not None:
+        raise AssertionError(f"{err_msg}: {problem}" if err_msg else problem)
+
+
+def fp8_byte_mismatch_fraction(got: Any, want: Any, *, ignore_zero_sign: bool = False) -> float:
+    """The fraction of the elements of ``got`` and ``want`` (FP8 arrays of one shape) whose bytes
+    differ, among those that are not NaN in both (0.0 when there are none); an element NaN in one
+    only counts as differing, NaN bytes are not compared (``same_fp8_bytes`` says why). Callers
+    that require equal NaN positions check ``fp8_nan_mismatches`` as well: this fraction may stay
+    small with a NaN moved. ``ignore_zero_sign``: -0 (0x80) counts as +0."""
+    g, w = (np.asarray(jax.device_get(a)) for a in (got, want))
+    if g.shape != w.shape:
+        raise ValueError(f"shapes differ: {g.shape} vs {w.shape}")
+    gn, wn = np.isnan(g.astype(np.float32)), np.isnan(w.astype(np.float32))
+    gb, wb = fp8_bytes(g), fp8_bytes(w)
+    if ignore_zero_sign:
+        gb, wb = (np.where(b == 0x80, 0, b) for b in (gb, wb))
+    counted = ~(gn & wn)
+    if not counted.any():
+        return 0.0
+    differ = (gn != wn) | (gb != wb)
+    return float(np.mean(differ[counted]))
 
 
 _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")

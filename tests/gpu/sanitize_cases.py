@@ -269,11 +269,15 @@ def compare(
         if a.size == 0:
             continue
         if a.dtype.name in _FP8:
-            a32, e32 = a.astype(np.float32), e.astype(np.float32)
-            if not np.array_equal(np.isnan(a32), np.isnan(e32)):
-                raise CaseFailure(f"{name}: FP8 NaN positions differ from the reference")
-            ok = ~np.isnan(e32)
-            frac = float(np.mean(a.view(np.uint8)[ok] != e.view(np.uint8)[ok])) if ok.any() else 0.0
+            from te_ops._core.testing import fp8_byte_mismatch_fraction, fp8_nan_mismatches
+
+            nan_moved = fp8_nan_mismatches(a, e)
+            if nan_moved.size:
+                raise CaseFailure(
+                    f"{name}: FP8 NaN positions differ from the reference at {len(nan_moved)} elements "
+                    f"(first at {nan_moved[0].tolist()})"
+                )
+            frac = fp8_byte_mismatch_fraction(a, e)  # the bytes of the elements that are not NaN
             if frac > fp8_frac:
                 raise CaseFailure(f"{name}: {frac:.2%} of the FP8 bytes differ from the reference (> {fp8_frac:.2%})")
         elif jnp.issubdtype(a.dtype, jnp.floating):

@@ -12,6 +12,7 @@ import pytest
 
 from te_ops import fp8
 from te_ops._core import native
+from te_ops._core import testing as T
 from te_ops._core import triton_bridge as tb
 from te_ops.fp8 import reference as ref
 from tests.gpu.cmdbuf import run_script_under_command_buffers
@@ -58,11 +59,7 @@ def on_cpu(fn, *args):
 
 
 def _same(got, want):
-    g, w = np.asarray(got.data), np.asarray(want.data)
-    gn, wn = np.isnan(g.astype(np.float32)), np.isnan(w.astype(np.float32))
-    assert np.array_equal(gn, wn), "NaN positions differ"
-    bad = np.flatnonzero(g.view(np.uint8)[~gn] != w.view(np.uint8)[~wn])
-    assert bad.size == 0, f"{bad.size} FP8 bytes differ, first at flat index {bad[:5]}"
+    T.assert_same_fp8_bytes(got.data, want.data)  # format, shape, NaN positions, the other bytes
     np.testing.assert_array_equal(np.asarray(got.scale_inv), np.asarray(want.scale_inv))
 
 
@@ -567,10 +564,9 @@ def test_dact_dbias_quantize_matches_reference(act, shape, warps, monkeypatch):
         got = jax.jit(run("triton"))(dy, z)
     want = on_cpu(run("reference"), dy, z)
     for g_, w_ in zip(got[:2], want[:2], strict=True):
-        g, w = np.asarray(g_.data), np.asarray(w_.data)
-        gn, wn = np.isnan(g.astype(np.float32)), np.isnan(w.astype(np.float32))
-        assert np.array_equal(gn, wn), "NaN positions differ"
-        frac = float(np.mean(g.view(np.uint8)[~gn] != w.view(np.uint8)[~wn]))
+        nan_moved = T.fp8_nan_mismatches(g_.data, w_.data)
+        assert nan_moved.size == 0, f"NaN positions differ at {nan_moved[:3].tolist()}"
+        frac = T.fp8_byte_mismatch_fraction(g_.data, w_.data)
         assert frac == 0.0 if act in (None, "relu") else frac < 1e-3, frac
         sg, sw = np.asarray(g_.scale_inv), np.asarray(w_.scale_inv)
         assert np.mean(sg != sw) < 1e-3, "scales differ"

@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from te_ops import fp8
+from te_ops._core import testing as T
 from tests.property._common import fuzz, np_dtype, seeds, size
 
 IMPL = "reference"
@@ -50,18 +51,7 @@ def np_cast(x32: np.ndarray, scale: np.ndarray, fmt: str) -> np.ndarray:
 
 
 def assert_same_fp8(actual, expected: np.ndarray, what: str) -> None:
-    a = np.asarray(actual)
-    assert a.dtype == expected.dtype, f"{what}: format {a.dtype} != {expected.dtype}"
-    an, en = np.isnan(a.astype(np.float32)), np.isnan(expected.astype(np.float32))
-    np.testing.assert_array_equal(an, en, err_msg=f"{what}: NaN positions")
-    ab, eb = a.view(np.uint8), expected.view(np.uint8)
-    bad = (ab != eb) & ~en
-    if bad.any():
-        i = tuple(np.argwhere(bad)[0])
-        raise AssertionError(
-            f"{what}: {int(bad.sum())} of {bad.size} bytes differ; first at {i}: got 0x{ab[i]:02x} "
-            f"({a[i]}), expected 0x{eb[i]:02x} ({expected[i]})"
-        )
+    T.assert_same_fp8_bytes(actual, expected, err_msg=what)  # format, shape, NaN positions, other bytes
 
 
 def assert_same_f32(actual, expected: np.ndarray, what: str) -> None:

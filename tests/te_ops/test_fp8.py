@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from te_ops import fp8
+from te_ops._core import testing as T
 
 NP_FMT = {jnp.dtype(jnp.float8_e4m3fn): ml_dtypes.float8_e4m3fn, jnp.dtype(jnp.float8_e5m2): ml_dtypes.float8_e5m2}
 FLT_MAX = np.float32(np.finfo(np.float32).max)
@@ -34,10 +35,6 @@ def _np_cast(x32, scale, fmt):
         return np.clip(x32 * np.float32(scale), -fmax, fmax).astype(NP_FMT[jnp.dtype(fmt)])
 
 
-def _bytes(a):
-    return np.asarray(a).view(np.uint8)
-
-
 def _inputs(seed, shape, dtype, outliers=True):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal(shape).astype(np.float32) * 2.0
@@ -45,6 +42,33 @@ def _inputs(seed, shape, dtype, outliers=True):
         idx = rng.choice(x.size, size=max(1, x.size // 100), replace=False)
         x.reshape(-1)[idx] *= 300.0  # heavy-tailed: a few values two orders above the rest
     return jnp.asarray(x).astype(dtype)
+
+
+def test_byte_helpers_fail_on_one_flipped_byte():
+    """The shared byte comparisons (te_ops._core.testing) catch one changed byte; the NaN-aware ones
+    ignore only which NaN code a NaN got, not where the NaNs are."""
+    q = fp8.quantize(_inputs(0, (8, 32), jnp.float32), fp8.CurrentScaling(), "x")
+    base = T.fp8_bytes(q.data)
+    assert base.dtype == np.uint8 and base.shape == (8, 32)
+
+    def fp8_of(edit):
+        raw = base.copy()
+        edit(raw)
+        return raw.view(q.data.dtype)
+
+    flipped = fp8_of(lambda r: r.__setitem__((3, 5), r[3, 5] ^ 0x01))
+    T.assert_same_bytes((q.data, q.scale_inv), (base.view(q.data.dtype), q.scale_inv))
+    with pytest.raises(AssertionError, match=r"leaf \[0\]"):
+        T.assert_same_bytes((q.data, q.scale_inv), (flipped, q.scale_inv))
+    with pytest.raises(AssertionError, match=r"1 of 256 bytes differ; first at \(3, 5\)"):
+        T.assert_same_fp8_bytes(q.data, flipped)
+    assert not T.same_fp8_bytes(q.data, flipped) and T.fp8_byte_mismatch_fraction(q.data, flipped) == 1 / 256
+    nan_a, nan_b = fp8_of(lambda r: r.__setitem__((0, 0), 0x7F)), fp8_of(lambda r: r.__setitem__((0, 0), 0xFF))
+    assert T.same_fp8_bytes(nan_a, nan_b)  # +NaN and -NaN: the same NaN position
+    with pytest.raises(AssertionError):
+        T.assert_same_bytes(nan_a, nan_b)  # the exact comparison sees the sign
+    moved = fp8_of(lambda r: r.__setitem__((0, 1), 0x7F))
+    assert not T.same_fp8_bytes(nan_a, moved) and T.fp8_nan_mismatches(nan_a, moved).tolist() == [[0, 0], [0, 1]]
 
 
 RECIPES = [
@@ -64,7 +88,7 @@ def test_current_scaling_bytes_match_numpy(dtype, recipe, role):
     x32 = np.asarray(x.astype(jnp.float32))
     s = _np_scale(np.max(np.abs(x32)), fp8.format_max(fmt), recipe.margin, recipe.power_of_2)
     assert q.data.dtype == fmt and q.scale_inv.shape == () and q.block is None
-    np.testing.assert_array_equal(_bytes(q.data), _bytes(_np_cast(x32, s, fmt)))
+    T.assert_same_bytes(q.data, _np_cast(x32, s, fmt))
     assert float(q.scale_inv) == float(np.float32(1.0) / s)
     if recipe.power_of_2:
         assert float(np.log2(float(q.scale_inv))).is_integer()
@@ -84,7 +108,7 @@ def test_round_trip_error_within_half_an_ulp(role, rel, sub):
 def test_edge_values():
     c = fp8.CurrentScaling()
     z = fp8.quantize(jnp.zeros((8, 16), jnp.bfloat16), c, "x")  # amax 0: scale 1, zeros
-    assert float(z.scale_inv) == 1.0 and not np.any(_bytes(z.data))
+    assert float(z.scale_inv) == 1.0 and not np.any(T.fp8_bytes(z.data))
     e = fp8.quantize(jnp.full((4, 4), -3.5, jnp.float32), c, "w")  # all equal: every element -fmax
     assert np.all(np.asarray(e.data.astype(jnp.float32)) == -448.0)
     np.testing.assert_allclose(np.asarray(fp8.dequantize(e)), -3.5, rtol=2.0**-4)
@@ -131,7 +155,7 @@ def test_block_scaling_bytes_match_numpy(shape, role, recipe):
     fmt = recipe.format(role)
     data, sinv = _np_blocks(np.asarray(x.astype(jnp.float32)), recipe.block(role), fmt, recipe.power_of_2)
     assert q.block == recipe.block(role) and q.scale_inv.shape == sinv.shape
-    np.testing.assert_array_equal(_bytes(q.data), _bytes(data))
+    T.assert_same_bytes(q.data, data)
     np.testing.assert_array_equal(np.asarray(q.scale_inv), sinv)
     back = np.asarray(fp8.dequantize(q, jnp.float32))
     want = (
@@ -163,7 +187,7 @@ def test_delayed_scaling_state_update_matches_numpy(algo):
         x = _inputs(10 + step, (16, 32), jnp.bfloat16) * mult
         q, state = fp8.quantize(x, recipe, "x", state)
         x32 = np.asarray(x.astype(jnp.float32))
-        np.testing.assert_array_equal(_bytes(q.data), _bytes(_np_cast(x32, scale, fmt)))  # the *previous* scale
+        T.assert_same_bytes(q.data, _np_cast(x32, scale, fmt))  # the *previous* scale
         assert float(q.scale_inv) == float(np.float32(1.0) / scale)
         hist = np.roll(hist, 1)
         a = np.max(np.abs(x32))
@@ -185,7 +209,7 @@ def test_pytrees_under_jit_and_vmap():
     assert qv.scale_inv.shape == (3,)
     for b in range(3):
         one = fp8.quantize(x[b], fp8.CurrentScaling(), "x")
-        np.testing.assert_array_equal(_bytes(qv.data[b]), _bytes(one.data))
+        T.assert_same_bytes(qv.data[b], one.data)
     d = fp8.DelayedScaling(history_len=8)
     _, st = jax.jit(lambda x, s: fp8.quantize(x, d, "w", s))(x[0], fp8.initial_state(d))
     assert st.amax_history.shape == (8,) and float(st.amax_history[0]) > 0
@@ -261,12 +285,10 @@ def test_sharded_quantize_matches_and_reduces_amax_once(recipe, role, shape, spe
     with the amax max-reduced over exactly the sharded axes (collective counts of the compiled HLO)."""
     from jax.sharding import PartitionSpec as Ps
 
-    from te_ops._core import testing as T
-
     mesh = T.cpu_mesh((2, 4), ("d", "t"))
     x = _inputs(7, shape, jnp.bfloat16)
     out, ref, counts = T.run_sharded(lambda x: fp8.quantize(x, recipe, role), (x,), (Ps(*spec),), mesh=mesh)
-    np.testing.assert_array_equal(_bytes(out.data), _bytes(ref.data))
+    T.assert_same_bytes(out.data, ref.data)
     np.testing.assert_array_equal(np.asarray(out.scale_inv), np.asarray(ref.scale_inv))
     for name, n in collectives.items():
         assert counts[name] == n, counts
@@ -389,7 +411,7 @@ def _kernel_main() -> int:
             role = "x" if fmt == fp8.E4M3 else "g"
             recipe = fp8.BlockScaling(formats="e4m3" if role == "x" else "hybrid", act_block=block, power_of_2=pow2)
             via_api = fp8.quantize(x, recipe, role, implementation="triton")
-            if not np.array_equal(np.asarray(via_api.data).view(np.uint8), np.asarray(got.data).view(np.uint8)):
+            if not np.array_equal(T.fp8_bytes(via_api.data), T.fp8_bytes(got.data)):
                 print(f"case {i}: te_ops.fp8.quantize(implementation='triton') differs from the kernel")
                 failures += 1
         # the reference with the same margin: scale / 2**margin
@@ -404,14 +426,11 @@ def _kernel_main() -> int:
         xb, _ = ref._blocked(x, block)
         wq = ref.cast_scaled(xb, want_scale[..., :, None, :, None], fmt)
         wq = wq.reshape(*x.shape[:-2], xb.shape[-4] * block[0], xb.shape[-2] * block[1])[..., : shape[-2], : shape[-1]]
-        g, w = np.asarray(got.data), np.asarray(wq)
-        gn, wn = np.isnan(g.astype(np.float32)), np.isnan(w.astype(np.float32))
-        ok = np.array_equal(gn, wn) and np.array_equal(g.view(np.uint8)[~gn], w.view(np.uint8)[~wn])
+        ok = T.same_fp8_bytes(got.data, wq)
         ok = ok and np.array_equal(np.asarray(got.scale_inv), np.asarray(1.0 / want_scale))
         if margin == 0:  # the public reference quantize is the same thing
             pub = ref.quantize_blocks(x, block, fmt, power_of_2=pow2)
-            pn = np.isnan(np.asarray(pub.data).astype(np.float32))
-            ok = ok and np.array_equal(np.asarray(pub.data).view(np.uint8)[~pn], g.view(np.uint8)[~gn])
+            ok = ok and T.same_fp8_bytes(pub.data, got.data)
         print(f"case {i} {shape} {jnp.dtype(dtype).name} {block} {jnp.dtype(fmt).name}: {'ok' if ok else 'MISMATCH'}")
         failures += not ok
     # the dual kernel: row tiles of x and row tiles of x^T from one read
@@ -424,10 +443,7 @@ def _kernel_main() -> int:
         for got, want in ((q, ref.quantize_blocks(x, (1, block), fmt, power_of_2=pow2)),
                           (qt, ref.quantize_blocks(x.T, (block, block) if sq else (1, block), fmt,
                                                    power_of_2=pow2))):  # fmt: skip
-            g, w = np.asarray(got.data), np.asarray(want.data)
-            gn, wn = np.isnan(g.astype(np.float32)), np.isnan(w.astype(np.float32))
-            ok = ok and g.shape == w.shape and np.array_equal(gn, wn)
-            ok = ok and np.array_equal(g.view(np.uint8)[~gn], w.view(np.uint8)[~wn])
+            ok = ok and T.same_fp8_bytes(got.data, want.data)  # shapes, NaN positions, other bytes
             ok = ok and np.array_equal(np.asarray(got.scale_inv), np.asarray(want.scale_inv))
         verdict = "ok" if ok else "MISMATCH"
         name = f"{shape} {jnp.dtype(dtype).name} 1x{block} {jnp.dtype(fmt).name} wide={wide} square={sq}"
@@ -528,15 +544,12 @@ def _kernel_main() -> int:
         for fmt in (fp8.E4M3, fp8.E5M2):
             got = tri.quantize_tensor(x, fmt, margin=1, power_of_2=i == 1)
             want = ref.quantize_tensor(x, fmt, margin=1, power_of_2=i == 1)
-            g, w = np.asarray(got.data), np.asarray(want.data)
-            gn, wn = np.isnan(g.astype(np.float32)), np.isnan(w.astype(np.float32))
-            ok = np.array_equal(gn, wn) and np.array_equal(g.view(np.uint8)[~gn], w.view(np.uint8)[~wn])
+            ok = T.same_fp8_bytes(got.data, want.data)
             ok = ok and float(got.scale_inv) == float(want.scale_inv)
             q, am, sinv = tri.tensor_cast(x, jnp.float32(3.0), fmt, with_amax=True)
             ok = ok and float(sinv) == float(np.float32(1.0) / np.float32(3.0))
             wq = ref.cast_scaled(x, jnp.float32(3.0), fmt)
-            qn = np.isnan(np.asarray(q).astype(np.float32))
-            ok = ok and np.array_equal(np.asarray(q).view(np.uint8)[~qn], np.asarray(wq).view(np.uint8)[~qn])
+            ok = ok and T.same_fp8_bytes(q, wq)
             ok = ok and float(am) == float(ref.amax(x))
             # the public entry point: current and delayed scaling through the kernels
             rec = fp8.DelayedScaling(history_len=4, formats="hybrid")
@@ -544,8 +557,7 @@ def _kernel_main() -> int:
             st = ref.initial_state(rec)
             st = ref.DelayedScalingState(st.amax_history, jnp.float32(2.0))
             (qa, sa), (qb, sb) = (fp8.quantize(x, rec, role, st, implementation=m) for m in ("triton", "reference"))
-            an = np.isnan(np.asarray(qa.data).astype(np.float32))
-            ok = ok and np.array_equal(np.asarray(qa.data).view(np.uint8)[~an], np.asarray(qb.data).view(np.uint8)[~an])
+            ok = ok and T.same_fp8_bytes(qa.data, qb.data)
             ok = ok and np.array_equal(np.asarray(sa.amax_history), np.asarray(sb.amax_history))
             ok = ok and float(sa.scale) == float(sb.scale)
             cur = fp8.quantize(x, fp8.CurrentScaling(), role, implementation="triton")
@@ -619,12 +631,11 @@ def _kernel_main() -> int:
         want = ref.dact_dbias_quantize(dy, z, act, fp8.BlockScaling(formats="hybrid"))
         ok, worst = True, 0.0
         for g_, w_ in zip(got[:2], want[:2], strict=True):
-            g, w = np.asarray(g_.data), np.asarray(w_.data)
-            gn, wn = np.isnan(g.astype(np.float32)), np.isnan(w.astype(np.float32))
-            same = g.view(np.uint8) == w.view(np.uint8)
-            ok = ok and g.shape == w.shape and np.array_equal(gn, wn) and g_.block == w_.block
+            if g_.data.shape != w_.data.shape or g_.block != w_.block or T.fp8_nan_mismatches(g_.data, w_.data).size:
+                ok = False
+                continue
             # ReLU / None: bit for bit; GELU, SiLU: act' may differ in its last ulp (libm vs XLA)
-            worst = max(worst, float(np.mean(~same[~gn])))
+            worst = max(worst, T.fp8_byte_mismatch_fraction(g_.data, w_.data))
             ok = ok and np.array_equal(np.asarray(g_.scale_inv), np.asarray(w_.scale_inv))
         ok = ok and (worst == 0.0 if act in (None, "relu") else worst < 1e-3)
         db_g, db_w = np.asarray(got[2], np.float32), np.asarray(want[2], np.float32)
@@ -997,7 +1008,6 @@ def test_dact_dbias_quantize_reference(act, recipe):
     """dz = dy * act'(z) equals JAX's own derivative of te_ops.dense's activation (float32, within
     float32 rounding); its quantizations are fp8.quantize of that dz (bit for bit) and of dz^T with
     the weight blocks; dbias is the float32 column sum of dz."""
-    from te_ops._core import testing as T
     from te_ops.fp8 import reference as ref
 
     dy = _inputs(11, (200, 300), jnp.bfloat16)
@@ -1008,13 +1018,13 @@ def test_dact_dbias_quantize_reference(act, recipe):
     dz = dy.astype(jnp.float32) * ref.act_grad(z, act)
     T.assert_close(dz, dz_jax, jnp.float32, scale=float(jnp.max(jnp.abs(dz_jax))))
     want = fp8.quantize(dz, recipe, "g", implementation="reference")
-    np.testing.assert_array_equal(_bytes(q.data), _bytes(want.data))
+    T.assert_same_bytes(q.data, want.data)
     np.testing.assert_array_equal(np.asarray(q.scale_inv), np.asarray(want.scale_inv))
     if isinstance(recipe, fp8.BlockScaling):
         want_t = ref.quantize_blocks(dz.T, recipe.weight_block, recipe.format("g"), power_of_2=recipe.power_of_2)
     else:
         want_t = ref.QuantizedTensor(want.data.T, want.scale_inv, None, want.dtype)
-    np.testing.assert_array_equal(_bytes(qt.data), _bytes(want_t.data))
+    T.assert_same_bytes(qt.data, want_t.data)
     np.testing.assert_array_equal(np.asarray(qt.scale_inv), np.asarray(want_t.scale_inv))
     assert q.dtype == qt.dtype == dbias.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(dbias, np.float32), np.asarray(jnp.sum(dz, axis=0).astype(jnp.bfloat16),
@@ -1322,7 +1332,6 @@ def test_fp8_dense_activation(recipe, activation):
         qw_t = ref.QuantizedTensor(qw.data.T, qw.scale_inv, None, qw.dtype)
         qx_t = ref.QuantizedTensor(qx.data.T, qx.scale_inv, None, qx.dtype)
     z32 = fd.gemm_reference(qx, qw_t, jnp.float32, b)
-    from te_ops._core import testing as T
     from te_ops.dense.reference import activate
 
     T.assert_close(y, activate(z32, activation), jnp.float32)

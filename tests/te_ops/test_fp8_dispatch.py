@@ -58,16 +58,6 @@ def _state(recipe, e):
     )
 
 
-def _bits(a):
-    a = np.asarray(jax.device_get(a))
-    return a.view(np.uint8) if a.dtype.itemsize == 1 else a
-
-
-def _same(a, b):
-    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_array_equal(_bits(u), _bits(v))
-
-
 # ----------------------------------------------------------------------------------------------
 # Moving FP8 rows
 # ----------------------------------------------------------------------------------------------
@@ -84,7 +74,7 @@ def test_every_byte_pair_survives_the_dispatch(jit):
     f = jax.jit(fp8.token_dispatch_quantized, static_argnums=2) if jit else fp8.token_dispatch_quantized
     r = f(q, rm, n)
     src = np.concatenate([np.arange(256), np.arange(0, 256, 5)])
-    np.testing.assert_array_equal(_bits(r.out.data), data[src])
+    T.assert_same_bytes(r.out.data, data[src])
     assert float(r.out.scale_inv) == 0.5
 
 
@@ -100,8 +90,10 @@ def test_block_dispatch_is_quantize_after_dispatch(h, align, cap):
     got = fp8.token_dispatch_quantized(q, rm, n, align_size=align)
     d = token_dispatch(x, rm, n, align_size=align)
     want = ref.quantize_blocks(d.out, (1, 128), rec.format("x"), power_of_2=True)
-    _same((got.out.data, got.out.scale_inv), (want.data, want.scale_inv))
-    _same((got.row_id_map, got.tokens_per_expert, got.num_dropped), (d.row_id_map, d.tokens_per_expert, d.num_dropped))
+    T.assert_same_bytes((got.out.data, got.out.scale_inv), (want.data, want.scale_inv))
+    T.assert_same_bytes(
+        (got.row_id_map, got.tokens_per_expert, got.num_dropped), (d.row_id_map, d.tokens_per_expert, d.num_dropped)
+    )
     if cap < 1:
         assert int(got.num_dropped) > 0
 
@@ -114,7 +106,7 @@ def test_current_dispatch_is_quantize_after_dispatch(dtype):
     q = ref.quantize_tensor(x, fp8.E4M3)
     got = fp8.token_dispatch_quantized(q, rm, 192)
     want = ref.quantize_tensor(token_dispatch(x, rm, 192).out, fp8.E4M3)
-    _same((got.out.data, got.out.scale_inv), (want.data, want.scale_inv))
+    T.assert_same_bytes((got.out.data, got.out.scale_inv), (want.data, want.scale_inv))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -149,16 +141,16 @@ def test_forward_dx_and_state_equal_the_unfused_path(recipe, align):
     fused, unfused, grads = _losses(recipe, rm, n, dy, align)
     r = fused(x, w, st)[1]
     y = fp8.fp8_grouped_dense(token_dispatch(x, rm, n, align_size=align).out, w, r.tokens_per_expert, recipe, state=st)
-    _same(r.out, y)
+    T.assert_same_bytes(r.out, y)
     g1, g2 = grads(fused)(x, w, st), grads(unfused)(x, w, st)
-    _same(g1[0], g2[0])  # dx
-    _same(g1[2], g2[2])  # delayed: the state (None otherwise)
+    T.assert_same_bytes(g1[0], g2[0])  # dx
+    T.assert_same_bytes(g1[2], g2[2])  # delayed: the state (None otherwise)
     if isinstance(recipe, fp8.BlockScaling):  # the second rounding of x^T (subnormals only with 2^k scales)
         T.assert_close(g1[1], g2[1], jnp.bfloat16, scale=float(jnp.max(jnp.abs(g2[1].astype(F32)))) * 8)
-        differ = np.mean(_bits(g1[1]) != _bits(g2[1]))
+        differ = np.mean(T.fp8_bytes(g1[1]) != T.fp8_bytes(g2[1]))
         assert (differ < 1e-3) if recipe.power_of_2 else (differ > 1e-2), differ
     else:
-        _same(g1[1], g2[1])  # one scale per tensor: x^T is the exact FP8 transpose either way
+        T.assert_same_bytes(g1[1], g2[1])  # one scale per tensor: x^T is the exact FP8 transpose either way
 
 
 def test_wgrad_operand_within_the_second_rounding_bound():
@@ -257,7 +249,7 @@ def test_delayed_state_over_three_steps_and_dropped_tokens_in_the_amax():
         dy = jnp.asarray(np.random.default_rng(10 + step).standard_normal((192, 256)), F32)
         fused, unfused, grads = _losses(DREC, rm, 192, dy)
         st_a, st_b = grads(fused)(xs, w, st_a)[2], grads(unfused)(xs, w, st_b)[2]
-        _same(st_a, st_b)
+        T.assert_same_bytes(st_a, st_b)
         assert float(st_a.x.amax_history[0]) == float(jnp.max(jnp.abs(xs.astype(F32))))
     # drops: a token none of whose pairs fit gets the largest value
     dropped = np.flatnonzero(np.asarray(token_dispatch(x, rm, 120).row_id_map[:, -1]) == 0)
@@ -287,7 +279,7 @@ def test_triton_orchestration_matches_reference(recipe):
     g_tri, g_ref = grads(f_tri)(x, w, st), grads(f_ref)(x, w, st)
     T.assert_close(g_tri[0], g_ref[0], jnp.bfloat16, scale=4.0)
     T.assert_close(g_tri[1], g_ref[1], jnp.bfloat16, scale=float(jnp.max(jnp.abs(g_ref[1].astype(F32)))))
-    _same(g_tri[2], g_ref[2])
+    T.assert_same_bytes(g_tri[2], g_ref[2])
 
 
 @pytest.mark.parametrize("recipe", [fp8.BlockScaling(), fp8.CurrentScaling()], ids=["block", "current"])
@@ -318,7 +310,7 @@ def test_row_sharded_quantized_dispatch_matches(recipe):
     outs = (P("d"), P() if isinstance(recipe, fp8.CurrentScaling) else P("d"), P("d"), P())
     got, _, counts = T.run_sharded(moved, [x, rm], [P("d"), P("d")], outs, mesh=mesh)
     want, _, want_counts = T.run_sharded(high, [x, rm], [P("d"), P("d")], outs, mesh=mesh)
-    _same(got, want)
+    T.assert_same_bytes(got, want)
     assert counts == want_counts, (counts, want_counts)
     assert {k: v for k, v in counts.items() if v} == {"all-reduce": 2 if isinstance(recipe, fp8.CurrentScaling) else 1}
 
@@ -339,8 +331,8 @@ def test_fused_op_per_shard_in_shard_map():
     for s in range(8):
         sl = slice(16 * s, 16 * (s + 1))
         ys, dxs = jax.jit(body)(x[sl], rm[sl], w)
-        _same(y[32 * s : 32 * (s + 1)], ys)
-        _same(dx[sl], dxs)
+        T.assert_same_bytes(y[32 * s : 32 * (s + 1)], ys)
+        T.assert_same_bytes(dx[sl], dxs)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -412,4 +404,4 @@ def test_default_implementation_is_staged_per_platform(monkeypatch, stub_triton_
     assert tb.FFI_TARGET not in grad.lower(x, w, st).as_text()
     got = grad(x, w, st)
     want = jax.jit(jax.value_and_grad(lambda x, w, st: loss(x, w, st, "reference"), (0, 1, 2)))(x, w, st)
-    _same(got, want)
+    T.assert_same_bytes(got, want)

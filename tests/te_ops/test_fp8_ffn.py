@@ -173,12 +173,11 @@ def _compare(got, want, tag, frac=1e-3):
         if g.shape != w.shape or g_.block != w_.block:
             problems.append(f"{which} shape/block {g.shape} {g_.block} vs {w.shape} {w_.block}")
             continue
-        gn, wn = np.isnan(g.astype(np.float32)), np.isnan(w.astype(np.float32))
-        if not np.array_equal(gn, wn):
-            problems.append(f"{which} NaN positions differ at {np.argwhere(gn != wn)[:3].tolist()}")
+        nan_moved = T.fp8_nan_mismatches(g, w)
+        if nan_moved.size:
+            problems.append(f"{which} NaN positions differ at {nan_moved[:3].tolist()}")
             continue
-        fold = lambda b: np.where(b == 0x80, 0, b)  # noqa: E731 - -0 as +0
-        worst = max(worst, float(np.mean(fold(g.view(np.uint8)[~gn]) != fold(w.view(np.uint8)[~wn]))))
+        worst = max(worst, T.fp8_byte_mismatch_fraction(g, w, ignore_zero_sign=True))  # -0 as +0
         s_frac = float(np.mean(np.asarray(g_.scale_inv) != np.asarray(w_.scale_inv)))
         if s_frac > frac:
             problems.append(f"{which} scales differ in a fraction {s_frac:.1e}")

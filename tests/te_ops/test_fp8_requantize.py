@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from te_ops import fp8
+from te_ops._core import testing as T
 from tests.te_ops._interpret_runner import run_interpreted
 
 # (shape, block, input format, output format, power_of_2, margin): partial tiles both ways
@@ -31,7 +32,7 @@ def _input(shape, block, fmt, pow2, seed):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal(shape).astype(np.float32) * np.exp(rng.uniform(-6, 6, (shape[0], 1))).astype(np.float32)
     q = fp8.reference.quantize_blocks(jnp.asarray(x), (1, block), fmt, power_of_2=pow2)
-    data = np.asarray(q.data).view(np.uint8).copy()
+    data = T.fp8_bytes(q.data).copy()
     codes = np.arange(256, dtype=np.uint8)
     flat = data.reshape(-1)
     n = min(256, flat.size)
@@ -64,10 +65,8 @@ def _main() -> int:
             wq = ref.cast_scaled(xb, scale[..., :, None, :, None], fout)
             want_data = np.asarray(wq.reshape(xb.shape[-4], xb.shape[-2] * block)[:, : deq_t.shape[1]])
             want_sinv = np.asarray(1.0 / scale)
-        g = np.asarray(got.data)
-        gn, wn = np.isnan(g.astype(np.float32)), np.isnan(want_data.astype(np.float32))
-        ok = g.shape == want_data.shape == (shape[1], shape[0]) and got.block == (1, block)
-        ok = ok and np.array_equal(gn, wn) and np.array_equal(g.view(np.uint8)[~gn], want_data.view(np.uint8)[~wn])
+        ok = got.data.shape == want_data.shape == (shape[1], shape[0]) and got.block == (1, block)
+        ok = ok and T.same_fp8_bytes(got.data, want_data)
         ok = ok and np.array_equal(np.asarray(got.scale_inv), want_sinv)
         name = f"{shape} 1x{block} {jnp.dtype(fin).name} -> {jnp.dtype(fout).name} pow2={pow2} margin={margin}"
         print(f"requantize_t case {i} {name}: {'ok' if ok else 'MISMATCH'}")
@@ -81,13 +80,11 @@ def _main() -> int:
     a, b = fd.wgrad_operand(q, rec, "triton"), fd.wgrad_operand(q, rec, "reference")
     fd.REQUANTIZE_KERNEL = False  # ... and the XLA dequantize + block_quantize it replaces: the same bytes
     c = fd.wgrad_operand(q, rec, "triton")
-    ok = np.array_equal(np.asarray(a.data).view(np.uint8), np.asarray(c.data).view(np.uint8))
+    ok = np.array_equal(T.fp8_bytes(a.data), T.fp8_bytes(c.data))
     ok = ok and np.array_equal(np.asarray(a.scale_inv), np.asarray(c.scale_inv)) and a.dtype == c.dtype
     print(f"wgrad_operand kernel vs block_quantize path: {'ok' if ok else 'MISMATCH'}")
     failures += not ok
-    an = np.isnan(np.asarray(a.data).astype(np.float32))
-    ok = np.array_equal(np.asarray(a.data).view(np.uint8)[~an], np.asarray(b.data).view(np.uint8)[~an])
-    ok = ok and np.array_equal(an, np.isnan(np.asarray(b.data).astype(np.float32)))
+    ok = T.same_fp8_bytes(a.data, b.data)  # NaN positions, the other bytes
     ok = ok and np.array_equal(np.asarray(a.scale_inv), np.asarray(b.scale_inv))
     print(f"wgrad_operand triton vs reference: {'ok' if ok else 'MISMATCH'}")
     failures += not ok

@@ -37,16 +37,6 @@ def _x(seed, shape, dtype=jnp.float32):
     return jnp.asarray(x, dtype)
 
 
-def _bits(a):
-    a = np.asarray(jax.device_get(a))
-    return a.view(np.uint8) if a.dtype.itemsize == 1 else a
-
-
-def _same_bits(out, expect):
-    for a, e in zip(jax.tree.leaves(out), jax.tree.leaves(expect), strict=True):
-        np.testing.assert_array_equal(_bits(a), _bits(e))
-
-
 def _data_scale(q):
     return q.data, q.scale_inv
 
@@ -117,7 +107,7 @@ def test_amax_reduces_over_exactly_the_sharded_axes(spec, n_allreduce):
     x = _x(1, (64, 256))
     f = fsh.amax(lambda a: ref_amax_local(a, 1))
     out, expect, counts = T.run_sharded(f, [x], [spec], P(), mesh=mesh)
-    _same_bits(out, expect)
+    T.assert_same_bytes(out, expect)
     assert float(out) == float(jnp.max(jnp.abs(x)))
     assert _nonzero(counts) == ({"all-reduce": n_allreduce} if n_allreduce else {})
 
@@ -127,7 +117,7 @@ def test_batched_amax_keeps_the_leading_axis_sharded():
     x = _x(2, (8, 32, 256))
     f = fsh.amax(lambda a: ref_amax_local(a, a.shape[0]), batched=True)
     out, expect, counts = T.run_sharded(f, [x], [P("a", None, "b")], P("a"), mesh=mesh)
-    _same_bits(out, expect)
+    T.assert_same_bytes(out, expect)
     np.testing.assert_array_equal(np.asarray(out), np.max(np.abs(np.asarray(x)), axis=(1, 2)))
     assert _nonzero(counts) == {"all-reduce": 1}  # over "b" only
 
@@ -144,7 +134,7 @@ def test_tensor_cast_is_elementwise_and_its_amax_global(with_amax):
 
     f = fsh.tensor_cast(local, with_amax=with_amax)
     out, expect, counts = T.run_sharded(f, [x, amax], [P("a", "b"), P()], None, mesh=mesh)
-    _same_bits(out, expect)
+    T.assert_same_bytes(out, expect)
     assert _nonzero(counts) == ({"all-reduce": 1} if with_amax else {})
 
 
@@ -162,7 +152,7 @@ def test_block_quantize_shards_whole_blocks(block, shape, spec, gathers):
     x = _x(4, shape, jnp.bfloat16)
     f = fsh.block_quantize(lambda a: _data_scale(ref_block_local(a, block, E4M3, False, 0)), block)
     out, expect, counts = T.run_sharded(f, [x], [spec], None, mesh=mesh)
-    _same_bits(out, expect)
+    T.assert_same_bytes(out, expect)
     if gathers:
         assert _nonzero(counts), "a shard boundary inside a block must gather"
     else:
@@ -180,7 +170,7 @@ def test_dual_quantize_no_collective_on_block_boundaries(t_square):
 
     sharded = fsh.dual_quantize(local, 128, t_square)
     out, expect, counts = T.run_sharded(sharded, [x], [P("a", "b")], None, mesh=mesh)
-    _same_bits(out, expect)
+    T.assert_same_bytes(out, expect)
     assert _nonzero(counts) == {}
 
 
@@ -201,7 +191,7 @@ def test_requantize_t_partitions(rows, spec, gathers):
     sharded = fsh.requantize_t(local, 128)
     data = jax.lax.bitcast_convert_type(q.data, jnp.uint8)
     out, expect, counts = T.run_sharded(sharded, [data, q.scale_inv], [spec, spec], None, mesh=mesh)
-    _same_bits(out, expect)
+    T.assert_same_bytes(out, expect)
     assert bool(gathers) == bool(_nonzero(counts)), counts
 
 
@@ -216,11 +206,11 @@ def test_ffn_fused_kernels_partition_by_rows(spec, gathers):
     da = _x(9, (1024, 256), jnp.bfloat16)
     act = fsh.ffn_act_quantize(lambda h: ref_ffn_act_local(h, 4, True, E4M3, True), 128)
     out, expect, counts = T.run_sharded(act, [h], [spec], None, mesh=mesh)
-    _same_bits(out, expect)
+    T.assert_same_bytes(out, expect)
     assert bool(gathers) == bool(_nonzero(counts)), counts
     dact = fsh.ffn_dact_quantize(lambda d, h: ref_ffn_dact_local(d, h, 4, True, E5M2, True), 128)
     out, expect, counts = T.run_sharded(dact, [da, h], [spec, spec], None, mesh=mesh)
-    _same_bits(out, expect)
+    T.assert_same_bytes(out, expect)
     assert bool(gathers) == bool(_nonzero(counts)), counts
 
 
@@ -383,7 +373,7 @@ def test_dact_dbias_quantize_sharded(triton_on_cpu, spec, reduces):
         return q.data, q.scale_inv, qt.data, qt.scale_inv, db
 
     out, expect, counts = T.run_sharded(f, [dy, z], [spec, spec], None, mesh=mesh)
-    _same_bits(out[:4], expect[:4])
+    T.assert_same_bytes(out[:4], expect[:4])
     np.testing.assert_allclose(np.asarray(out[4], F32), np.asarray(expect[4], F32), rtol=1e-2, atol=1e-2)
     assert counts.get("all-reduce", 0) == reduces, counts
     assert counts.get("all-gather", 0) == 0 and counts.get("all-to-all", 0) == 0, counts
@@ -459,7 +449,7 @@ def test_fp8_dense_quantization_bit_identical_when_sharded(triton_on_cpu):
     for fmt in (E4M3, E5M2):
         f = lambda a, fmt=fmt: _data_scale(tri.quantize_tensor(a, fmt))  # noqa: E731
         out, want, counts = T.run_sharded(f, [x], [P("a", "b")], None, mesh=mesh)
-        _same_bits(out, want)
+        T.assert_same_bytes(out, want)
         assert _nonzero(counts) == {"all-reduce": 1}
 
 
@@ -498,7 +488,7 @@ def test_fp8_dense_delayed_state_identical_when_sharded(request, impl):
         return jax.grad(loss, argnums=(0, 1, 2))(x, w, state)
 
     out, want, _ = T.run_sharded(step, [x, w, state], [P("d"), P(), P()], None, mesh=mesh)
-    _same_bits(out[2], want[2])
+    T.assert_same_bytes(out[2], want[2])
     T.assert_close(out[0], want[0], jnp.bfloat16)
 
 
@@ -597,7 +587,7 @@ def test_fp8_grouped_dense_delayed_amax_reduced_over_the_row_axis(request, impl)
 
     specs = [P("a"), P(), P()]
     out, want, counts = T.run_sharded(step, [x, kernels, state], specs, None, mesh=mesh)
-    _same_bits(out[2], want[2])
+    T.assert_same_bytes(out[2], want[2])
     assert float(out[2].x.amax_history[0]) == float(jnp.max(jnp.abs(x.astype(F32))))
     T.assert_close(out[0], want[0], jnp.bfloat16)
     T.assert_close(out[1], want[1], jnp.bfloat16, scale=2.0)
@@ -626,6 +616,6 @@ def test_fp8_grouped_dense_delayed_expert_parallel_triton(triton_on_cpu, mesh_sh
 
     specs = [P("b"), P("b"), P()]
     out, want, _ = T.run_sharded(step, [x, kernels, fp8.initial_grouped_state(recipe, 4)], specs, None, mesh=mesh)
-    _same_bits(out[2], want[2])
+    T.assert_same_bytes(out[2], want[2])
     T.assert_close(out[0], want[0], jnp.bfloat16)
     T.assert_close(out[1], want[1], jnp.bfloat16, scale=2.0)
