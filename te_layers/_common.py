@@ -345,7 +345,13 @@ def grouped_dense(x, kernels, group_sizes, bias=None, *, backend: str = "auto"):
             f"te_layers.grouped_dense: grouped_gemm must be one of {list(GROUPED_GEMM_BACKENDS)}, got {backend!r}."
         )
     aligned = x.shape[-1] % 8 == 0 and kernels.shape[-1] % 8 == 0
-    if backend == "ragged_dot" or (backend == "auto" and not aligned):
+    ragged = backend == "ragged_dot" or (backend == "auto" and not aligned)
+    # float32 master kernels with a 16-bit x go to te_ops as they are (it casts them itself and
+    # returns float32 dkernels without a rounding to x's dtype or a separate cast pass)
+    master = jnp.dtype(kernels.dtype) == jnp.float32 and jnp.dtype(x.dtype) in (jnp.bfloat16, jnp.float16)
+    if kernels.dtype != x.dtype and (ragged or not master):
+        kernels = kernels.astype(x.dtype)
+    if ragged:
         return _ragged_grouped_dense(x, kernels, group_sizes, bias)
     kw = {} if aligned else {"implementation": "reference"}
     return _te_grouped_dense(x, kernels, group_sizes, bias, **kw)
@@ -415,9 +421,11 @@ def expert_ffn(x, wi, wo, group_sizes, *, activation, gated, backend, fp8=None, 
     not used). ``fp8_state``: with DelayedScaling, ``{"wi": tree, "wo": tree}`` (the state of each
     grouped GEMM as a dict tree, ``te_layers._fp8.initial_moe_state_tree``)."""
     grouped = _grouped_gemm(fp8, fp8_state)
-    h = grouped(x, wi.astype(x.dtype), group_sizes, backend, "wi")
+    # without FP8, grouped_dense takes the (float32) parameters as they are: see grouped_dense
+    cast = (lambda w: w) if fp8 is None else (lambda w: w.astype(x.dtype))
+    h = grouped(x, cast(wi), group_sizes, backend, "wi")
     h = _ffn_activation(h, activation, gated, x.dtype)
-    return grouped(h, wo.astype(x.dtype), group_sizes, backend, "wo")
+    return grouped(h, cast(wo), group_sizes, backend, "wo")
 
 
 # The FP8 block-scaled MoE experts as one op, te_ops.fp8.fp8_dispatch_ffn (the activation fused into

@@ -77,12 +77,13 @@ def _validate(x, kernels, group_sizes, bias):
                 "experts there is nothing to compute: skip the call.",
             )
         )
-    if jnp.dtype(x.dtype) != jnp.dtype(kernels.dtype):
+    if jnp.dtype(x.dtype) != jnp.dtype(kernels.dtype) and not _master(x, kernels):
         raise TypeError(
             err(
                 OP,
-                f"x and kernels must have the same dtype, got {jnp.dtype(x.dtype)} and "
-                f"{jnp.dtype(kernels.dtype)}. Cast one of them, e.g. kernels.astype(x.dtype).",
+                f"kernels must have x's dtype, or be float32 master kernels with a bfloat16 or float16 x; got "
+                f"x {jnp.dtype(x.dtype)} and kernels {jnp.dtype(kernels.dtype)}. Cast one of them, e.g. "
+                "kernels.astype(x.dtype).",
             )
         )
     group_sizes = check_int_array(OP, "group_sizes", group_sizes, dtype=jnp.int32)
@@ -108,6 +109,11 @@ def _validate(x, kernels, group_sizes, bias):
 # ----------------------------------------------------------------------------------------------
 
 
+def _master(x, kernels) -> bool:
+    """float32 kernels with a bfloat16 / float16 x: cast to x's dtype inside the op, float32 dkernels."""
+    return jnp.dtype(kernels.dtype) == jnp.float32 and jnp.dtype(x.dtype) in (jnp.bfloat16, jnp.float16)
+
+
 def _call_desc(x, kernels):
     m, k = x.shape
     g, _, n = kernels.shape
@@ -115,10 +121,18 @@ def _call_desc(x, kernels):
 
 
 @functools.cache
-def _build(implementation: str | None, has_bias: bool, tuning: tuple | None):
+def _build(implementation: str | None, has_bias: bool, tuning: tuple | None, master: bool = False):
     """``tuning``: the Triton tile configurations active when the op was called (benchmark sweeps);
-    re-entered around the dispatch because the partition callback may trace the impl later."""
+    re-entered around the dispatch because the partition callback may trace the impl later.
+    ``master``: float32 kernels with a 16-bit x; the op casts them to x's dtype (the forward and dx
+    GEMMs and the residual use the cast) and the backward writes dkernels in float32 (the wgrad
+    kernel's float32 accumulator rounded once, to float32: no rounding to x's dtype and no separate
+    cast pass over the gradient, which is what ``kernels.astype(x.dtype)`` outside the op costs)."""
     statics = dict(has_bias=has_bias)
+    bwd_statics = dict(has_bias=has_bias, wgrad_dtype=jnp.dtype(jnp.float32) if master else None)
+
+    def cast(x, kernels):
+        return kernels.astype(x.dtype) if master else kernels
 
     def tuned():
         return tri.config_override(*tuning) if tuning is not None else contextlib.nullcontext()
@@ -137,7 +151,7 @@ def _build(implementation: str | None, has_bias: bool, tuning: tuple | None):
                 implementation,
                 "backward",
                 (Residuals(x, kernels, group_sizes), dy),
-                statics,
+                bwd_statics,
                 _call_desc(x, kernels),
             )
         if db is None:
@@ -155,9 +169,10 @@ def _build(implementation: str | None, has_bias: bool, tuning: tuple | None):
 
         @jax.custom_vjp
         def op(x, kernels, group_sizes, bias):
-            return fwd_call(x, kernels, group_sizes, bias)
+            return fwd_call(x, cast(x, kernels), group_sizes, bias)
 
         def op_fwd(x, kernels, group_sizes, bias):
+            kernels = cast(x, kernels)
             return fwd_call(x, kernels, group_sizes, bias), (Residuals(x, kernels, group_sizes), bias)
 
         def op_bwd(saved, dy):
@@ -169,9 +184,10 @@ def _build(implementation: str | None, has_bias: bool, tuning: tuple | None):
 
         @jax.custom_vjp
         def op(x, kernels, group_sizes):
-            return fwd_call(x, kernels, group_sizes)
+            return fwd_call(x, cast(x, kernels), group_sizes)
 
         def op_fwd(x, kernels, group_sizes):
+            kernels = cast(x, kernels)
             return fwd_call(x, kernels, group_sizes), Residuals(x, kernels, group_sizes)
 
         def op_bwd(res, dy):
@@ -225,7 +241,11 @@ def grouped_dense(
 
     Args:
       x: ``[M, K]`` float32, bfloat16 or float16, rows grouped by expert.
-      kernels: ``[G, K, N]`` (G >= 1), x's dtype.
+      kernels: ``[G, K, N]`` (G >= 1), x's dtype; or float32 "master" kernels with a bfloat16 or
+        float16 x: the op casts them to x's dtype itself (the output equals
+        ``grouped_dense(x, kernels.astype(x.dtype), ...)`` bit for bit) and returns dkernels in
+        float32, the float32 accumulation not rounded to x's dtype (and no separate cast pass over
+        the gradient, which a cast before the call costs).
       group_sizes: int32 ``[G]``, normally ``>= 0`` with ``sum <= M`` (see above otherwise).
       bias: optional ``[G, N]`` float32, bfloat16 or float16.
       implementation: None (best available: "triton" on CUDA for bf16/fp16 with K and N multiples of
@@ -236,14 +256,15 @@ def grouped_dense(
 
     Raises:
       TypeError: an argument missing (None) or of the wrong dtype (integer, bool or complex x or
-        kernels, x and kernels of different dtypes, group_sizes not int32).
+        kernels, x and kernels of different dtypes other than float32 master kernels with a
+        16-bit x, group_sizes not int32).
       ValueError: wrong ranks or shapes, or G = 0.
 
     Sharding: expert parallel (G sharded with x's rows on the same mesh axis, each shard holding its
     local experts' rows) or tensor parallel (N sharded); see ``te_ops/grouped_dense/sharding.py``.
     """
     x, kernels, group_sizes, bias = _validate(x, kernels, group_sizes, bias)
-    op = _build(implementation, bias is not None, tri.current_override())
+    op = _build(implementation, bias is not None, tri.current_override(), _master(x, kernels))
     if bias is not None:
         return op(*match_vma(x, kernels, group_sizes, bias))
     return op(*match_vma(x, kernels, group_sizes))

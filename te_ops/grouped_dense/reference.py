@@ -81,7 +81,9 @@ def forward(x, kernels, group_sizes, bias=None, *, has_bias: bool):
     return y.astype(x.dtype), Residuals(x, kernels, group_sizes)
 
 
-def backward(res: Residuals, dy, *, has_bias: bool):
+def backward(res: Residuals, dy, *, has_bias: bool, wgrad_dtype=None):
+    """``wgrad_dtype``: dkernels' dtype (None: the kernels'; float32 for float32 master kernels, which
+    the op casts to x's dtype before the forward: dkernels then skips the rounding to x's dtype)."""
     x, kernels, group_sizes = res
     m = x.shape[0]
     g = kernels.shape[0]
@@ -104,4 +106,4 @@ def backward(res: Residuals, dy, *, has_bias: bool):
     db = None
     if has_bias:
         db = jax.ops.segment_sum(dy32, seg, num_segments=g + 1)[:g]
-    return dx.astype(x.dtype), dk.astype(kernels.dtype), db
+    return dx.astype(x.dtype), dk.astype(wgrad_dtype or kernels.dtype), db

@@ -269,12 +269,14 @@ def forward(x, kernels, group_sizes, bias=None, *, has_bias: bool):
     return y, Residuals(x, kernels, group_sizes)
 
 
-def backward(res: Residuals, dy, *, has_bias: bool):
+def backward(res: Residuals, dy, *, has_bias: bool, wgrad_dtype=None):
+    """dx, dkernels (``wgrad_dtype``, default the kernels' dtype: the wgrad kernel rounds its float32
+    accumulator once, to that dtype) and dbias."""
     x, kernels, group_sizes = res
     _, dx_cfg, wg_cfg = _configs()
     dy = dy.astype(x.dtype)
     dx = grouped_gemm(dy, kernels, group_sizes, None, trans_b=True, cfg=dx_cfg)
-    dk = grouped_wgrad(x, dy, group_sizes, kernels.shape[0], cfg=wg_cfg, out_dtype=kernels.dtype)
+    dk = grouped_wgrad(x, dy, group_sizes, kernels.shape[0], cfg=wg_cfg, out_dtype=wgrad_dtype or kernels.dtype)
     db = None
     if has_bias:
         g = kernels.shape[0]

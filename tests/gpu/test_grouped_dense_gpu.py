@@ -95,6 +95,25 @@ def test_triton_matches_reference(shape, dtype, with_bias):
     assert np.all(np.asarray(got[2][empty], np.float32) == 0), "empty groups must get zero dkernels"
 
 
+@needs_triton
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_float32_master_kernels(dtype):
+    """float32 kernels with a 16-bit x: the Triton path against the reference (dkernels float32,
+    written straight from the wgrad kernel's float32 accumulator, NaN-poisoned outputs), and y / dx
+    bit-equal to the call with kernels.astype(x.dtype)."""
+    m, k, n, g = 1000, 136, 200, 5
+    x, w, b, dy = make(17, m, k, n, g, jnp.float32)
+    x, b, dy = x.astype(dtype), b.astype(dtype), dy.astype(dtype)
+    s = uneven_sizes(m + 1, g, m, zeros=1)
+    got = run("triton", x, w, s, b, dy)
+    want = run("reference", x, w, s, b, dy)
+    assert got[2].dtype == jnp.float32
+    check(got, want, dtype)
+    cast = run("triton", x, w.astype(dtype), s, b, dy)
+    T.assert_same_bytes(got[:2], cast[:2])
+    T.assert_close(got[2], cast[2].astype(jnp.float32), dtype, err_msg="dkernels vs the cast call")
+
+
 # The TMA-descriptor variants of the forward/dx and dkernels kernels (opt-in USE_TMA): K a multiple of
 # BK (its precondition) and not (it must fall back to pointer loads), N not a multiple of BN, the
 # last group ending at M (TMA zero fill) and before it (tail rows), bias on and off.

@@ -20,6 +20,7 @@ import pytest
 from jax.sharding import PartitionSpec as PS
 
 from te_ops._core import registry
+from te_ops._core import testing as T
 from te_ops._core import triton_bridge as tb
 from te_ops._core.testing import assert_close, cpu_mesh, run_sharded
 from te_ops.grouped_dense import grouped_dense
@@ -113,6 +114,36 @@ def test_gradients_match_per_group_formulation(with_bias):
     assert gs_grad.dtype == jax.dtypes.float0
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_float32_master_kernels(dtype, with_bias):
+    """float32 kernels with a 16-bit x: y and dx equal the call with kernels.astype(x.dtype) bit for
+    bit; dkernels is float32, equal to that call's dkernels before its rounding to x's dtype (so it
+    rounds to the same bytes) and within float32 accumulation error of the per-group formulation."""
+    rng = np.random.default_rng(12)
+    x, w, _, b = make(rng, 90, 24, 40, 5)
+    x, b = x.astype(dtype), b.astype(dtype)
+    sizes = jnp.array([30, 0, 17, 35, 1], jnp.int32)  # sum 83 < 90, an empty group
+    dy = jnp.asarray(rng.standard_normal((90, 40)), dtype)
+    bias = b if with_bias else None
+
+    def step(cast):
+        f = lambda x, w: grouped_dense(x, w.astype(dtype) if cast else w, sizes, bias)  # noqa: E731
+        y, vjp = jax.vjp(f, x, w)
+        return (y, *vjp(dy))
+
+    (y, dx, dk), (y_c, dx_c, dk_c) = jax.jit(lambda: step(False))(), jax.jit(lambda: step(True))()
+    assert y.dtype == dtype and dx.dtype == dtype and dk.dtype == jnp.float32
+    T.assert_same_bytes((y, dx), (y_c, dx_c))
+    T.assert_same_bytes(dk.astype(dtype), dk_c.astype(dtype))
+    assert np.any(np.asarray(dk) != np.asarray(dk_c)), "dkernels must not be rounded to x's dtype"
+    want = jax.grad(lambda w: jnp.sum(direct(x, w, sizes, bias).astype(jnp.float32) * dy.astype(jnp.float32)))(
+        w.astype(dtype).astype(jnp.float32)
+    )
+    assert_close(dk, want, jnp.float32, scale=8)
+    assert np.all(np.asarray(dk)[1] == 0)  # the empty group
+
+
 def test_jit_with_device_sizes_one_compile():
     rng = np.random.default_rng(3)
     x, w, _, _ = make(rng, 50, 8, 8, 4)
@@ -154,8 +185,11 @@ def test_errors():
         grouped_dense(x, w, s.astype(jnp.int64) if jax.config.jax_enable_x64 else s.astype(jnp.float32))
     with pytest.raises(ValueError, match=r"group_sizes must have shape \[G\]"):
         grouped_dense(x, w, jnp.array([8, 4, 4], jnp.int32))
-    with pytest.raises(TypeError, match="same dtype"):
-        grouped_dense(x.astype(jnp.bfloat16), w, s)
+    # float32 kernels with a 16-bit x are master kernels (test_float32_master_kernels); the other mixes
+    with pytest.raises(TypeError, match=r"kernels must have x's dtype.*x float32 and kernels bfloat16"):
+        grouped_dense(x, w.astype(jnp.bfloat16), s)
+    with pytest.raises(TypeError, match=r"x bfloat16 and kernels float16"):
+        grouped_dense(x.astype(jnp.bfloat16), w.astype(jnp.float16), s)
     with pytest.raises(TypeError, match="x must be float32"):
         grouped_dense(x.astype(jnp.int32), w.astype(jnp.int32), s)
     with pytest.raises(ValueError, match="bias must have shape"):
@@ -335,6 +369,32 @@ def test_sharded_expert_parallel():
         for a, e in zip(got, want, strict=True):
             assert_close(a, e, jnp.float32, scale=8)
     assert sum(counts.values()) == 0, counts
+
+
+@pytest.mark.parametrize("parallel", ["ep", "tp"])
+def test_sharded_float32_master_kernels(parallel):
+    """bfloat16 x with float32 master kernels, expert or tensor parallel: the sharded result equals
+    the unsharded one (dkernels float32), with the collectives of the same-dtype op."""
+    mesh = cpu_mesh((8,), (parallel,))
+    rng = np.random.default_rng(15)
+    if parallel == "ep":
+        x, w, s, b = _ep_data(rng, 8, 24, 16, 8, 2, exact=True)
+        specs = [PS("ep")] * 4
+        out_specs = (PS("ep"),) * 4
+    else:
+        x, w, s, b = make(rng, 64, 16, 64, 5)
+        specs = [None, PS(None, None, "tp"), None, PS(None, "tp")]
+        out_specs = (PS(None, "tp"), PS(), PS(None, None, "tp"), PS(None, "tp"))
+    x, b = x.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
+    dy = jnp.asarray(rng.standard_normal((x.shape[0], w.shape[2])), jnp.bfloat16)
+    sharded, unsharded, counts = run_sharded(_fwd_bwd(dy), [x, w, s, b], specs, out_specs, mesh=mesh)
+    assert sharded[2].dtype == jnp.float32
+    for a, e in zip(sharded, unsharded, strict=True):
+        assert_close(a, e, a.dtype, scale=8)
+    if parallel == "ep":
+        assert sum(counts.values()) == 0, counts
+    else:
+        assert counts["all-reduce"] == 1 and counts["all-gather"] == 0, counts
 
 
 def test_sharded_experts_without_sharded_rows_keep_the_unsharded_meaning():
