@@ -413,6 +413,17 @@ def _ffn_activation(h, activation, gated, dtype):
     return _ffn_act(h, activation_fn(activation), gated).astype(dtype)
 
 
+def _expert_kernels(w, dtype):
+    """An expert weight for the grouped GEMMs: float32 parameters stay float32 with a bfloat16 /
+    float16 compute dtype (te_ops' grouped GEMMs, FP8 or not, take them as master kernels: cast or
+    quantized inside the op, their gradient written in float32 by the weight-gradient kernel, with
+    no rounding to the compute dtype and no cast pass over it); anything else is cast to ``dtype``."""
+    dtype = jnp.dtype(dtype)
+    if jnp.dtype(w.dtype) == jnp.float32 and dtype in (jnp.bfloat16, jnp.float16):
+        return w
+    return w.astype(dtype)
+
+
 def expert_ffn(x, wi, wo, group_sizes, *, activation, gated, backend, fp8=None, fp8_state=None):
     """Per-expert FFN on expert-major rows: ``act(x @ wi[g]) [* (x @ wi_lin[g])] @ wo[g]``.
 
@@ -421,11 +432,9 @@ def expert_ffn(x, wi, wo, group_sizes, *, activation, gated, backend, fp8=None, 
     not used). ``fp8_state``: with DelayedScaling, ``{"wi": tree, "wo": tree}`` (the state of each
     grouped GEMM as a dict tree, ``te_layers._fp8.initial_moe_state_tree``)."""
     grouped = _grouped_gemm(fp8, fp8_state)
-    # without FP8, grouped_dense takes the (float32) parameters as they are: see grouped_dense
-    cast = (lambda w: w) if fp8 is None else (lambda w: w.astype(x.dtype))
-    h = grouped(x, cast(wi), group_sizes, backend, "wi")
+    h = grouped(x, wi, group_sizes, backend, "wi")
     h = _ffn_activation(h, activation, gated, x.dtype)
-    return grouped(h, cast(wo), group_sizes, backend, "wo")
+    return grouped(h, wo, group_sizes, backend, "wo")
 
 
 # The FP8 block-scaled MoE experts as one op, te_ops.fp8.fp8_dispatch_ffn (the activation fused into
@@ -454,14 +463,14 @@ def _fp8_dispatch_ffn(x2d, routing_map, n, wi, wo, cfg: MoEConfig, fp8, fp8_stat
     from te_ops.fp8 import DelayedScaling, fp8_dispatch_ffn, fp8_dispatch_grouped_dense
 
     if _fused_ffn_applies(fp8, cfg):
-        d = fp8_dispatch_ffn(x2d, routing_map, n, wi.astype(x2d.dtype), wo.astype(x2d.dtype), fp8,
+        d = fp8_dispatch_ffn(x2d, routing_map, n, wi, wo, fp8,
                              activation=cfg.activation, gated=cfg.gated)  # fmt: skip
         return d.out, d.row_id_map
 
     st = from_tree(fp8_state["wi"]) if isinstance(fp8, DelayedScaling) else None
-    d = fp8_dispatch_grouped_dense(x2d, routing_map, n, wi.astype(x2d.dtype), fp8, state=st)
+    d = fp8_dispatch_grouped_dense(x2d, routing_map, n, wi, fp8, state=st)
     h = _ffn_activation(d.out, cfg.activation, cfg.gated, x2d.dtype)
-    y = _grouped_gemm(fp8, fp8_state)(h, wo.astype(x2d.dtype), d.tokens_per_expert, cfg.grouped_gemm, "wo")
+    y = _grouped_gemm(fp8, fp8_state)(h, wo, d.tokens_per_expert, cfg.grouped_gemm, "wo")
     return y, d.row_id_map
 
 
@@ -679,10 +688,10 @@ def _fp8_expert_parallel_ffn(x2d, routing_map, n, wi, wo, cfg: MoEConfig, fp8, f
     el = wi.shape[0]
     impl = resolve("reference" if G._triton_unsupported(p * n, el) else None)
     st = from_tree(fp8_state["wi"]) if isinstance(fp8, DelayedScaling) else None
-    x2d, wi_c, routing_map = match_vma(x2d, wi.astype(x2d.dtype), routing_map)
+    x2d, wi_c, routing_map = match_vma(x2d, wi, routing_map)
     h, row_id_map, lay = _fp8_ep_wi(x2d, wi_c, routing_map, st, (fp8, n, impl, axis_name))
     h = _ffn_activation(h, cfg.activation, cfg.gated, x2d.dtype)
-    y = _grouped_gemm(fp8, fp8_state)(h, wo.astype(x2d.dtype), lay.recv_counts.sum(0), cfg.grouped_gemm, "wo")
+    y = _grouped_gemm(fp8, fp8_state)(h, wo, lay.recv_counts.sum(0), cfg.grouped_gemm, "wo")
     return _ep_return(y, lay, axis_name, n), row_id_map
 
 
@@ -733,7 +742,7 @@ def moe_apply(
     dt = compute_dtype(x, dtype)
     lead, hdim = x.shape[:-1], x.shape[-1]
     x2d = x.reshape(-1, hdim).astype(dt)
-    wi, wo = wi.astype(dt), wo.astype(dt)
+    wi, wo = _expert_kernels(wi, dt), _expert_kernels(wo, dt)
     if x2d.shape[0] == 0:
         r = empty_route(cfg.router.num_experts)
         return MoEOutput(jnp.zeros(x.shape, dt), r.aux_loss, r.tokens_per_expert)

@@ -304,7 +304,8 @@ def fp8_dispatch_grouped_dense(
       x: ``[T, H]`` float32, bfloat16 or float16 tokens.
       routing_map: ``[T, E]`` bool.
       num_out_tokens: static int >= 0, token_dispatch's capacity (normally T * topk).
-      kernels: ``[E, H, N]``, x's dtype: expert e's first kernel.
+      kernels: ``[E, H, N]``, x's dtype (or float32 master kernels, as fp8_grouped_dense takes them):
+        expert e's first kernel.
       recipe: as ``fp8_grouped_dense`` (default ``BlockScaling()``).
       align_size: optional static int, token_dispatch's padding of each expert's block.
       state: with DelayedScaling, the ``DenseScalingState`` of ``initial_grouped_state(recipe, E)``.
@@ -336,8 +337,7 @@ def fp8_dispatch_grouped_dense(
         )  # fmt: skip
     if kernels.shape[1] != x.shape[1]:
         raise ValueError(err(OP, f"x's H = {x.shape[1]} must match kernels' H = {kernels.shape[1]} ([E, H, N])."))
-    if x.dtype != kernels.dtype:
-        raise TypeError(err(OP, f"x and kernels must have the same dtype, got {x.dtype} and {kernels.dtype}."))
+    G.check_kernel_dtype(OP, x, kernels)
     blocks = (getattr(recipe, "act_block", None), getattr(recipe, "weight_block", None))
     block_ok = isinstance(recipe, BlockScaling) and blocks == ((1, TILE), (TILE, TILE))
     if not (block_ok or isinstance(recipe, (CurrentScaling, DelayedScaling))):

@@ -178,9 +178,10 @@ def fp8_dispatch_ffn(
       x: ``[T, H]`` float32, bfloat16 or float16 tokens.
       routing_map: ``[T, E]`` bool.
       num_out_tokens: static int >= 0, token_dispatch's capacity (normally T * topk).
-      wi: ``[E, H, W]``, x's dtype: the first kernels; ``W = 2F`` gated (the activation's input
+      wi: ``[E, H, W]``, x's dtype (or float32 master kernels, as fp8_grouped_dense takes them): the
+        first kernels; ``W = 2F`` gated (the activation's input
         in the first F columns, the linear gate in the last F), else ``W = F``.
-      wo: ``[E, F, H_out]``, x's dtype: the second kernels.
+      wo: ``[E, F, H_out]``, wi's dtype: the second kernels.
       recipe: ``BlockScaling`` with act_block (1, 128) and weight_block (128, 128) (the default).
       activation: static, None, "gelu", "gelu_tanh", "relu" or "silu".
       gated: static bool.
@@ -224,8 +225,10 @@ def fp8_dispatch_ffn(
         want = f"2F = {2 * f} (gated)" if gated else f"F = {f}"
         raise ValueError(err(OP, f"wi's W must be {want}, F = wo.shape[1]; got wi {tuple(wi.shape)}, wo "
                                  f"{tuple(wo.shape)}."))  # fmt: skip
-    if not (x.dtype == wi.dtype == wo.dtype):
-        raise TypeError(err(OP, f"x, wi and wo must have one dtype, got {x.dtype}, {wi.dtype} and {wo.dtype}."))
+    G.check_kernel_dtype(OP, x, wi, "wi")
+    if wo.dtype != wi.dtype:
+        raise TypeError(err(OP, f"wi and wo must have one dtype (x's, or float32 master kernels), got wi {wi.dtype} "
+                                f"and wo {wo.dtype}."))  # fmt: skip
     blocks = (getattr(recipe, "act_block", None), getattr(recipe, "weight_block", None))
     if not (isinstance(recipe, BlockScaling) and blocks == ((1, TILE), (TILE, TILE))):
         raise ValueError(

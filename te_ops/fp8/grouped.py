@@ -50,6 +50,18 @@ F32 = jnp.float32
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
+def check_kernel_dtype(op: str, x, kernels, name: str = "kernels") -> None:
+    """``kernels`` in x's dtype, or float32 master kernels with a bfloat16 / float16 x (quantized from
+    their float32 values, never rounded to x's dtype first; the kernel gradient comes out in
+    float32 straight from the weight-gradient GEMM's float32 sum)."""
+    master = jnp.dtype(kernels.dtype) == F32 and jnp.dtype(x.dtype) in (jnp.bfloat16, jnp.float16)
+    if jnp.dtype(x.dtype) != jnp.dtype(kernels.dtype) and not master:
+        raise TypeError(
+            err(op, f"{name} must have x's dtype, or be float32 master kernels with a bfloat16 or float16 x; got x "
+                    f"{jnp.dtype(x.dtype)} and {name} {jnp.dtype(kernels.dtype)}.")
+        )  # fmt: skip
+
+
 def _t_blocks(q: QuantizedTensor) -> QuantizedTensor:
     """[G, N, K] square-blocked (or one scale per expert) -> [G, K, N] with the same scales (exact)."""
     sinv = q.scale_inv if q.block is None else jnp.swapaxes(q.scale_inv, 1, 2)
@@ -337,7 +349,10 @@ def fp8_grouped_dense(
 
     Args:
       x: [M, K] float32, bfloat16 or float16.
-      kernels: [G, K, N], x's dtype.
+      kernels: [G, K, N], x's dtype; or float32 master kernels with a bfloat16 / float16 x: they are
+        quantized from their float32 values (not rounded to x's dtype first) and their gradient
+        comes back in float32 from the weight-gradient kernel's float32 sum (no rounding to x's
+        dtype, no separate cast pass).
       group_sizes: int32 [G] on the device (grouped_dense's rule).
       recipe: :class:`~te_ops.fp8.BlockScaling` with act_block (1, 128) and weight_block (128, 128)
         (default: ``BlockScaling()``), or :class:`~te_ops.fp8.CurrentScaling`: one scale for x (its
@@ -378,8 +393,7 @@ def fp8_grouped_dense(
         raise ValueError(err(OP, f"state is only for DelayedScaling; {type(recipe).__name__} takes state=None."))
     if x.shape[1] != kernels.shape[1]:
         raise ValueError(err(OP, f"x's K = {x.shape[1]} must match kernels' K = {kernels.shape[1]} ([G, K, N])."))
-    if x.dtype != kernels.dtype:
-        raise TypeError(err(OP, f"x and kernels must have the same dtype, got {x.dtype} and {kernels.dtype}."))
+    check_kernel_dtype(OP, x, kernels)
     implementation = static_choice(OP, "implementation", implementation, (None, "reference", "triton"))
     if implementation == "triton":
         why = _triton_unsupported(x.shape[0], kernels.shape[0])

@@ -853,6 +853,32 @@ def test_fp8_dense_errors(call, exc, match):
 GROUPED_RECIPES = [fp8.BlockScaling(), fp8.CurrentScaling(), fp8.CurrentScaling(formats="e4m3", margin=1)]
 
 
+@pytest.mark.parametrize("rec", GROUPED_RECIPES[:2], ids=repr)
+def test_fp8_grouped_dense_float32_master_kernels(rec):
+    """bfloat16 x with float32 kernels: the kernels are quantized from their float32 values (NumPy
+    formulation, as above); dkernels is float32 and equals the same-dtype call's before its rounding
+    to bfloat16 (the weight gradient's operands are x^T and dy^T, not the kernels)."""
+    rng = np.random.default_rng(23)
+    m, k, n = 300, 256, 130
+    sizes = jnp.array([100, 0, 150, 50], jnp.int32)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w = jnp.asarray((rng.standard_normal((4, k, n)) / 16).astype(np.float32))
+    dy = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
+    y, vjp = jax.vjp(lambda x, w: fp8.fp8_grouped_dense(x, w, sizes, rec), x, w)
+    dx, dw = vjp(dy)
+    assert (y.dtype, dx.dtype, dw.dtype) == (jnp.bfloat16, jnp.bfloat16, jnp.float32)
+    xq = _np_q(np.asarray(x, np.float32), rec, "x", (1, 128))
+    want_y, r0 = np.zeros((m, n), np.float32), 0
+    for g, size in enumerate(np.asarray(sizes)):
+        wq = _np_q(np.asarray(w[g]).T, rec, "w", (128, 128))
+        want_y[r0 : r0 + size] = xq[r0 : r0 + size] @ wq.T
+        r0 += size
+    T.assert_close(y, jnp.asarray(want_y).astype(jnp.bfloat16), jnp.bfloat16, scale=float(np.abs(want_y).max()))
+    _, vjp_c = jax.vjp(lambda x, w: fp8.fp8_grouped_dense(x, w, sizes, rec), x, w.astype(jnp.bfloat16))
+    T.assert_same_bytes(dw.astype(jnp.bfloat16), vjp_c(dy)[1])
+    assert np.any(np.asarray(dw) != np.asarray(dw.astype(jnp.bfloat16).astype(jnp.float32)))
+
+
 @pytest.mark.parametrize("rec", GROUPED_RECIPES, ids=repr)
 def test_fp8_grouped_dense_matches_per_group_numpy(rec):
     """Per group with NumPy: y, dx and dW from the FP8 operands (block: 1 x 128 rows, 128 x 128 expert
@@ -902,6 +928,11 @@ def test_fp8_grouped_dense_matches_per_group_numpy(rec):
             "recipe must be CurrentScaling, DelayedScaling, or BlockScaling with act_block",
         ),
         (lambda: fp8.fp8_grouped_dense(jnp.ones((4, 8)), jnp.ones((2, 8, 3)), jnp.ones(2)), TypeError, "integer"),
+        (
+            lambda: fp8.fp8_grouped_dense(jnp.ones((4, 8)), jnp.ones((2, 8, 3), jnp.bfloat16), jnp.ones(2, jnp.int32)),
+            TypeError,
+            "kernels must have x's dtype, or be float32 master kernels",
+        ),
         (
             lambda: fp8.fp8_grouped_dense(
                 jnp.ones((4, 8)), jnp.ones((2000, 8, 3)), jnp.ones(2000, jnp.int32), implementation="triton"

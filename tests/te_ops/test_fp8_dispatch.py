@@ -356,7 +356,7 @@ def _call(**over):
         (_call(routing_map=jnp.zeros((9, 4), bool)), ValueError, "routing_map"),
         (_call(kernels=jnp.zeros((3, 128, 128), jnp.bfloat16)), ValueError, "kernels"),
         (_call(kernels=jnp.zeros((4, 64, 128), jnp.bfloat16)), ValueError, "H"),
-        (_call(kernels=jnp.zeros((4, 128, 128), jnp.float32)), TypeError, "same dtype"),
+        (_call(kernels=jnp.zeros((4, 128, 128), jnp.float16)), TypeError, "kernels must have x's dtype, or be float32"),
         (_call(num_out_tokens=jnp.int32(16)), TypeError, "num_out_tokens"),
         (_call(num_out_tokens=-1), ValueError, "num_out_tokens"),
         (_call(align_size=0), ValueError, "align_size"),

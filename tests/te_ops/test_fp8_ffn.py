@@ -88,6 +88,25 @@ def test_reference_is_the_unfused_path_bit_for_bit(activation, gated, align_size
     assert float(jnp.max(jnp.abs(got[0].astype(F32)))) > 0  # not a vacuous comparison
 
 
+def test_float32_master_kernels_fused_equals_unfused():
+    """float32 wi / wo with a bfloat16 x: the fused op equals the unfused FP8 path bit for bit (both
+    quantize the kernels from their float32 values) and returns float32 kernel gradients, close to
+    those of the call with bfloat16 kernels (not equal: the kernels' rounding changes h and a)."""
+    x, rm, wi, wo = _inputs(5)
+    wi, wo = wi.astype(F32) * 1.001, wo.astype(F32) * 1.001  # not representable in bfloat16
+    n = 2 * x.shape[0]
+    dy = jnp.asarray(np.random.default_rng(6).standard_normal((n, x.shape[1])), x.dtype)
+    got = jax.jit(lambda *a: _value_and_grads(_fused(rm, n, "silu", True, "reference"), *a, dy))(x, wi, wo)
+    want = jax.jit(lambda *a: _value_and_grads(_unfused(rm, n, "silu", True, "reference"), *a, dy))(x, wi, wo)
+    assert [a.dtype for a in got] == [x.dtype, x.dtype, F32, F32]
+    T.assert_same_bytes(got, want)
+    _, _, dwi_c, dwo_c = jax.jit(lambda *a: _value_and_grads(_fused(rm, n, "silu", True, "reference"), *a, dy))(
+        x, wi.astype(x.dtype), wo.astype(x.dtype)
+    )
+    T.assert_close(got[2], dwi_c.astype(F32), jnp.bfloat16, scale=float(jnp.max(jnp.abs(got[2]))) * 8)
+    T.assert_close(got[3], dwo_c.astype(F32), jnp.bfloat16, scale=float(jnp.max(jnp.abs(got[3]))) * 8)
+
+
 def test_default_implementation_on_cpu_is_the_reference():
     x, rm, wi, wo = _inputs(3)
     n = 2 * x.shape[0]
@@ -128,7 +147,8 @@ def _err(**kw):
         (dict(activation="swish"), ValueError, "activation must be None or one of"),
         (dict(gated=1), TypeError, "gated must be a static bool"),
         (dict(gated=False), ValueError, "wi's W must be F = 128"),
-        (dict(wo=jnp.zeros((4, 128, 256), jnp.float32)), TypeError, "one dtype"),
+        (dict(wo=jnp.zeros((4, 128, 256), jnp.float32)), TypeError, "wi and wo must have one dtype"),
+        (dict(wi=jnp.zeros((4, 256, 256), jnp.float16)), TypeError, "wi must have x's dtype, or be float32"),
         (dict(wo=jnp.zeros((3, 128, 256), jnp.bfloat16)), ValueError, "one kernel per expert"),
         (dict(wi=jnp.zeros((4, 200, 256), jnp.bfloat16)), ValueError, "x's H = 256 must match wi's H = 200"),
         (dict(routing_map=jnp.zeros((95, 4), bool)), ValueError, "routing_map must be \\[T, E\\]"),
