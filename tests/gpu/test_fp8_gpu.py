@@ -440,16 +440,18 @@ def test_per_tensor_kernels_match_reference(shape):
 
 
 @needs_triton
+@pytest.mark.parametrize("master", [False, True], ids=["bf16_kernels", "master_f32_kernels"])
 @pytest.mark.parametrize("recipe", [fp8.BlockScaling(), fp8.CurrentScaling()], ids=lambda r: type(r).__name__)
-def test_fp8_grouped_dense_triton_path_matches_reference(recipe):
+def test_fp8_grouped_dense_triton_path_matches_reference(recipe, master):
     """MoE experts: FP8 forward and dx through the grouped block-scaled kernel, dkernels through the
-    grouped FP8 wgrad kernel, vs the reference path."""
+    grouped FP8 wgrad kernel, vs the reference path; also with float32 master kernels (quantized from
+    float32 by our kernels, float32 dkernels written by the wgrad kernel)."""
     rng = np.random.default_rng(9)
     m, k, n, g = 8192, 1024, 2048, 8
     sizes = np.floor(rng.dirichlet(np.full(g, 0.7)) * m * 0.95).astype(np.int32)
     sizes[2] = 0
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((g, k, n)) / 32, jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((g, k, n)) / 32, jnp.float32 if master else jnp.bfloat16)
     dy = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
 
     def fn(x, w, s, dy, impl):
@@ -461,8 +463,10 @@ def test_fp8_grouped_dense_triton_path_matches_reference(recipe):
             "reference": on_cpu(lambda *a: fn(*a, "reference"), x, w, s, dy)}  # fmt: skip
     for name, a, b in zip(("y", "dx", "dkernels"), outs["triton"], outs["reference"], strict=True):
         a32, b32 = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert a.dtype == b.dtype, name
         assert not np.isnan(a32).any(), name
         np.testing.assert_allclose(a32, b32, rtol=0, atol=1e-2 * float(np.max(np.abs(b32))), err_msg=name)
+    assert outs["triton"][2].dtype == w.dtype
 
 
 @needs_triton
