@@ -88,6 +88,9 @@ def build_models(cfg: dict, names: list[str]) -> dict[str, tuple]:
                                  "and te_layers_fp8_block (delayed scaling's state is not threaded here)")  # fmt: skip
             out[name] = (ex.MoELM(dict(cfg, norm="te", fp8=recipe)), f"te_layers, FP8 {recipe} scaling "
                          "(attention projections and experts)", {"fp8": recipe})  # fmt: skip
+        elif name == "te_layers_master":  # float32 master expert kernels (te_layers._common.BF16_MASTER_KERNELS)
+            out[name] = (ex.MoELM(dict(cfg, norm="te")), "te_layers, float32 master expert kernels (float32 expert "
+                         "gradients)", {"master_kernels": True})  # fmt: skip
         elif name == "te_layers_flax_norm":  # the same with flax.linen.RMSNorm: what the fused norms bring
             out[name] = (ex.MoELM(dict(cfg, norm="flax")), "te_layers with flax RMSNorm", {})
         elif name == "ragged_dot":
@@ -103,7 +106,7 @@ def build_models(cfg: dict, names: list[str]) -> dict[str, tuple]:
             raise SystemExit(f"train_moe benchmark: unknown model {name!r} in --models; known: te_layers, "
                              "te_layers_flax_norm, te_layers_ws, te_layers_pp, te_layers_tma, te_layers_fp8_current, "
                              "te_layers_fp8_block, te_layers_fp8_block_fused, te_layers_fp8_block_experts, "
-                             "te_layers_fp8_block_experts_fused, ragged_dot, "
+                             "te_layers_fp8_block_experts_fused, te_layers_master, ragged_dot, "
                              "strong_cf<factor>")  # fmt: skip
     return out
 
@@ -129,10 +132,25 @@ def _fused_ffn():
         C.FP8_FUSED_FFN = prev
 
 
+@contextlib.contextmanager
+def _master_kernels():
+    """te_layers' bf16 experts take their float32 parameters as master kernels while the step traces
+    (te_layers._common.BF16_MASTER_KERNELS)."""
+    from te_layers import _common as C
+
+    prev, C.BF16_MASTER_KERNELS = C.BF16_MASTER_KERNELS, True
+    try:
+        yield
+    finally:
+        C.BF16_MASTER_KERNELS = prev
+
+
 def _context(extra: dict):
     """The trace-time setting a model variant needs (``extra["grouped_gemm"]``), else None."""
     if extra.get("fused_ffn"):
         return _fused_ffn
+    if extra.get("master_kernels"):
+        return _master_kernels
     kind = extra.get("grouped_gemm")
     if kind is None:
         return None

@@ -413,13 +413,27 @@ def _ffn_activation(h, activation, gated, dtype):
     return _ffn_act(h, activation_fn(activation), gated).astype(dtype)
 
 
-def _expert_kernels(w, dtype):
-    """An expert weight for the grouped GEMMs: float32 parameters stay float32 with a bfloat16 /
-    float16 compute dtype (te_ops' grouped GEMMs, FP8 or not, take them as master kernels: cast or
-    quantized inside the op, their gradient written in float32 by the weight-gradient kernel, with
-    no rounding to the compute dtype and no cast pass over it); anything else is cast to ``dtype``."""
+# float32 expert parameters with a 16-bit compute dtype: with FP8 experts they reach te_ops as master
+# kernels (quantized straight from float32: the quantize kernel reads 4 bytes a parameter instead of a
+# cast pass reading 4 and writing 2 and the quantize reading 2; the wgrad kernel writes float32
+# gradients, 4 bytes instead of 2, which the optimizer then reads: about even in bytes, one pass fewer
+# and one rounding fewer). Without FP8 they are cast before the op unless BF16_MASTER_KERNELS: there
+# the cast's transpose (bfloat16 gradient -> float32) fuses into the optimizer's update, so master
+# kernels (float32 gradients, no bfloat16 rounding) only add bytes: the wgrad kernel writes 4 bytes a
+# parameter instead of 2 and the optimizer reads 4 instead of 2 (403M expert parameters in
+# benchmarks/train_moe.py: about 1.6 GB, ~0.4 ms a step at 4 TB/s). Off until measured
+# (benchmarks/train_moe.py model te_layers_master).
+BF16_MASTER_KERNELS = False
+
+
+def _expert_kernels(w, dtype, fp8):
+    """An expert weight for the grouped GEMMs: float32 parameters with a bfloat16 / float16 compute
+    dtype stay float32 (te_ops' grouped GEMMs take them as master kernels: cast or quantized inside
+    the op, float32 gradients from the weight-gradient kernel) with FP8 experts or
+    ``BF16_MASTER_KERNELS``; anything else is cast to ``dtype``."""
     dtype = jnp.dtype(dtype)
-    if jnp.dtype(w.dtype) == jnp.float32 and dtype in (jnp.bfloat16, jnp.float16):
+    master = jnp.dtype(w.dtype) == jnp.float32 and dtype in (jnp.bfloat16, jnp.float16)
+    if master and (fp8 is not None or BF16_MASTER_KERNELS):
         return w
     return w.astype(dtype)
 
@@ -742,7 +756,7 @@ def moe_apply(
     dt = compute_dtype(x, dtype)
     lead, hdim = x.shape[:-1], x.shape[-1]
     x2d = x.reshape(-1, hdim).astype(dt)
-    wi, wo = _expert_kernels(wi, dt), _expert_kernels(wo, dt)
+    wi, wo = _expert_kernels(wi, dt, fp8), _expert_kernels(wo, dt, fp8)
     if x2d.shape[0] == 0:
         r = empty_route(cfg.router.num_experts)
         return MoEOutput(jnp.zeros(x.shape, dt), r.aux_loss, r.tokens_per_expert)

@@ -88,11 +88,14 @@ def test_moe_block_same_with_both_backends():
 
 
 @pytest.mark.parametrize("fp8", [None, "block"])
-def test_moe_float32_parameters_with_bfloat16_compute(fp8):
-    """A bfloat16 MoE block keeps its float32 expert parameters float32 up to te_ops (master kernels):
-    the output equals the block fed pre-cast bfloat16 parameters (bit for bit without FP8), and the
-    expert gradients are float32 sums, not bfloat16 values widened (the cast-outside path's)."""
+def test_moe_float32_parameters_with_bfloat16_compute(fp8, monkeypatch):
+    """A bfloat16 MoE block with FP8 experts (or BF16_MASTER_KERNELS) keeps its float32 expert
+    parameters float32 up to te_ops (master kernels): the output equals the block fed pre-cast
+    bfloat16 parameters (bit for bit without FP8), and the expert gradients are float32 sums, not
+    bfloat16 values widened (the cast-outside path's)."""
     from te_ops.fp8 import BlockScaling
+
+    monkeypatch.setattr(C, "BF16_MASTER_KERNELS", fp8 is None)
 
     recipe = BlockScaling() if fp8 else None
     x = jax.random.normal(jax.random.key(6), (64, 128), jnp.bfloat16)
@@ -121,3 +124,21 @@ def test_moe_float32_parameters_with_bfloat16_compute(fp8):
         # FP8 only by the bfloat16 rounding of the sum
         rel = float(jnp.linalg.norm(g - g_c.astype(jnp.float32)) / jnp.linalg.norm(g))
         assert rel < (0.15 if fp8 else 0.01), rel
+
+
+def test_bf16_experts_cast_float32_parameters_by_default():
+    """Without FP8 (and BF16_MASTER_KERNELS off) the float32 expert parameters are cast before the
+    grouped GEMM, so their gradient is the bfloat16 one widened (it fuses into the optimizer)."""
+    assert C.BF16_MASTER_KERNELS is False
+    x = jax.random.normal(jax.random.key(8), (64, 128), jnp.bfloat16)
+    k = jax.random.split(jax.random.key(9), 3)
+    rk, wi, wo = (
+        jax.random.normal(k[0], (128, 4)),
+        jax.random.normal(k[1], (4, 128, 256)),
+        jax.random.normal(k[2], (4, 128, 128)),
+    )
+    cfg = C.MoEConfig(C.RouterConfig(num_experts=4, topk=2, aux_loss_coeff=0.1), 128, grouped_gemm="te_ops")
+    loss = lambda wi: jnp.sum(C.moe_apply(x, rk, wi, 0.1 * wo, cfg, dtype=jnp.bfloat16).out.astype(jnp.float32) ** 2)  # noqa: E731
+    g = jax.jit(jax.grad(loss))(0.1 * wi)
+    assert g.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(g.astype(jnp.bfloat16), np.float32))
