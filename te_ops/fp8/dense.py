@@ -118,6 +118,18 @@ def _reference_ops(recipe):
 CURRENT_TRITON_QUANT = False
 
 
+def check_kernel_dtype(op: str, x, kernels, name: str = "kernels") -> None:
+    """``kernels`` in x's dtype, or float32 master kernels with a bfloat16 / float16 x (quantized from
+    their float32 values, never rounded to x's dtype first; the kernel gradient comes out in
+    float32 straight from the weight-gradient GEMM's float32 sum)."""
+    master = jnp.dtype(kernels.dtype) == F32 and jnp.dtype(x.dtype) in (jnp.bfloat16, jnp.float16)
+    if jnp.dtype(x.dtype) != jnp.dtype(kernels.dtype) and not master:
+        raise TypeError(
+            err(op, f"{name} must have x's dtype, or be float32 master kernels with a bfloat16 or float16 x; got x "
+                    f"{jnp.dtype(x.dtype)} and {name} {jnp.dtype(kernels.dtype)}.")
+        )  # fmt: skip
+
+
 def _triton_ops(recipe):
     from te_ops.fp8 import triton as tri
 
@@ -378,7 +390,9 @@ def fp8_dense(
 
     Args:
       x: [..., K] float32, bfloat16 or float16.
-      kernel: [K, N], x's dtype.
+      kernel: [K, N], x's dtype; or a float32 master kernel with a bfloat16 / float16 x: quantized
+        from its float32 values (never rounded to x's dtype first), its gradient float32 straight
+        from the weight-gradient GEMM's float32 sum.
       recipe: :class:`~te_ops.fp8.CurrentScaling`, :class:`~te_ops.fp8.DelayedScaling` or
         :class:`~te_ops.fp8.BlockScaling` (static). With block scaling the weight blocks must be
         square (the dgrad GEMM reuses them transposed).
@@ -424,8 +438,7 @@ def fp8_dense(
         bias = check_float(OP, "bias", bias, DTYPES, rank=1, layout="[N]")
         if bias.shape != (kernel.shape[1],):
             raise ValueError(err(OP, f"bias must have shape [N] = ({kernel.shape[1]},), got {bias.shape}."))
-    if x.dtype != kernel.dtype:
-        raise TypeError(err(OP, f"x and kernel must have the same dtype, got {x.dtype} and {kernel.dtype}."))
+    check_kernel_dtype(OP, x, kernel, "kernel")
     if isinstance(recipe, BlockScaling) and recipe.weight_block[0] != recipe.weight_block[1]:
         raise ValueError(err(OP, f"BlockScaling.weight_block must be square for fp8_dense, got {recipe.weight_block}."))
     implementation = static_choice(OP, "implementation", implementation, (None, "reference", "triton", "xla"))

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 
 from te_ops._core.validation import check_float, check_int_array, err, static_choice
 from te_ops.fp8 import reference as ref
-from te_ops.fp8.dense import DenseScalingState
+from te_ops.fp8.dense import DenseScalingState, check_kernel_dtype
 from te_ops.fp8.recipes import BlockScaling, CurrentScaling, DelayedScaling
 from te_ops.fp8.reference import DelayedScalingState, QuantizedTensor
 from te_ops.fp8.select import resolve, staged
@@ -48,18 +48,6 @@ from te_ops.grouped_dense import reference as gd_ref
 OP = "fp8_grouped_dense"
 F32 = jnp.float32
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-
-
-def check_kernel_dtype(op: str, x, kernels, name: str = "kernels") -> None:
-    """``kernels`` in x's dtype, or float32 master kernels with a bfloat16 / float16 x (quantized from
-    their float32 values, never rounded to x's dtype first; the kernel gradient comes out in
-    float32 straight from the weight-gradient GEMM's float32 sum)."""
-    master = jnp.dtype(kernels.dtype) == F32 and jnp.dtype(x.dtype) in (jnp.bfloat16, jnp.float16)
-    if jnp.dtype(x.dtype) != jnp.dtype(kernels.dtype) and not master:
-        raise TypeError(
-            err(op, f"{name} must have x's dtype, or be float32 master kernels with a bfloat16 or float16 x; got x "
-                    f"{jnp.dtype(x.dtype)} and {name} {jnp.dtype(kernels.dtype)}.")
-        )  # fmt: skip
 
 
 def _t_blocks(q: QuantizedTensor) -> QuantizedTensor:

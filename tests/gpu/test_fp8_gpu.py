@@ -279,13 +279,15 @@ def test_block_scaled_gemm_matches_reference(m, k, n, fmt, kernel, monkeypatch):
                                     fp8.CurrentScaling(fast_accumulation=True),
                                     fp8.DelayedScaling(history_len=4, fast_accumulation=True)],
                          ids=lambda r: f"{type(r).__name__}{'-fast' * getattr(r, 'fast_accumulation', 0)}")  # fmt: skip
-def test_fp8_dense_triton_path_matches_reference(recipe):
+@pytest.mark.parametrize("master", [False, True], ids=["bf16_kernel", "master_f32_kernel"])
+def test_fp8_dense_triton_path_matches_reference(recipe, master):
     """fp8_dense forward and both gradients through the Triton path (block: our quantize and GEMM
     kernels; current and delayed: our quantize kernels and cuBLASLt's FP8 GEMM via XLA) vs the
-    reference path on the CPU; with delayed scaling also the updated state (the state's cotangent)."""
+    reference path on the CPU; with delayed scaling also the updated state (the state's cotangent);
+    also with a float32 master kernel (quantized from float32, float32 dw from the wgrad GEMM)."""
     k = jax.random.split(jax.random.key(5), 3)
     x = jax.random.normal(k[0], (2048, 1024), jnp.bfloat16)
-    w = (jax.random.normal(k[1], (1024, 768), jnp.float32) / 32).astype(jnp.bfloat16)
+    w = (jax.random.normal(k[1], (1024, 768), jnp.float32) / 32).astype(jnp.float32 if master else jnp.bfloat16)
     dy = jax.random.normal(k[2], (2048, 768), jnp.bfloat16)
     st = None
     if isinstance(recipe, fp8.DelayedScaling):
@@ -306,8 +308,10 @@ def test_fp8_dense_triton_path_matches_reference(recipe):
     }
     for name, a, b in zip(("y", "dx", "dw"), outs["triton"], outs["reference"], strict=False):
         a32, b32 = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert a.dtype == b.dtype, name
         assert not np.isnan(a32).any(), name
         np.testing.assert_allclose(a32, b32, rtol=0, atol=1e-2 * float(np.max(np.abs(b32))), err_msg=name)
+    assert outs["triton"][2].dtype == w.dtype
     if st is not None:  # amax histories exact; the next scales from XLA's GPU division: within 1 ulp
         for a, b in zip(jax.tree.leaves(outs["triton"][3]), jax.tree.leaves(outs["reference"][3]), strict=True):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2.0**-23, atol=0)

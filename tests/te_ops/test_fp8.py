@@ -818,7 +818,7 @@ def test_fp8_dense_accuracy_and_shapes():
         (
             lambda: fp8.fp8_dense(jnp.ones((4, 8)), jnp.ones((8, 2), jnp.bfloat16), fp8.CurrentScaling()),
             TypeError,
-            "same dtype",
+            "kernel must have x's dtype, or be float32",
         ),
         (lambda: fp8.fp8_dense(jnp.ones((4, 8)), jnp.ones((8, 2)), "block"), TypeError, "recipe must be"),
         (
@@ -851,6 +851,32 @@ def test_fp8_dense_errors(call, exc, match):
 
 
 GROUPED_RECIPES = [fp8.BlockScaling(), fp8.CurrentScaling(), fp8.CurrentScaling(formats="e4m3", margin=1)]
+
+
+@pytest.mark.parametrize("rec", [fp8.BlockScaling(), fp8.CurrentScaling(), fp8.DelayedScaling()], ids=repr)
+def test_fp8_dense_float32_master_kernel(rec):
+    """bfloat16 x with a float32 kernel: the kernel is quantized from its float32 values (NumPy
+    formulation for the stateless recipes); dkernel is float32 and rounds to the same-dtype call's
+    (the weight gradient's operands are x^T and dy^T only)."""
+    rng = np.random.default_rng(24)
+    x = jnp.asarray(rng.standard_normal((200, 256)), jnp.bfloat16)
+    w = jnp.asarray((rng.standard_normal((256, 136)) / 16).astype(np.float32))
+    dy = jnp.asarray(rng.standard_normal((200, 136)), jnp.bfloat16)
+    delayed = isinstance(rec, fp8.DelayedScaling)
+    st = fp8.initial_dense_state(rec) if delayed else None
+
+    def call(x, w):
+        return fp8.fp8_dense(x, w, rec, state=st)
+
+    y, vjp = jax.vjp(call, x, w)
+    dx, dw = vjp(dy)
+    assert (y.dtype, dx.dtype, dw.dtype) == (jnp.bfloat16, jnp.bfloat16, jnp.float32)
+    if not delayed:
+        want = _np_q(np.asarray(x, np.float32), rec, "x", (1, 128)) @ _np_q(np.asarray(w).T, rec, "w", (128, 128)).T
+        T.assert_close(y, jnp.asarray(want).astype(jnp.bfloat16), jnp.bfloat16, scale=float(np.abs(want).max()))
+    _, vjp_c = jax.vjp(call, x, w.astype(jnp.bfloat16))
+    T.assert_same_bytes(dw.astype(jnp.bfloat16), vjp_c(dy)[1])
+    assert np.any(np.asarray(dw) != np.asarray(dw.astype(jnp.bfloat16).astype(jnp.float32)))
 
 
 @pytest.mark.parametrize("rec", GROUPED_RECIPES[:2], ids=repr)
