@@ -167,3 +167,27 @@ def test_fp8_rows_cross_bit_exact(name):
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(sg, sw)
     assert (got == 0x80).any(), "the inputs should produce a negative zero"
+
+
+@pytest.mark.parametrize("name", ["block", "delayed"])
+def test_linen_fp8_ep_bfloat16_with_float32_master_kernels(name):
+    """bfloat16 compute with float32 expert parameters (master kernels into the FP8 ops, also through
+    the expert-parallel FP8 exchange): the sharded block equals the unsharded one, and the expert
+    gradients are float32 sums (not bfloat16 values widened)."""
+    recipe, mesh, x = RECIPES[name], _mesh(), _x(5).astype(jnp.bfloat16)
+    common = dict(num_experts=E, topk=K, ffn_dim=F, aux_loss_coeff=0.0, fp8=recipe, dtype=jnp.bfloat16)
+    ref = te_linen.MoEBlock(**common)
+    ep = te_linen.MoEBlock(**common, expert_axis="ep", mesh=mesh)
+    variables = nn.meta.unbox(jax.jit(ref.init)(jax.random.key(2), x))
+    assert variables["params"]["wi"].dtype == jnp.float32
+
+    def run(m):
+        return jax.jit(jax.value_and_grad(lambda v, x: _loss(m.apply(v, x)), argnums=(0, 1)))(variables, x)
+
+    (v0, (g0, _)), (v1, (g1, _)) = run(ref), run(ep)
+    np.testing.assert_allclose(float(v1), float(v0), rtol=1e-2)
+    for key in ("wi", "wo"):
+        a, b = np.asarray(g1["params"][key]), np.asarray(g0["params"][key])
+        assert a.dtype == b.dtype == np.float32, key
+        assert np.any(b != np.asarray(jnp.asarray(b).astype(jnp.bfloat16), np.float32)), key
+        assert np.linalg.norm(a - b) <= 2e-2 * np.linalg.norm(b) + 1e-6, key
