@@ -26,6 +26,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from te_layers import _validation as V
+from te_ops._core.validation import is_master_kernel
 from te_ops.dense import dense as _te_dense
 from te_ops.dense.reference import activate as _activate
 from te_ops.fp8.ffn import ffn_activation as _ffn_act
@@ -347,9 +348,8 @@ def grouped_dense(x, kernels, group_sizes, bias=None, *, backend: str = "auto"):
     aligned = x.shape[-1] % 8 == 0 and kernels.shape[-1] % 8 == 0
     ragged = backend == "ragged_dot" or (backend == "auto" and not aligned)
     # float32 master kernels with a 16-bit x go to te_ops as they are (it casts them itself and
-    # returns float32 dkernels without a rounding to x's dtype or a separate cast pass)
-    master = jnp.dtype(kernels.dtype) == jnp.float32 and jnp.dtype(x.dtype) in (jnp.bfloat16, jnp.float16)
-    if kernels.dtype != x.dtype and (ragged or not master):
+    # returns float32 dkernels, not rounded to x's dtype)
+    if kernels.dtype != x.dtype and (ragged or not is_master_kernel(x.dtype, kernels.dtype)):
         kernels = kernels.astype(x.dtype)
     if ragged:
         return _ragged_grouped_dense(x, kernels, group_sizes, bias)
@@ -431,9 +431,7 @@ def _expert_kernels(w, dtype, fp8):
     dtype stay float32 (te_ops' grouped GEMMs take them as master kernels: cast or quantized inside
     the op, float32 gradients from the weight-gradient kernel) with FP8 experts or
     ``BF16_MASTER_KERNELS``; anything else is cast to ``dtype``."""
-    dtype = jnp.dtype(dtype)
-    master = jnp.dtype(w.dtype) == jnp.float32 and dtype in (jnp.bfloat16, jnp.float16)
-    if master and (fp8 is not None or BF16_MASTER_KERNELS):
+    if is_master_kernel(dtype, w.dtype) and (fp8 is not None or BF16_MASTER_KERNELS):
         return w
     return w.astype(dtype)
 

@@ -35,6 +35,12 @@ def err(op: str, msg: str) -> str:
     return f"te_ops.{op}: {msg}"
 
 
+def is_master_kernel(x_dtype: Any, kernel_dtype: Any) -> bool:
+    """float32 kernels with a bfloat16 / float16 x: the "master kernels" the GEMM ops take as they
+    are (cast or quantized inside the op, float32 kernel gradients)."""
+    return jnp.dtype(kernel_dtype) == jnp.float32 and jnp.dtype(x_dtype) in (jnp.bfloat16, jnp.float16)
+
+
 def is_array(x: Any) -> bool:
     """True for jax/numpy arrays and tracers (anything with a shape and a dtype)."""
     return hasattr(x, "shape") and hasattr(x, "dtype")

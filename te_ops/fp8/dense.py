@@ -31,7 +31,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from te_ops._core.validation import check_float, err, static_choice
+from te_ops._core.validation import check_float, err, is_master_kernel, static_choice
 from te_ops.fp8 import reference as ref
 from te_ops.fp8.recipes import BlockScaling, CurrentScaling, DelayedScaling
 from te_ops.fp8.reference import DelayedScalingState, QuantizedTensor
@@ -122,8 +122,7 @@ def check_kernel_dtype(op: str, x, kernels, name: str = "kernels") -> None:
     """``kernels`` in x's dtype, or float32 master kernels with a bfloat16 / float16 x (quantized from
     their float32 values, never rounded to x's dtype first; the kernel gradient comes out in
     float32 straight from the weight-gradient GEMM's float32 sum)."""
-    master = jnp.dtype(kernels.dtype) == F32 and jnp.dtype(x.dtype) in (jnp.bfloat16, jnp.float16)
-    if jnp.dtype(x.dtype) != jnp.dtype(kernels.dtype) and not master:
+    if jnp.dtype(x.dtype) != jnp.dtype(kernels.dtype) and not is_master_kernel(x.dtype, kernels.dtype):
         raise TypeError(
             err(op, f"{name} must have x's dtype, or be float32 master kernels with a bfloat16 or float16 x; got x "
                     f"{jnp.dtype(x.dtype)} and {name} {jnp.dtype(kernels.dtype)}.")

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from te_ops._core import registry
 from te_ops._core import triton_bridge as tb
 from te_ops._core.partitioning import batch_folding, match_vma, partitioned
-from te_ops._core.validation import check_float, check_int_array, err, sequential_fold
+from te_ops._core.validation import check_float, check_int_array, err, is_master_kernel, sequential_fold
 from te_ops.grouped_dense import reference as ref
 from te_ops.grouped_dense import sharding
 from te_ops.grouped_dense import triton as tri
@@ -111,7 +111,7 @@ def _validate(x, kernels, group_sizes, bias):
 
 def _master(x, kernels) -> bool:
     """float32 kernels with a bfloat16 / float16 x: cast to x's dtype inside the op, float32 dkernels."""
-    return jnp.dtype(kernels.dtype) == jnp.float32 and jnp.dtype(x.dtype) in (jnp.bfloat16, jnp.float16)
+    return is_master_kernel(x.dtype, kernels.dtype)
 
 
 def _call_desc(x, kernels):
