@@ -91,6 +91,9 @@ def build_models(cfg: dict, names: list[str]) -> dict[str, tuple]:
         elif name == "te_layers_master":  # float32 master expert kernels (te_layers._common.BF16_MASTER_KERNELS)
             out[name] = (ex.MoELM(dict(cfg, norm="te")), "te_layers, float32 master expert kernels (float32 expert "
                          "gradients)", {"master_kernels": True})  # fmt: skip
+        elif name == "te_layers_fused_ffn":  # the bf16 experts as one op (te_layers._common.BF16_FUSED_FFN)
+            out[name] = (ex.MoELM(dict(cfg, norm="te")), "te_layers, fused expert FFN (activation in the grouped "
+                         "GEMM epilogues)", {"bf16_fused_ffn": True})  # fmt: skip
         elif name == "te_layers_flax_norm":  # the same with flax.linen.RMSNorm: what the fused norms bring
             out[name] = (ex.MoELM(dict(cfg, norm="flax")), "te_layers with flax RMSNorm", {})
         elif name == "ragged_dot":
@@ -106,7 +109,7 @@ def build_models(cfg: dict, names: list[str]) -> dict[str, tuple]:
             raise SystemExit(f"train_moe benchmark: unknown model {name!r} in --models; known: te_layers, "
                              "te_layers_flax_norm, te_layers_ws, te_layers_pp, te_layers_tma, te_layers_fp8_current, "
                              "te_layers_fp8_block, te_layers_fp8_block_fused, te_layers_fp8_block_experts, "
-                             "te_layers_fp8_block_experts_fused, te_layers_master, ragged_dot, "
+                             "te_layers_fp8_block_experts_fused, te_layers_master, te_layers_fused_ffn, ragged_dot, "
                              "strong_cf<factor>")  # fmt: skip
     return out
 
@@ -120,37 +123,37 @@ GROUPED_GEMM_VARIANTS = {
 }
 
 
-@contextlib.contextmanager
-def _fused_ffn():
-    """te_layers' FP8 block-scaled experts as one op while the step traces (te_layers._common.FP8_FUSED_FFN)."""
-    from te_layers import _common as C
-
-    prev, C.FP8_FUSED_FFN = C.FP8_FUSED_FFN, True
-    try:
-        yield
-    finally:
-        C.FP8_FUSED_FFN = prev
+# te_layers._common switches a model variant turns on while its step traces (read at trace time):
+# its extra JSON field -> the switch
+SWITCHES = {
+    "fused_ffn": "FP8_FUSED_FFN",  # FP8 block-scaled experts as one op (te_ops.fp8.fp8_dispatch_ffn)
+    "master_kernels": "BF16_MASTER_KERNELS",  # bf16 experts take float32 master kernels
+    "bf16_fused_ffn": "BF16_FUSED_FFN",  # bf16 experts as one op (te_ops.grouped_ffn)
+}
 
 
-@contextlib.contextmanager
-def _master_kernels():
-    """te_layers' bf16 experts take their float32 parameters as master kernels while the step traces
-    (te_layers._common.BF16_MASTER_KERNELS)."""
-    from te_layers import _common as C
+def _switch(flag: str):
+    """A context manager that sets ``te_layers._common.<flag>`` to True while the step traces."""
 
-    prev, C.BF16_MASTER_KERNELS = C.BF16_MASTER_KERNELS, True
-    try:
-        yield
-    finally:
-        C.BF16_MASTER_KERNELS = prev
+    @contextlib.contextmanager
+    def on():
+        from te_layers import _common as C
+
+        prev = getattr(C, flag)
+        setattr(C, flag, True)
+        try:
+            yield
+        finally:
+            setattr(C, flag, prev)
+
+    return on
 
 
 def _context(extra: dict):
     """The trace-time setting a model variant needs (``extra["grouped_gemm"]``), else None."""
-    if extra.get("fused_ffn"):
-        return _fused_ffn
-    if extra.get("master_kernels"):
-        return _master_kernels
+    for field, flag in SWITCHES.items():
+        if extra.get(field):
+            return _switch(flag)
     kind = extra.get("grouped_gemm")
     if kind is None:
         return None

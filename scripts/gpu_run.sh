@@ -96,7 +96,7 @@ PY
 if [ -z "${STEPS:-}" ]; then
   STEPS=""
   for f in tests/gpu/test_*.py; do STEPS="$STEPS test:$(basename "$f" .py)"; done
-  for b in softmax norm router dense attention permutation grouped_dense fp8 train_moe; do STEPS="$STEPS bench:$b"; done
+  for b in softmax norm router dense attention permutation grouped_dense grouped_ffn fp8 train_moe; do STEPS="$STEPS bench:$b"; done
 fi
 # Test files compile many kernels: with pytest-xdist available (the .whl/ wheels), run 4 workers per
 # file unless PYTEST_ARGS says otherwise (set PYTEST_ARGS= to run serially). PYTEST_ARGS_<file stem>

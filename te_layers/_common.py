@@ -29,9 +29,10 @@ from te_layers import _validation as V
 from te_ops._core.validation import is_master_kernel
 from te_ops.dense import dense as _te_dense
 from te_ops.dense.reference import activate as _activate
-from te_ops.fp8.ffn import ffn_activation as _ffn_act
 from te_ops.fused_attention import fused_attention
 from te_ops.grouped_dense import grouped_dense as _te_grouped_dense
+from te_ops.grouped_dense import grouped_ffn as _te_grouped_ffn
+from te_ops.grouped_dense.reference import ffn_activation as _ffn_act
 from te_ops.permutation import sort_chunks_by_index, token_combine, token_dispatch
 from te_ops.router import compute_routing_scores_for_aux_loss, fused_moe_aux_loss, fused_topk_with_score_function
 from te_ops.softmax import scaled_masked_softmax, scaled_softmax, scaled_upper_triang_masked_softmax
@@ -443,10 +444,31 @@ def expert_ffn(x, wi, wo, group_sizes, *, activation, gated, backend, fp8=None, 
     or None; with one, both grouped GEMMs are ``te_ops.fp8.fp8_grouped_dense`` (``backend`` is then
     not used). ``fp8_state``: with DelayedScaling, ``{"wi": tree, "wo": tree}`` (the state of each
     grouped GEMM as a dict tree, ``te_layers._fp8.initial_moe_state_tree``)."""
+    if fp8 is None and _bf16_fused_ffn_applies(x, wi, wo, activation, backend):
+        return _te_grouped_ffn(x, wi, wo, group_sizes.astype(jnp.int32), activation=activation, gated=gated)
     grouped = _grouped_gemm(fp8, fp8_state)
     h = grouped(x, wi, group_sizes, backend, "wi")
     h = _ffn_activation(h, activation, gated, x.dtype)
     return grouped(h, wo, group_sizes, backend, "wo")
+
+
+# The bfloat16 / float16 experts as one op, te_ops.grouped_ffn (the activation fused into the
+# epilogues of the grouped GEMMs around it: neither h nor the activation's gradient input makes an
+# extra round trip through memory). Same numbers as the unfused path (bit for bit on the reference
+# path). Off until its kernels have run on a GPU (benchmarks/train_moe.py model te_layers_fused_ffn
+# turns it on); read at trace time.
+BF16_FUSED_FFN = False
+
+
+def _bf16_fused_ffn_applies(x, wi, wo, activation, backend) -> bool:
+    """grouped_ffn takes the call: switched on, a named activation, the te_ops backend (or "auto" with
+    the 16-byte-aligned sizes its GPU kernels need), kernels of x's dtype or float32 masters."""
+    from te_ops.dense.reference import ACTIVATIONS
+
+    named = activation is None or (isinstance(activation, str) and activation in ACTIVATIONS)
+    aligned = all(d % 8 == 0 for d in (x.shape[-1], wo.shape[1], wo.shape[2]))
+    dtypes_ok = wi.dtype == wo.dtype and (wi.dtype == x.dtype or is_master_kernel(x.dtype, wi.dtype))
+    return BF16_FUSED_FFN and named and dtypes_ok and (backend == "te_ops" or (backend == "auto" and aligned))
 
 
 # The FP8 block-scaled MoE experts as one op, te_ops.fp8.fp8_dispatch_ffn (the activation fused into

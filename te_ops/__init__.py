@@ -10,7 +10,7 @@ from te_ops._core.native import reset_counters as reset_native_counters
 from te_ops._core.registry import ImplementationUnavailableError, use_implementation
 from te_ops.dense import dense
 from te_ops.fused_attention import fused_attention
-from te_ops.grouped_dense import grouped_dense
+from te_ops.grouped_dense import grouped_dense, grouped_ffn
 from te_ops.normalization import NormOutput, layer_norm, rms_norm
 from te_ops.permutation import TokenDispatchResult, sort_chunks_by_index, token_combine, token_dispatch
 from te_ops.router import (
@@ -34,6 +34,7 @@ __all__ = [
     "fused_moe_aux_loss",
     "fused_topk_with_score_function",
     "grouped_dense",
+    "grouped_ffn",
     "layer_norm",
     "native_counters",
     "native_unavailable_reason",

@@ -182,3 +182,38 @@ def run_sharded(
     counts = count_collectives(compiled.as_text())
     result = jitted(*sharded_args)
     return result, unsharded, counts
+
+
+def bundled_ptxas() -> str | None:
+    """Path of the ptxas that ships with Triton (None when Triton or its ptxas is missing): lets
+    tests assemble the PTX of kernels lowered for sm_90a on a machine without a GPU."""
+    import os
+
+    try:
+        import triton
+    except ImportError:
+        return None
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    return path if os.path.exists(path) else None
+
+
+def ptxas_report(ptxas: str, ptx: str, tag: str) -> str:
+    """``ptxas -arch=sm_90a -v`` of ``ptx``: asserts it assembles, returns its report (registers,
+    spill stores and loads, shared memory per kernel)."""
+    import os
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        r = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", os.path.join(d, "k.cubin")],
+                           capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, (tag, r.stderr[-2000:])
+    return r.stderr
+
+
+def spill_store_bytes(report: str) -> int:
+    """The largest "N bytes spill stores" of a ptxas ``-v`` report (0 when it reports none)."""
+    return max((int(v) for v in re.findall(r"(\d+) bytes spill stores", report)), default=0)

@@ -34,30 +34,18 @@ import jax.numpy as jnp
 
 from te_ops._core.partitioning import match_vma
 from te_ops._core.validation import check_bool, check_float, check_rank, err, static_choice, static_int
-from te_ops.dense.reference import ACTIVATIONS, activate
+from te_ops.dense.reference import ACTIVATIONS
 from te_ops.fp8 import dispatch as D
 from te_ops.fp8 import grouped as G
 from te_ops.fp8 import reference as ref
 from te_ops.fp8.recipes import BlockScaling
 from te_ops.fp8.select import resolve
+from te_ops.grouped_dense.reference import ffn_activation
 from te_ops.permutation import token_combine
 
 OP = "fp8_dispatch_ffn"
 F32 = jnp.float32
 TILE = 128
-
-
-def ffn_activation(h: jax.Array, activation, gated: bool) -> jax.Array:
-    """``act(h)`` or, gated, ``act(h[:, :F]) * h[:, F:]`` (h ``[R, 2F]``), in float32, rounded to h's
-    dtype: the activation between the two expert GEMMs. ``activation``: None, one of te_ops.dense's
-    named activations (:data:`ACTIVATIONS`) or a callable on float32 arrays (te_layers' unfused path
-    passes its own; the fused op takes names only)."""
-    act = activation if callable(activation) else functools.partial(activate, activation=activation)
-    hf = h.astype(F32)
-    if gated:
-        f = h.shape[-1] // 2
-        return (act(hf[:, :f]) * hf[:, f:]).astype(h.dtype)
-    return act(hf).astype(h.dtype)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from te_ops._core import triton_bridge as tb
 from te_ops.fp8 import sharding
 from te_ops.fp8.recipes import E4M3, E5M2, format_max
 from te_ops.fp8.reference import QuantizedTensor
+from te_ops.grouped_dense.triton import ACT_CODES, FFN_FUSED_ACTIVATIONS
 
 SDS = jax.ShapeDtypeStruct
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -338,9 +339,6 @@ def _gluon_dual_quantize_local(x, fmt, power_of_2, margin, t_square, gcfg):
     return _dual_result(x, fmt, block, t_square, *outs)
 
 
-_ACT_CODES = {None: 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "silu": 4}
-
-
 def dact_dbias_quantize(
     dy: jax.Array, z: jax.Array, activation, block: int, fmt, *, power_of_2: bool
 ) -> tuple[QuantizedTensor, QuantizedTensor, jax.Array]:
@@ -350,7 +348,7 @@ def dact_dbias_quantize(
     added up in float32; in dy's dtype). Equal to ``reference.dact_dbias_quantize`` up to the
     activation derivative's last-ulp rounding (bit for bit for ReLU and None)."""
     fmt = jnp.dtype(fmt)
-    local = _sharded_dact(_ACT_CODES[activation], block, fmt, bool(power_of_2), PARTITION, QUANT_TILE_WARPS)
+    local = _sharded_dact(ACT_CODES[activation], block, fmt, bool(power_of_2), PARTITION, QUANT_TILE_WARPS)
     q, s, qt, st, dbp = local(dy, z)
     dt = jnp.dtype(dy.dtype)
     return (
@@ -407,11 +405,10 @@ def _dact_local(dy, z, act, block, fmt, power_of_2):
 # the gate for its second half: 1192 without).
 FFN_ACT_WARPS = 4
 FFN_DACT_WARPS = 8
-# activations the fused FFN kernels compute (the GELUs cancel in 1 + erf / 1 + tanh for very negative
-# inputs, where XLA uses erfc and a clamped tanh: they run unfused, ffn_activation + dual_quantize)
-FFN_FUSED_ACTIVATIONS = (None, "relu", "silu")
 
 
+# FFN_FUSED_ACTIVATIONS: the activations the fused FFN kernels compute (te_ops/grouped_dense/triton.py;
+# the GELUs run unfused here, ffn_activation + dual_quantize)
 def ffn_unsupported_reason(f: int, activation, gated: bool, block: int = 128) -> str | None:
     """Why the fused FFN activation kernels cannot take an activation (None when they can)."""
     if activation not in FFN_FUSED_ACTIVATIONS:
@@ -433,7 +430,7 @@ def ffn_act_dual_quantize(
     why = ffn_unsupported_reason(f, activation, False)
     if why:
         raise ValueError(f"ffn_act_dual_quantize: {why}")
-    fn = _sharded_ffn_act(_ACT_CODES[activation], bool(gated), fmt, bool(power_of_2), margin, PARTITION,
+    fn = _sharded_ffn_act(ACT_CODES[activation], bool(gated), fmt, bool(power_of_2), margin, PARTITION,
                           FFN_ACT_WARPS)  # fmt: skip
     q, s, qt, st = fn(h) if r * f else _ffn_empty(r, f, False)
     return _dual_result(h, fmt, 128, False, q, s, qt, st)
@@ -452,7 +449,7 @@ def ffn_dact_dual_quantize(
     why = ffn_unsupported_reason(f, activation, gated)
     if why:
         raise ValueError(f"ffn_dact_dual_quantize: {why}")
-    fn = _sharded_ffn_dact(_ACT_CODES[activation], bool(gated), fmt, bool(power_of_2), margin, PARTITION,
+    fn = _sharded_ffn_dact(ACT_CODES[activation], bool(gated), fmt, bool(power_of_2), margin, PARTITION,
                            FFN_DACT_WARPS)  # fmt: skip
     q, s, qt, st = fn(da, h) if r * f else _ffn_empty(r, h.shape[1], True)
     return _dual_result(h, fmt, 128, True, q, s, qt, st)

@@ -19,10 +19,13 @@ on GPU, fine for an oracle) plus an explicit per-row validity mask from the cumu
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from te_ops.dense.reference import activate
 
 F32 = jnp.float32
 
@@ -107,3 +110,44 @@ def backward(res: Residuals, dy, *, has_bias: bool, wgrad_dtype=None):
     if has_bias:
         db = jax.ops.segment_sum(dy32, seg, num_segments=g + 1)[:g]
     return dx.astype(x.dtype), dk.astype(wgrad_dtype or kernels.dtype), db
+
+
+def ffn_activation(h: jax.Array, activation, gated: bool) -> jax.Array:
+    """``act(h)`` or, gated, ``act(h[:, :F]) * h[:, F:]`` (h ``[R, 2F]``), in float32, rounded to h's
+    dtype: the activation between the two expert GEMMs (grouped_ffn, the FP8 expert FFN and
+    te_layers' unfused path). ``activation``: None, one of te_ops.dense's named activations or a
+    callable on float32 arrays (te_layers' unfused path passes its own; the fused ops take names)."""
+    act = activation if callable(activation) else functools.partial(activate, activation=activation)
+    hf = h.astype(F32)
+    if gated:
+        f = h.shape[-1] // 2
+        return (act(hf[:, :f]) * hf[:, f:]).astype(h.dtype)
+    return act(hf).astype(h.dtype)
+
+
+class FFNResiduals(NamedTuple):
+    """grouped_ffn's residuals: its inputs, the first GEMM's output h and the activation."""
+
+    x: jax.Array  # [M, H]
+    wi: jax.Array  # [G, H, W], cast to x's dtype
+    wo: jax.Array  # [G, F, O], cast to x's dtype
+    group_sizes: jax.Array  # int32 [G]
+    h: jax.Array  # [M, W]
+    act: jax.Array  # [M, F]
+
+
+def ffn_forward(x, wi, wo, group_sizes, *, activation, gated: bool):
+    """grouped_ffn's forward: (y, h, act), the two grouped GEMMs and the activation between them."""
+    h, _ = forward(x, wi, group_sizes, has_bias=False)
+    a = ffn_activation(h, activation, gated)
+    y, _ = forward(a, wo, group_sizes, has_bias=False)
+    return y, h, a
+
+
+def ffn_backward(res: FFNResiduals, dy, *, activation, gated: bool, wgrad_dtype=None):
+    """grouped_ffn's backward: (dx, dwi, dwo), through the activation's gradient at h."""
+    x, wi, wo, gs, h, a = res
+    da, dwo, _ = backward(Residuals(a, wo, gs), dy, has_bias=False, wgrad_dtype=wgrad_dtype)
+    dh = jax.vjp(lambda h: ffn_activation(h, activation, gated), h)[1](da)[0]
+    dx, dwi, _ = backward(Residuals(x, wi, gs), dh, has_bias=False, wgrad_dtype=wgrad_dtype)
+    return dx, dwi, dwo

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 import threading
 
 import jax
@@ -94,6 +95,17 @@ class WgradConfig:
 DEFAULT_FWD = GemmConfig(GLUON_WS=True)
 DEFAULT_DX = GemmConfig(GLUON_WS=True)
 DEFAULT_WGRAD = WgradConfig()
+# grouped_ffn's two fused GEMMs (the Triton kernels: the Gluon kernel has no activation epilogue).
+# Gated, the forward tile holds BN activation and BN linear columns: 128 x (2 x 128) as the plain
+# forward's 128 x 256. The dact epilogue loads two [BM, BN] tiles of h on top of the accumulator.
+DEFAULT_FFN_ACT = GemmConfig(BN=128)
+DEFAULT_FFN_DACT = GemmConfig(BN=128)
+
+# Activation codes of the Triton kernels' elementwise helpers (te_ops/_core/triton_math.py), and the
+# ones the fused FFN epilogues take (the GELUs are left to XLA: ``1 + erf`` and ``1 + tanh`` cancel
+# for very negative z, where XLA's erfc and clamped tanh give other values).
+ACT_CODES = {None: 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "silu": 4}
+FFN_FUSED_ACTIVATIONS = (None, "relu", "silu")
 
 _override = threading.local()
 
@@ -261,6 +273,58 @@ def grouped_wgrad(x, dy, group_sizes, g: int, *, cfg: WgradConfig, out_dtype):
         scratch_bytes_per_program=TMA_SCRATCH_BYTES if cfg.USE_TMA else 0,
         name="te_grouped_wgrad",
     )[0]
+
+
+def _hw_cvt() -> bool:
+    """The GPU's float32 -> bf16/f16 conversion (not under Triton's CPU interpreter, which truncates:
+    the kernels then round with integer arithmetic)."""
+    return os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+
+
+def _ffn_launch(kernel, name, a, b, h, group_sizes, f, out_shape, cfg: GemmConfig, activation, gated):
+    m, kc = a.shape
+    g = b.shape[0]
+    grid = max(1, min(num_sms(), (_cdiv(m, cfg.BM) + g + 1) * _cdiv(f, cfg.BN)))
+    args = (a, b) + ((h,) if h is not None else ()) + (group_sizes.astype(jnp.int32), np.int32(m), np.int32(kc // 8),
+                                                      np.int32(f // 8), np.int32(g), np.int32(grid))  # fmt: skip
+    return tb.triton_call(
+        kernel,
+        *args,
+        out_shape=out_shape,
+        grid=(grid,),
+        constexprs=dict(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M, BLOCK_G=max(16, _pow2(g)),
+                        ACT=ACT_CODES[activation], GATED=bool(gated), EVEN_K=(kc % cfg.BK == 0), HW=_hw_cvt()),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        scratch_bytes_per_program=0,  # the te_scratch parameter, unused (no TMA descriptors)
+        name=name,
+    )  # fmt: skip
+
+
+def ffn_act_gemm(x, wi, group_sizes, *, activation, gated: bool, cfg: GemmConfig | None = None):
+    """(h, act): ``h = grouped_gemm(x, wi)`` ([M, W]) and the activation of h ([M, F], F = W / 2
+    gated), from one kernel (``grouped_gemm_act_kernel``); both zero on the rows past the groups."""
+    m = x.shape[0]
+    w = wi.shape[2]
+    f = w // 2 if gated else w
+    if m == 0 or f == 0:
+        return jnp.zeros((m, w), x.dtype), jnp.zeros((m, f), x.dtype)
+    h, act = _ffn_launch(_k().grouped_gemm_act_kernel, "te_grouped_gemm_act", x, wi, None, group_sizes, f,
+                         [SDS((m, w), x.dtype), SDS((m, f), x.dtype)], cfg or DEFAULT_FFN_ACT, activation,
+                         gated)  # fmt: skip
+    return h, act
+
+
+def ffn_dact_gemm(dy, wo, h, group_sizes, *, activation, gated: bool, cfg: GemmConfig | None = None):
+    """dh ([M, W], h's shape): the gradient of the activation at h for ``da = dy @ wo[g]^T`` (da
+    rounded to h's dtype first, as the unfused path stores it), from one kernel
+    (``grouped_gemm_dact_kernel``); zero on the rows past the groups."""
+    m, w = h.shape
+    f = wo.shape[1]
+    if m == 0 or f == 0:
+        return jnp.zeros((m, w), h.dtype)
+    return _ffn_launch(_k().grouped_gemm_dact_kernel, "te_grouped_gemm_dact", dy.astype(h.dtype), wo, h, group_sizes,
+                       f, [SDS((m, w), h.dtype)], cfg or DEFAULT_FFN_DACT, activation, gated)[0]  # fmt: skip
 
 
 def forward(x, kernels, group_sizes, bias=None, *, has_bias: bool):

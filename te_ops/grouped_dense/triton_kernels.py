@@ -30,6 +30,8 @@ does not value-specialise integer arguments). Offsets that scale with M are int6
 import triton
 import triton.language as tl
 
+from te_ops._core.triton_math import _act, _dact, _round_to
+
 
 @triton.jit
 def _group_table(gs_ptr, G, M, BLOCK_G: tl.constexpr):
@@ -48,6 +50,52 @@ def _group_table(gs_ptr, G, M, BLOCK_G: tl.constexpr):
     end = tl.minimum(cum, M).to(tl.int32)
     start = tl.minimum(cum - sizes, M).to(tl.int32)
     return gi, start, end
+
+
+@triton.jit
+def _schedule(gs_ptr, G, M, n_tiles, BM: tl.constexpr, BLOCK_G: tl.constexpr):
+    """The persistent kernels' tile table: group g owns ``cdiv(size_g, BM) * n_tiles`` tiles, then
+    come the zero tiles of rows [used_rows, M). Returns (gi, start, end, m_tiles_g, tiles_g, cum,
+    group_tiles, used_rows, tail_m_tiles, total)."""
+    gi, start, end = _group_table(gs_ptr, G, M, BLOCK_G)
+    sizes = end - start
+    m_tiles_g = (sizes + BM - 1) // BM
+    tiles_g = m_tiles_g * n_tiles
+    cum = tl.cumsum(tiles_g, axis=0)
+    group_tiles = tl.sum(tiles_g, axis=0)
+    used_rows = tl.max(end, axis=0)
+    tail_m_tiles = (M - used_rows + BM - 1) // BM
+    total = group_tiles + tail_m_tiles * n_tiles
+    return gi, start, end, m_tiles_g, tiles_g, cum, group_tiles, used_rows, tail_m_tiles, total
+
+
+@triton.jit
+def _tile(t, gi, start, end, m_tiles_g, tiles_g, cum, group_tiles, used_rows, tail_m_tiles, n_tiles, G, M,
+          GROUP_M: tl.constexpr):  # fmt: skip
+    """(in_group, g, row0, row_end, mt, nt) of tile ``t`` of :func:`_schedule`'s table: its group
+    (clamped to G - 1 for the zero tiles), the first row and the row end of the group (of [used_rows,
+    M) for a zero tile), and its M and N tile inside the group, in GROUP_M bands (L2 reuse of B)."""
+    in_group = t < group_tiles
+    # the group of tile t: number of groups whose tiles all come before t
+    g = tl.sum((cum <= t).to(tl.int32), axis=0)
+    g = tl.minimum(g, G - 1)
+    sel = gi == g
+    g_first_tile = tl.sum(tl.where(sel, cum - tiles_g, 0), axis=0)
+    g_start = tl.sum(tl.where(sel, start, 0), axis=0)
+    g_end = tl.sum(tl.where(sel, end, 0), axis=0)
+    g_mt = tl.sum(tl.where(sel, m_tiles_g, 0), axis=0)
+    # zero tiles (rows past the last group): same decomposition with a "group" [used_rows, M)
+    lt = tl.where(in_group, t - g_first_tile, t - group_tiles)
+    row0 = tl.where(in_group, g_start, used_rows)
+    row_end = tl.where(in_group, g_end, M)
+    mt_count = tl.where(in_group, g_mt, tail_m_tiles)
+    per_band = GROUP_M * n_tiles
+    band = lt // per_band
+    first_m = band * GROUP_M
+    band_m = tl.minimum(mt_count - first_m, GROUP_M)
+    mt = first_m + (lt % per_band) % band_m
+    nt = (lt % per_band) // band_m
+    return in_group, g, row0, row_end, mt, nt
 
 
 @triton.jit
@@ -85,16 +133,10 @@ def grouped_gemm_kernel(
     KC = KC8 * 8
     NOUT = N8 * 8
     pid = tl.program_id(0)
-    gi, start, end = _group_table(gs_ptr, G, M, BLOCK_G)
-    sizes = end - start
     n_tiles = tl.cdiv(NOUT, BN)
-    m_tiles_g = (sizes + BM - 1) // BM
-    tiles_g = m_tiles_g * n_tiles
-    cum = tl.cumsum(tiles_g, axis=0)
-    group_tiles = tl.sum(tiles_g, axis=0)
-    used_rows = tl.max(end, axis=0)
-    tail_m_tiles = (M - used_rows + BM - 1) // BM
-    total = group_tiles + tail_m_tiles * n_tiles
+    gi, start, end, m_tiles_g, tiles_g, cum, group_tiles, used_rows, tail_m_tiles, total = _schedule(
+        gs_ptr, G, M, n_tiles, BM, BLOCK_G
+    )
     k_iters = tl.cdiv(KC, BK)
     offs_k = tl.arange(0, BK)
     if USE_TMA:
@@ -104,29 +146,10 @@ def grouped_gemm_kernel(
         else:
             b_desc = tl.make_tensor_descriptor(b_ptr, shape=[G * KC, NOUT], strides=[NOUT, 1], block_shape=[BK, BN])
     for t in tl.range(pid, total, num_programs, flatten=FLATTEN):
-        in_group = t < group_tiles
-        # the group of tile t: number of groups whose tiles all come before t
-        g = tl.sum((cum <= t).to(tl.int32), axis=0)
-        g = tl.minimum(g, G - 1)
-        sel = gi == g
-        g_first_tile = tl.sum(tl.where(sel, cum - tiles_g, 0), axis=0)
-        g_start = tl.sum(tl.where(sel, start, 0), axis=0)
-        g_end = tl.sum(tl.where(sel, end, 0), axis=0)
-        g_mt = tl.sum(tl.where(sel, m_tiles_g, 0), axis=0)
-        # zero tiles (rows past the last group): same decomposition with a "group" [used_rows, M)
-        lt = tl.where(in_group, t - g_first_tile, t - group_tiles)
-        row0 = tl.where(in_group, g_start, used_rows)
-        row_end = tl.where(in_group, g_end, M)
-        mt_count = tl.where(in_group, g_mt, tail_m_tiles)
+        in_group, g, row0, row_end, mt, nt = _tile(
+            t, gi, start, end, m_tiles_g, tiles_g, cum, group_tiles, used_rows, tail_m_tiles, n_tiles, G, M, GROUP_M
+        )
         iters = tl.where(in_group, k_iters, 0)
-        # GROUP_M bands inside the group
-        per_band = GROUP_M * n_tiles
-        band = lt // per_band
-        first_m = band * GROUP_M
-        band_m = tl.minimum(mt_count - first_m, GROUP_M)
-        mt = first_m + (lt % per_band) % band_m
-        nt = (lt % per_band) // band_m
-
         rows = row0 + mt * BM + tl.arange(0, BM)
         rows_ld = tl.minimum(rows, tl.maximum(row_end - 1, 0)).to(tl.int64)
         cols = nt * BN + tl.arange(0, BN)
@@ -243,3 +266,173 @@ def grouped_wgrad_kernel(
     out = acc.to(dw_ptr.dtype.element_ty)
     o_ptrs = dw_ptr + g.to(tl.int64) * K * N + ks.to(tl.int64)[:, None] * N + ns[None, :]
     tl.store(o_ptrs, out, mask=(ks < K)[:, None] & (ns < N)[None, :])
+
+
+# ----------------------------------------------------------------------------------------------
+# The bf16 expert FFN (grouped_ffn): the activation in the epilogues of the grouped GEMMs around it
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _ffn_tile_mask(rows, row_end, cols, F):
+    return (rows < row_end)[:, None] & (cols < F)[None, :]
+
+
+@triton.jit
+def grouped_gemm_act_kernel(
+    a_ptr,
+    b_ptr,
+    gs_ptr,
+    M,
+    KC8,
+    F8,
+    G,
+    num_programs,
+    h_ptr,
+    act_ptr,
+    te_scratch,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    ACT: tl.constexpr,
+    GATED: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    HW: tl.constexpr,
+):
+    """The first expert GEMM with the activation in its epilogue: h = a @ b_g on the rows of group g
+    (b: [G, KC, W], W = 2F gated, else F) and ``act = act(h)`` or, gated, ``act(h[:, :F]) * h[:, F:]``
+    ([M, F]), the activation computed in float32 from h rounded to h's dtype (what the unfused
+    activation reads) and rounded once to it. Both outputs are zero on the rows past the groups.
+
+    The tile schedule is grouped_gemm_kernel's over F (N tiles of BN columns); gated, a tile
+    accumulates its BN activation columns and the BN linear columns F later side by side (two
+    accumulators sharing each A tile), so the product of the two halves never leaves registers."""
+    KC = KC8 * 8
+    F = F8 * 8
+    W = 2 * F if GATED else F
+    dt = h_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(F, BN)
+    gi, start, end, m_tiles_g, tiles_g, cum, group_tiles, used_rows, tail_m_tiles, total = _schedule(
+        gs_ptr, G, M, n_tiles, BM, BLOCK_G
+    )
+    k_iters = tl.cdiv(KC, BK)
+    offs_k = tl.arange(0, BK)
+    for t in tl.range(pid, total, num_programs):
+        in_group, g, row0, row_end, mt, nt = _tile(
+            t, gi, start, end, m_tiles_g, tiles_g, cum, group_tiles, used_rows, tail_m_tiles, n_tiles, G, M, GROUP_M
+        )
+        iters = tl.where(in_group, k_iters, 0)
+        rows = row0 + mt * BM + tl.arange(0, BM)
+        rows_ld = tl.minimum(rows, tl.maximum(row_end - 1, 0)).to(tl.int64)
+        cols = nt * BN + tl.arange(0, BN)
+        cols_ld = tl.max_contiguous(tl.multiple_of(cols % F, BN), BN)
+        a_ptrs = a_ptr + rows_ld[:, None] * KC + offs_k[None, :]
+        b_ptrs = b_ptr + g.to(tl.int64) * KC * W + offs_k[:, None].to(tl.int64) * W + cols_ld[None, :]
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+        for ki in range(0, iters):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+                if GATED:
+                    bu = tl.load(b_ptrs + F)
+            else:
+                k_ok = offs_k < KC - ki * BK
+                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+                if GATED:
+                    bu = tl.load(b_ptrs + F, mask=k_ok[:, None], other=0.0)
+            acc = tl.dot(a, b, acc)
+            if GATED:
+                acc_u = tl.dot(a, bu, acc_u)
+            a_ptrs += BK
+            b_ptrs += BK * W
+        mask = _ffn_tile_mask(rows, row_end, cols, F)
+        h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * W + cols[None, :]
+        z = _round_to(acc, dt, HW)
+        tl.store(h_ptrs, z.to(dt), mask=mask)
+        y = _act(z, ACT)
+        if GATED:
+            u = _round_to(acc_u, dt, HW)
+            tl.store(h_ptrs + F, u.to(dt), mask=mask)
+            y = y * u
+        y = _round_to(y, dt, HW)
+        tl.store(act_ptr + rows.to(tl.int64)[:, None] * F + cols[None, :], y.to(dt), mask=mask)
+
+
+@triton.jit
+def grouped_gemm_dact_kernel(
+    a_ptr,
+    b_ptr,
+    h_ptr,
+    gs_ptr,
+    M,
+    KC8,
+    F8,
+    G,
+    num_programs,
+    dh_ptr,
+    te_scratch,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    ACT: tl.constexpr,
+    GATED: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    HW: tl.constexpr,
+):
+    """The second expert GEMM's input gradient with the activation's backward in its epilogue:
+    ``da = a @ b_g^T`` on the rows of group g (a = dy [M, KC], b: [G, F, KC] read transposed),
+    rounded to h's dtype (the unfused da), then ``dh = da * act'(h)`` or, gated,
+    ``[da * h[:, F:] * act'(h[:, :F]), da * act(h[:, :F])]`` (h, dh: [M, W]) in float32, rounded to
+    h's dtype: the unfused activation's gradient, without da going to memory. dh is zero on the rows
+    past the groups (h is zero there; a zero da times a finite act' gives zero)."""
+    KC = KC8 * 8
+    F = F8 * 8
+    W = 2 * F if GATED else F
+    dt = dh_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(F, BN)
+    gi, start, end, m_tiles_g, tiles_g, cum, group_tiles, used_rows, tail_m_tiles, total = _schedule(
+        gs_ptr, G, M, n_tiles, BM, BLOCK_G
+    )
+    k_iters = tl.cdiv(KC, BK)
+    offs_k = tl.arange(0, BK)
+    for t in tl.range(pid, total, num_programs):
+        in_group, g, row0, row_end, mt, nt = _tile(
+            t, gi, start, end, m_tiles_g, tiles_g, cum, group_tiles, used_rows, tail_m_tiles, n_tiles, G, M, GROUP_M
+        )
+        iters = tl.where(in_group, k_iters, 0)
+        rows = row0 + mt * BM + tl.arange(0, BM)
+        rows_ld = tl.minimum(rows, tl.maximum(row_end - 1, 0)).to(tl.int64)
+        cols = nt * BN + tl.arange(0, BN)
+        cols_ld = tl.max_contiguous(tl.multiple_of(cols % F, BN), BN)
+        a_ptrs = a_ptr + rows_ld[:, None] * KC + offs_k[None, :]
+        b_ptrs = b_ptr + g.to(tl.int64) * KC * F + cols_ld[None, :].to(tl.int64) * KC + offs_k[:, None]
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for ki in range(0, iters):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                k_ok = offs_k < KC - ki * BK
+                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+            acc = tl.dot(a, b, acc)
+            a_ptrs += BK
+            b_ptrs += BK
+        mask = _ffn_tile_mask(rows, row_end, cols, F)
+        offs = rows.to(tl.int64)[:, None] * W + cols[None, :]
+        da = _round_to(acc, dt, HW)
+        z = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if GATED:
+            u = tl.load(h_ptr + offs + F, mask=mask, other=0.0).to(tl.float32)
+            tl.store(dh_ptr + offs + F, _round_to(da * _act(z, ACT), dt, HW).to(dt), mask=mask)
+            tl.store(dh_ptr + offs, _round_to(_dact(da * u, z, ACT), dt, HW).to(dt), mask=mask)
+        else:
+            tl.store(dh_ptr + offs, _round_to(_dact(da, z, ACT), dt, HW).to(dt), mask=mask)

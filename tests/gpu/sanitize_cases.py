@@ -554,6 +554,27 @@ def _gd_tma(c):
         _grouped(c, 37, 128, 64, [12, 25, 0], "bfloat16", True)  # the last group ends at M
 
 
+@case(
+    "grouped_ffn_triton_gated_silu_bf16",
+    "grouped_ffn",
+    "triton (activation in the GEMM epilogues)",
+    triton=(GDT + "grouped_gemm_act_kernel", GDT + "grouped_gemm_dact_kernel", GDG + "grouped_gemm_ws_kernel",
+            GDT + "grouped_wgrad_kernel"),
+)  # fmt: skip
+def _gffn(c):
+    # H = 72 is not a multiple of BK and F = 64 not one of BN (masked K loop and columns); an empty group;
+    # rows past the groups; the wo and wi dx GEMMs are grouped_dense's (Gluon where K % BK == 0)
+    m, h, f, o, sizes = 45, 72, 64, 128, [10, 0, 20, 5]
+    g = len(sizes)
+    args = [c.normal((m, h), "bfloat16"), c.normal((g, h, 2 * f), "bfloat16", 1 / np.sqrt(h)),
+            c.normal((g, f, o), "bfloat16", 1 / np.sqrt(f)), np.asarray(sizes, np.int32)]  # fmt: skip
+
+    def make(impl):
+        return lambda x, wi, wo, s: te_ops.grouped_ffn(x, wi, wo, s, implementation=impl)
+
+    c.vjp(make, args, "triton", argnums=(0, 1, 2))
+
+
 # --- fused_attention (native: cuDNN graphs; the kernels are cuDNN's) --------------------------------
 
 

@@ -142,3 +142,37 @@ def test_bf16_experts_cast_float32_parameters_by_default():
     g = jax.jit(jax.grad(loss))(0.1 * wi)
     assert g.dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(g), np.asarray(g.astype(jnp.bfloat16), np.float32))
+
+
+@pytest.mark.parametrize("activation,gated", [("silu", True), ("relu", False), ("gelu", True)])
+@pytest.mark.parametrize("master", [False, True])
+def test_bf16_fused_ffn_switch_is_the_unfused_path(monkeypatch, activation, gated, master):
+    """te_layers._common.BF16_FUSED_FFN routes the bf16 experts through te_ops.grouped_ffn: on the
+    reference path (this CPU) the output and every gradient are the unfused path's bit for bit (with
+    and without float32 master kernels), and the fused op really ran."""
+    from te_ops.grouped_dense import ffn
+
+    monkeypatch.setattr(C, "BF16_MASTER_KERNELS", master)
+    x = jax.random.normal(jax.random.key(10), (64, 128), jnp.bfloat16)
+    k = jax.random.split(jax.random.key(11), 3)
+    rk = jax.random.normal(k[0], (128, 4))
+    wi = 0.1 * jax.random.normal(k[1], (4, 128, 256 if gated else 128))
+    wo = 0.1 * jax.random.normal(k[2], (4, 128, 128))
+    cfg = C.MoEConfig(C.RouterConfig(num_experts=4, topk=2, aux_loss_coeff=0.1), 128, grouped_gemm="auto",
+                      activation=activation, gated=gated)  # fmt: skip
+    calls = []
+    real = ffn._build
+    monkeypatch.setattr(ffn, "_build", lambda *a: calls.append(a) or real(*a))
+    res = {}
+    for fused in (False, True):
+        monkeypatch.setattr(C, "BF16_FUSED_FFN", fused)
+
+        def loss(x, wi, wo):
+            out = C.moe_apply(x, rk, wi, wo, cfg, dtype=jnp.bfloat16).out
+            return jnp.sum(out.astype(jnp.float32) ** 2)
+
+        res[fused] = jax.jit(jax.value_and_grad(loss, (0, 1, 2)))(x, wi, wo)
+    assert calls and calls[0][4] is master, calls
+    for a, b in zip(jax.tree.leaves(res[True]), jax.tree.leaves(res[False]), strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

@@ -1114,37 +1114,20 @@ def _offline_sm90(launches, monkeypatch, gluon=False):
     fixture: skips without Gluon (``gluon=True``) or Triton's bundled ptxas, turns the sharded
     callables off. Returns (triton_bridge, te_ops.fp8.triton, ptxas, launches); lower inside
     ``triton_bridge.target_override(("cuda", 90, 32))``."""
-    import os
-
     from te_ops._core import triton_bridge as tb
 
     if gluon and tb.gluon_unavailable_reason() is not None:
         pytest.skip(f"needs Triton with Gluon: {tb.gluon_unavailable_reason()}")
-    import triton
-
     from te_ops.fp8 import triton as tri
 
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    if not os.path.exists(ptxas):
-        pytest.skip(f"Triton's bundled ptxas is not at {ptxas}")
+    ptxas = T.bundled_ptxas()
+    if ptxas is None:
+        pytest.skip("Triton's bundled ptxas is missing")
     monkeypatch.setattr(tri, "PARTITION", False)
     return tb, tri, ptxas, launches
 
 
-def _ptxas_report(ptxas, ptx, tag):
-    """``ptxas -arch=sm_90a -v`` of ``ptx``: asserts it compiles, returns its report (stderr)."""
-    import os
-    import subprocess
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as d:
-        src = os.path.join(d, "k.ptx")
-        with open(src, "w") as f:
-            f.write(ptx)
-        r = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", os.path.join(d, "k.cubin")],
-                           capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert r.returncode == 0, (tag, r.stderr[-2000:])
-    return r.stderr
+_ptxas_report = T.ptxas_report
 
 
 def _qt_spec(shape, block, sshape, fmt=jnp.float8_e4m3fn):
@@ -1198,7 +1181,7 @@ def test_fp8_kernels_compile_for_sm90_without_spills(monkeypatch, stub_triton_la
             spilled = re.search(r"(\d+) bytes spill stores", report)
             assert spilled and int(spilled.group(1)) <= 600, (name, report[-2000:])
         else:
-            assert "0 bytes spill stores" in report, (name, report[-2000:])
+            assert T.spill_store_bytes(report) == 0, (name, report[-2000:])
 
 
 def test_fused_ffn_and_requantize_kernels_compile_for_sm90(monkeypatch, stub_triton_launcher):
@@ -1266,7 +1249,7 @@ def test_gluon_gemm_scales_tma_variant_compiles_for_sm90_without_spills(bias, mo
         # the scales' TMA load: a rank-1 bulk tensor copy, in the variant only
         assert ("cp.async.bulk.tensor.1d" in ptx) == scales_tma, scales_tma
         report = _ptxas_report(ptxas, ptx, scales_tma)
-        assert "0 bytes spill stores" in report, (scales_tma, report[-2000:])
+        assert T.spill_store_bytes(report) == 0, (scales_tma, report[-2000:])
 
 
 @pytest.mark.parametrize("t_square", [False, True], ids=["rows", "square"])
@@ -1306,7 +1289,7 @@ def test_gluon_dual_quantize_compiles_for_sm90_with_tma_without_spills(t_square,
         assert ptx.count("cp.async.bulk.tensor.2d.global.shared::cta") == 2, shape  # TMA stores of q, q^T
         assert "mbarrier.try_wait.parity" in ptx and conv in ptx and "div.rn.f32" in ptx, shape
         report = _ptxas_report(ptxas, ptx, (name, shape))
-        assert "0 bytes spill stores" in report, (shape, report[-2000:])
+        assert T.spill_store_bytes(report) == 0, (shape, report[-2000:])
 
 
 def test_gemm_kernel_choice_is_read_at_each_trace(stub_triton_launcher):

@@ -321,7 +321,7 @@ def _u8(a):
 
 def ref_ffn_act_local(h, act, gated, fmt, power_of_2, margin=0):
     """The fused FFN activation + dual quantize kernel's outputs (bytes) from the reference."""
-    from te_ops.fp8.ffn import ffn_activation
+    from te_ops.grouped_dense.reference import ffn_activation
 
     assert margin == 0
     a = ffn_activation(h, _ACT_NAMES[act], gated)
@@ -332,7 +332,7 @@ def ref_ffn_act_local(h, act, gated, fmt, power_of_2, margin=0):
 
 def ref_ffn_dact_local(da, h, act, gated, fmt, power_of_2, margin=0):
     """The fused FFN activation backward + dual quantize kernel's outputs (bytes) from the reference."""
-    from te_ops.fp8.ffn import ffn_activation
+    from te_ops.grouped_dense.reference import ffn_activation
 
     assert margin == 0
     dh = jax.vjp(lambda h: ffn_activation(h, _ACT_NAMES[act], gated), h)[1](da.astype(h.dtype))[0]
