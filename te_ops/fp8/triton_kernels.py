@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from te_ops._core.triton_math import _act, _act_grad, _dact, _round_to, round_to_fp8_grid
-from te_ops.grouped_dense.triton_kernels import _group_table  # the group-size rule of grouped_dense
+from te_ops.grouped_dense.triton_kernels import _group_table, _schedule, _tile  # grouped_dense's group rule
 
 
 @triton.jit
@@ -543,28 +543,17 @@ def grouped_block_scaled_gemm_kernel(
     partial per BK block of K is scaled into the float32 accumulator. With HAS_BIAS, bias [G, N]
     (float32) is added to the float32 sum of each group's rows (not to rows past the groups)."""
     pid = tl.program_id(0)
-    gi, start, end = _group_table(gs_ptr, G, M, BLOCK_G)
-    sizes = end - start
     n_tiles = tl.cdiv(N, BN)
-    m_tiles_g = (sizes + BM - 1) // BM
-    tiles_g = m_tiles_g * n_tiles
-    cum = tl.cumsum(tiles_g, axis=0)
-    group_tiles = tl.sum(tiles_g, axis=0)
-    used_rows = tl.max(end, axis=0)
-    tail_m_tiles = (M - used_rows + BM - 1) // BM
-    total = group_tiles + tail_m_tiles * n_tiles
+    gi, start, end, m_tiles_g, tiles_g, cum, group_tiles, used_rows, tail_m_tiles, total = _schedule(
+        gs_ptr, G, M, n_tiles, BM, BLOCK_G
+    )
     n_kb = tl.cdiv(K, BK)
     offs_k = tl.arange(0, BK)
     for t in range(pid, total, num_programs):
-        in_group = t < group_tiles
-        g = tl.minimum(tl.sum((cum <= t).to(tl.int32), axis=0), G - 1)
-        sel = gi == g
-        g_first = tl.sum(tl.where(sel, cum - tiles_g, 0), axis=0)
-        row0 = tl.where(in_group, tl.sum(tl.where(sel, start, 0), axis=0), used_rows)
-        row_end = tl.where(in_group, tl.sum(tl.where(sel, end, 0), axis=0), M)
-        lt = tl.where(in_group, t - g_first, t - group_tiles)
-        mt = lt // n_tiles
-        nt = lt % n_tiles
+        # grouped_dense's schedule, row-major inside a group (bands of one M tile)
+        in_group, g, row0, row_end, mt, nt = _tile(
+            t, gi, start, end, m_tiles_g, tiles_g, cum, group_tiles, used_rows, tail_m_tiles, n_tiles, G, M, 1
+        )
         rows = row0 + mt * BM + tl.arange(0, BM)
         rows_ld = tl.minimum(rows, tl.maximum(row_end - 1, 0)).to(tl.int64)
         cols = nt * BN + tl.arange(0, BN)

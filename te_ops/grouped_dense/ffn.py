@@ -114,13 +114,19 @@ def _forward_rule(*shapes):
     return "m h, g h w, g f o, g -> m o, m w, m f", _REPLICATED
 
 
-def _forward_specs(arg_specs, shapes):
-    del shapes
+def _ep_specs(arg_specs):
+    """(rows spec, kernels spec): expert parallel when wi's and wo's expert axes and x's rows share
+    one mesh axis (grouped_dense's rule), else replicated."""
     ep = sharding.expert_parallel_axis(arg_specs[0], arg_specs[1])
     if arg_specs[2][0] != ep:
         ep = None
-    rows, kern = [ep, None], [ep, None, None]
-    return [rows, kern, kern, [ep]], [rows, rows, rows]
+    return [ep, None], [ep, None, None]
+
+
+def _forward_specs(arg_specs, shapes):
+    del shapes
+    rows, kern = _ep_specs(arg_specs)
+    return [rows, kern, kern, rows[:1]], [rows, rows, rows]
 
 
 def _backward_rule(*shapes):
@@ -130,11 +136,8 @@ def _backward_rule(*shapes):
 
 def _backward_specs(arg_specs, shapes):
     del shapes
-    ep = sharding.expert_parallel_axis(arg_specs[0], arg_specs[1])
-    if arg_specs[2][0] != ep:
-        ep = None
-    rows, kern = [ep, None], [ep, None, None]
-    return [rows, kern, kern, [ep], rows, rows, rows], [rows, kern, kern]
+    rows, kern = _ep_specs(arg_specs)
+    return [rows, kern, kern, rows[:1], rows, rows, rows], [rows, kern, kern]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -99,6 +99,18 @@ def _tile(t, gi, start, end, m_tiles_g, tiles_g, cum, group_tiles, used_rows, ta
 
 
 @triton.jit
+def _tile_span(row0, row_end, mt, nt, NCOLS, BM: tl.constexpr, BN: tl.constexpr):
+    """(rows, rows_ld, cols, cols_ld) of a tile: its output rows and columns, the rows it loads
+    (clamped to the group's last row: never stored, row i of a product depends only on row i of A)
+    and the columns it loads (wrapped into [0, NCOLS), aligned for vector loads)."""
+    rows = row0 + mt * BM + tl.arange(0, BM)
+    rows_ld = tl.minimum(rows, tl.maximum(row_end - 1, 0)).to(tl.int64)
+    cols = nt * BN + tl.arange(0, BN)
+    cols_ld = tl.max_contiguous(tl.multiple_of(cols % NCOLS, BN), BN)
+    return rows, rows_ld, cols, cols_ld
+
+
+@triton.jit
 def grouped_gemm_kernel(
     a_ptr,
     b_ptr,
@@ -150,10 +162,7 @@ def grouped_gemm_kernel(
             t, gi, start, end, m_tiles_g, tiles_g, cum, group_tiles, used_rows, tail_m_tiles, n_tiles, G, M, GROUP_M
         )
         iters = tl.where(in_group, k_iters, 0)
-        rows = row0 + mt * BM + tl.arange(0, BM)
-        rows_ld = tl.minimum(rows, tl.maximum(row_end - 1, 0)).to(tl.int64)
-        cols = nt * BN + tl.arange(0, BN)
-        cols_ld = tl.max_contiguous(tl.multiple_of(cols % NOUT, BN), BN)
+        rows, rows_ld, cols, cols_ld = _tile_span(row0, row_end, mt, nt, NOUT, BM, BN)
         g64 = g.to(tl.int64)
         a_ptrs = a_ptr + rows_ld[:, None] * KC + offs_k[None, :]
         if TRANS_B:
@@ -325,10 +334,7 @@ def grouped_gemm_act_kernel(
             t, gi, start, end, m_tiles_g, tiles_g, cum, group_tiles, used_rows, tail_m_tiles, n_tiles, G, M, GROUP_M
         )
         iters = tl.where(in_group, k_iters, 0)
-        rows = row0 + mt * BM + tl.arange(0, BM)
-        rows_ld = tl.minimum(rows, tl.maximum(row_end - 1, 0)).to(tl.int64)
-        cols = nt * BN + tl.arange(0, BN)
-        cols_ld = tl.max_contiguous(tl.multiple_of(cols % F, BN), BN)
+        rows, rows_ld, cols, cols_ld = _tile_span(row0, row_end, mt, nt, F, BM, BN)
         a_ptrs = a_ptr + rows_ld[:, None] * KC + offs_k[None, :]
         b_ptrs = b_ptr + g.to(tl.int64) * KC * W + offs_k[:, None].to(tl.int64) * W + cols_ld[None, :]
         acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -408,10 +414,7 @@ def grouped_gemm_dact_kernel(
             t, gi, start, end, m_tiles_g, tiles_g, cum, group_tiles, used_rows, tail_m_tiles, n_tiles, G, M, GROUP_M
         )
         iters = tl.where(in_group, k_iters, 0)
-        rows = row0 + mt * BM + tl.arange(0, BM)
-        rows_ld = tl.minimum(rows, tl.maximum(row_end - 1, 0)).to(tl.int64)
-        cols = nt * BN + tl.arange(0, BN)
-        cols_ld = tl.max_contiguous(tl.multiple_of(cols % F, BN), BN)
+        rows, rows_ld, cols, cols_ld = _tile_span(row0, row_end, mt, nt, F, BM, BN)
         a_ptrs = a_ptr + rows_ld[:, None] * KC + offs_k[None, :]
         b_ptrs = b_ptr + g.to(tl.int64) * KC * F + cols_ld[None, :].to(tl.int64) * KC + offs_k[:, None]
         acc = tl.zeros((BM, BN), dtype=tl.float32)
