@@ -144,6 +144,20 @@ def test_vmap_loops_over_batch():
         assert_close(got[i], grouped_ffn(xs[i], wis[i], wos[i], gss[i]), jnp.float32)
 
 
+@pytest.mark.parametrize("m,h,f,o", [(0, 8, 8, 8), (12, 0, 8, 8), (12, 8, 0, 8), (12, 8, 8, 0)])
+def test_empty_axes(m, h, f, o):
+    """M, H, F or O of length zero: results of the documented shapes, zero where a sum is empty
+    (H = 0: h = 0, so act(0) * 0 = 0 and y = 0; F = 0: y = 0)."""
+    rng = np.random.default_rng(9)
+    x, wi, wo, gs = _make(rng, m, h, f, o, [m // 2, 0, m - m // 2], True)
+    y, vjp = jax.vjp(lambda *a: grouped_ffn(*a, gs), x, wi, wo)
+    assert y.shape == (m, o) and not np.any(np.asarray(y))
+    dx, dwi, dwo = vjp(jnp.ones((m, o), jnp.float32))
+    assert dx.shape == x.shape and dwi.shape == wi.shape and dwo.shape == wo.shape
+    for g in (dx, dwi, dwo):
+        assert np.all(np.isfinite(np.asarray(g)))
+
+
 @pytest.mark.parametrize(
     "change,exc,match",
     [
@@ -259,6 +273,9 @@ _INTERPRET_CASES = [  # (M, H, F, O, sizes)
     (50, 16, 16, 8, [50]),
     (40, 16, 16, 16, [19, 19, 19, 0]),  # clipped at M
     (40, 16, 16, 16, [5, -3, 20, 30]),  # negative size, clipped
+    (24, 0, 16, 16, [10, 14]),  # H = 0: an empty contraction, h = 0
+    (24, 16, 16, 0, [10, 14]),  # O = 0: the dact GEMM's contraction is empty
+    (0, 16, 16, 16, [0, 0]),  # M = 0
 ]
 
 
@@ -300,7 +317,7 @@ def _interpret_main() -> int:
                 a_ = np.asarray(jnp.asarray(a_, jnp.float32))
                 e = np.asarray(jnp.asarray(e, jnp.float32))
                 ok = a_.shape == e.shape and not np.isnan(a_).any()
-                ok = ok and np.allclose(a_, e, rtol=2e-2, atol=2e-2 * max(1.0, np.abs(e).max()))
+                ok = ok and np.allclose(a_, e, rtol=2e-2, atol=2e-2 * max(1.0, np.abs(e).max(initial=0.0)))
                 if not ok:
                     failures += 1
                     err = np.nanmax(np.abs(a_ - e)) if a_.shape == e.shape else f"shape {a_.shape} != {e.shape}"
