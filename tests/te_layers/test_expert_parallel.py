@@ -25,7 +25,12 @@ def _mesh(n=8):
     [dict(score_function="softmax"), dict(score_function="sigmoid", use_expert_bias=True, num_groups=4, group_topk=2)],
     ids=["softmax", "sigmoid-bias-groups"],
 )
-def test_expert_parallel_matches_unsharded(router):
+@pytest.mark.parametrize("fused_ffn", [False, True], ids=["unfused", "fused-ffn"])
+def test_expert_parallel_matches_unsharded(router, fused_ffn, monkeypatch):
+    """fused-ffn: te_layers._common.BF16_FUSED_FFN on (te_ops.grouped_ffn inside the shard_map)."""
+    from te_layers import _common as C
+
+    monkeypatch.setattr(C, "BF16_FUSED_FFN", fused_ffn)
     mesh = _mesh()
     x = jax.random.normal(jax.random.key(0), (4, 16, H))  # 64 tokens, 8 per shard; 2 experts per shard
     common = dict(num_experts=E, topk=K, ffn_dim=F, aux_loss_coeff=0.1, **router)
