@@ -74,6 +74,8 @@ from tests.property.test_dense_props import (
     GROUPED_M,
     GROUPED_N,
     grouped_dense_case,
+    grouped_ffn_case,
+    grouped_ffn_inputs,
 )
 from tests.property.test_fp8_props import (
     BLOCK_ARGS,
@@ -321,6 +323,42 @@ def test_grouped_dense(v, data):
             assert a is None, name
         else:
             close(a, e, dtype, f"grouped_dense {name} ({kind} sizes {sizes})")
+
+
+# grouped_ffn (triton): the activation fused into the grouped GEMM epilogues (None / relu / silu;
+# the GELUs between plain GEMMs); H, F and O multiples of 8, bf16 / f16.
+FFN_VARIANTS = _variants(("triton", "triton", _family("grouped_ffn", "triton"), None, {}))
+
+
+def _ffn_make(activation, gated):
+    def make(impl):
+        def f(x, wi, wo, gs, dy):
+            y, vjp = jax.vjp(lambda *a: te_ops.grouped_ffn(*a, gs, activation=activation, gated=gated,
+                                                           implementation=impl), x, wi, wo)  # fmt: skip
+            return y, vjp(dy)
+
+        return f
+
+    return make
+
+
+@pytest.mark.parametrize("v", FFN_VARIANTS)
+@fuzz_gpu()
+@given(data=st.data())
+def test_grouped_ffn(v, data):
+    kind = data.draw(st.sampled_from(GROUP_KINDS), label="kind")
+    m, h, f, o, g, sizes, act, gated, dtype, seed = data.draw(
+        grouped_ffn_case(kind, h=GROUPED_K.map(_up(8)), f=GROUPED_K.map(_up(8)), o=GD_N, dtypes=GD_DTYPES),
+        label="case",
+    )
+    (x, wi, wo, dy), _ = grouped_ffn_inputs(m, h, f, o, g, gated, dtype, seed)
+    gs = jnp.asarray(np.asarray(sizes, np.int64).astype(np.int32))
+    make = _ffn_make(act, gated)
+    (y, grads), (y_ref, grads_ref) = run_impl(v, make, x, wi, wo, gs, dy), run_reference(make, x, wi, wo, gs, dy)
+    tag = f"({act}, gated={gated}, {kind} sizes {sizes})"
+    close(y, y_ref, dtype, f"grouped_ffn y {tag}")
+    for name, a, e in zip(("dx", "dwi", "dwo"), grads, grads_ref, strict=True):
+        close(a, e, dtype, f"grouped_ffn {name} {tag}")
 
 
 @needs(_family("grouped_dense", "triton"))

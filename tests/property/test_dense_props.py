@@ -138,3 +138,80 @@ def test_grouped_dense(kind, data):
     check_close(dw, dw_exp, dtype, what="grouped_dense dkernels (0 for empty groups)")
     if has_bias:
         check_close(db, db_exp, dtype, what="grouped_dense dbias")
+
+
+# ----------------------------------------------------------------------------------------------
+# grouped_ffn: the experts' FFN as one op (docs/semantics.md, "The experts' FFN as one op")
+# ----------------------------------------------------------------------------------------------
+
+FFN_F = size(48, min_size=0, sizes=(0, 1, 3, 8, 16, 33))
+
+
+@st.composite
+def grouped_ffn_case(draw, kind, m=GROUPED_M, h=GROUPED_K, f=FFN_F, o=GROUPED_N, dtypes=float_dtypes):
+    """(M, H, F, O, G, group_sizes, activation, gated, dtype, seed) of one grouped_ffn case."""
+    m_ = draw(m)
+    g = draw(st.integers(1, 6))
+    sizes = draw(group_sizes(m_, g, kind))
+    act = draw(st.sampled_from(list(ACTIVATIONS)))
+    return m_, draw(h), draw(f), draw(o), g, sizes, act, draw(st.booleans()), draw(dtypes), draw(seeds)
+
+
+def grouped_ffn_expected(x64, wi64, wo64, dy64, sizes, activation, gated, dtype):
+    """float64 y, dx, dwi, dwo by hand-derived formulas, with the op's two roundings to ``dtype``
+    (h and the activation as stored; da and dh as stored in the backward)."""
+    from tests.property._common import round_to
+
+    act, dact = ACTIVATIONS[activation]
+    m = x64.shape[0]
+    g, _, w = wi64.shape
+    f, o = wo64.shape[1], wo64.shape[2]
+    starts, ends = _group_bounds(sizes, m)
+    y, dx = np.zeros((m, o)), np.zeros_like(x64)
+    dwi, dwo = np.zeros_like(wi64), np.zeros_like(wo64)
+    for i in range(g):
+        r = slice(starts[i], ends[i])
+        h = round_to(x64[r] @ wi64[i], dtype)
+        if gated:
+            z, u = h[:, :f], h[:, f:]
+            a = round_to(act(z) * u, dtype)
+        else:
+            a = round_to(act(h), dtype)
+        y[r] = a @ wo64[i]
+        da = round_to(dy64[r] @ wo64[i].T, dtype)
+        dwo[i] = a.T @ dy64[r]
+        if gated:
+            dh = round_to(np.concatenate([da * u * dact(z), da * act(z)], axis=1), dtype)
+        else:
+            dh = round_to(da * dact(h), dtype)
+        dx[r] = dh @ wi64[i].T
+        dwi[i] = x64[r].T @ dh
+    return y, dx, dwi, dwo
+
+
+def grouped_ffn_inputs(m, h, f, o, g, gated, dtype, seed):
+    rng = np.random.default_rng(seed)
+    x, x64 = rand(rng, (m, h), dtype)
+    wi, wi64 = rand(rng, (g, h, 2 * f if gated else f), dtype, 1.0 / np.sqrt(max(h, 1)))
+    wo, wo64 = rand(rng, (g, f, o), dtype, 1.0 / np.sqrt(max(f, 1)))
+    dy, dy64 = rand(rng, (m, o), dtype)
+    return (x, wi, wo, dy), (x64, wi64, wo64, dy64)
+
+
+@pytest.mark.parametrize("kind", GROUP_KINDS)
+@fuzz(6)
+@given(data=st.data())
+def test_grouped_ffn(kind, data):
+    m, h, f, o, g, sizes, activation, gated, dtype, seed = data.draw(grouped_ffn_case(kind), label="case")
+    (x, wi, wo, dy), (x64, wi64, wo64, dy64) = grouped_ffn_inputs(m, h, f, o, g, gated, dtype, seed)
+    gs = jnp.asarray(np.asarray(sizes, np.int64).astype(np.int32))
+    fn = lambda a, b, c: te_ops.grouped_ffn(a, b, c, gs, activation=activation, gated=gated,  # noqa: E731
+                                            implementation=IMPL)  # fmt: skip
+    y, vjp = jax.vjp(fn, x, wi, wo)
+    assert y.dtype == jnp.dtype(dtype) and y.shape == (m, o)
+    want = grouped_ffn_expected(x64, wi64, wo64, dy64, sizes, activation, gated, dtype)
+    tag = f"({activation}, gated={gated}, {kind} sizes {sizes})"
+    # bf16 roundings of h and da move the expected values by an ulp: the GEMM outputs after them
+    # are compared at 4x the dtype's tolerance
+    for name, a, e in zip(("y", "dx", "dwi", "dwo"), (y, *vjp(dy)), want, strict=True):
+        check_close(a, e, dtype, what=f"grouped_ffn {name} {tag}", scale=4 * max(1.0, float(np.abs(e).max(initial=0))))
