@@ -426,6 +426,28 @@ def _build_grouped(seed, m, k, n, sizes, dtype, with_bias, impl: str) -> Case:
 _ops("triton", _why_triton, "triton", _build_grouped, GROUPED_CASES)
 
 
+@_op("grouped_ffn_silu_bf16", "triton", _why_triton, "triton")
+def _build_grouped_ffn(impl: str) -> Case:
+    """The bf16 expert FFN as one op (grouped_ffn: the act and dact epilogue GEMMs, the Gluon wo GEMMs,
+    two wgrads), forward and backward; an empty group and rows past the groups."""
+    from te_ops import grouped_ffn
+
+    rng = np.random.default_rng(53)
+    m, h, f, sizes = 300, 128, 96, [70, 0, 130, 60]
+    g = len(sizes)
+    x = _dev(_np(rng, (m, h)), jnp.bfloat16)
+    wi = _dev(_np(rng, (g, h, 2 * f), 1 / np.sqrt(h)), jnp.bfloat16)
+    wo = _dev(_np(rng, (g, f, h), 1 / np.sqrt(f)), jnp.bfloat16)
+    gs = _dev(np.asarray(sizes, np.int32))
+    ct = _dev(_np(rng, (m, h)), jnp.bfloat16)
+
+    def step(x, wi, wo, gs, ct):
+        y, vjp = jax.vjp(lambda *a: grouped_ffn(*a, gs, implementation=impl), x, wi, wo)
+        return y, vjp(ct)
+
+    return Case(step, (x, wi, wo, gs, ct), {})
+
+
 # ---- Triton / Gluon permutation ----------------------------------------------------------------
 
 PERMUTATION_CASES = {  # name: (GPU implementation, seed, tokens, experts, H, topk, num_out_tokens, align_size)
