@@ -135,6 +135,13 @@ def gluon_unavailable_reason() -> str | None:
     return None
 
 
+def hardware_conversions() -> bool:
+    """Whether kernels may use the GPU's float32 -> bf16 / f16 / FP8 conversions: not under Triton's
+    CPU interpreter (TRITON_INTERPRET=1), whose conversions truncate or round wrongly at binade edges;
+    the kernels then round with integer arithmetic (a ``HW`` constexpr)."""
+    return os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+
+
 def _launcher_module() -> Any:
     """jaxlib's gpu_triton module (tests may substitute another with the same API)."""
     from jax._src.lib import gpu_triton

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import os
 import threading
 
 import jax
@@ -41,12 +40,6 @@ def _k():
     return triton_kernels
 
 
-def _hw_cvt() -> bool:
-    """Use the GPU's float32 -> FP8 conversion (not under Triton's CPU interpreter, whose conversion
-    rounds wrongly at binade edges: the kernels then use an integer formulation)."""
-    return os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
-
-
 def _is_pow2(v: int) -> bool:
     return v >= 1 and v & (v - 1) == 0
 
@@ -56,7 +49,7 @@ def _quant_constexprs(fmt, power_of_2: bool, margin: int = 0) -> dict:
     minimum exponent, the margin's factor, power-of-2 scales, the hardware conversion."""
     mbits, emin = FORMAT_BITS[jnp.dtype(fmt)]
     return dict(FMAX=format_max(fmt), MBITS=mbits, EMIN=emin, MARGIN_MUL=2.0**-margin, POW2=bool(power_of_2),
-                HW=_hw_cvt())  # fmt: skip
+                HW=tb.hardware_conversions())  # fmt: skip
 
 
 def unsupported_reason(*, dtype=None, block=None, fmt=None, **_) -> str | None:

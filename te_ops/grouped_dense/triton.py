@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import os
 import threading
 
 import jax
@@ -275,12 +274,6 @@ def grouped_wgrad(x, dy, group_sizes, g: int, *, cfg: WgradConfig, out_dtype):
     )[0]
 
 
-def _hw_cvt() -> bool:
-    """The GPU's float32 -> bf16/f16 conversion (not under Triton's CPU interpreter, which truncates:
-    the kernels then round with integer arithmetic)."""
-    return os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
-
-
 def _ffn_launch(kernel, name, a, b, h, group_sizes, f, out_shape, cfg: GemmConfig, activation, gated):
     m, kc = a.shape
     g = b.shape[0]
@@ -293,7 +286,8 @@ def _ffn_launch(kernel, name, a, b, h, group_sizes, f, out_shape, cfg: GemmConfi
         out_shape=out_shape,
         grid=(grid,),
         constexprs=dict(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M, BLOCK_G=max(16, _pow2(g)),
-                        ACT=ACT_CODES[activation], GATED=bool(gated), EVEN_K=(kc % cfg.BK == 0), HW=_hw_cvt()),
+                        ACT=ACT_CODES[activation], GATED=bool(gated), EVEN_K=(kc % cfg.BK == 0),
+                        HW=tb.hardware_conversions()),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         scratch_bytes_per_program=0,  # the te_scratch parameter, unused (no TMA descriptors)
