@@ -3,21 +3,22 @@
 
 It computes exactly what two :func:`grouped_dense` calls with :func:`ffn_activation` between them
 compute (``reference.ffn_forward`` / ``ffn_backward``). The Triton implementation moves the
-activation into the epilogues of the GEMMs around it, so neither the activation's input nor its
-gradient's input makes a round trip through memory:
+activation into the epilogues of the GEMMs around it, so h is not read back to compute the
+activation, and the activation's incoming gradient ``da`` never goes to memory:
 
 * forward: the first GEMM's epilogue writes h (the backward needs it) *and* the activation of h;
   no separate pass reads h back to write the activation;
 * backward: the second GEMM's dx (``da = dy @ wo^T``) never goes to memory; its epilogue reads h
   and writes the activation's gradient dh, the first GEMM's backward operand.
 
-Per row, with F the FFN width and 2-byte elements, gated: the unfused path moves h (4F bytes) twice
-more and the activation or its gradient's input (2F) twice more, ``12F`` bytes a row in all, about
-1.6 GB per layer at 131072 rows and F = 2048 (docs/perf_notes.md). Non-gated: ``6F``.
+Per row, with F the FFN width and 2-byte elements, gated: the unfused path reads h once more in the
+forward (4F bytes) and writes and reads ``da`` in the backward (4F): ``8F`` bytes a row, about
+2.1 GB per layer at 131072 rows and F = 2048 (docs/perf_notes.md). Non-gated: ``6F``.
 
 Sharding: expert parallel (the expert axis of wi and wo and x's rows on the same mesh axis, as
 grouped_dense takes it): each shard runs its local FFN, no collective. Other shardings are gathered
-(the gated W axis interleaves two F-wide halves, which one mesh axis cannot split evenly into both).
+(the gated W axis holds two F-wide halves side by side, which one mesh axis cannot split into
+matching pieces).
 """
 
 from __future__ import annotations
