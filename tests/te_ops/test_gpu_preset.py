@@ -1,0 +1,47 @@
+"""CPU tests of scripts/gpu_preset.sh (the named GPU runs): every preset's steps name a GPU test
+file, a benchmark or a script that exists, the environment overrides a preset, and an unknown
+preset is refused."""
+
+import os
+import pathlib
+import subprocess
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "gpu_preset.sh"
+
+
+def _run(*args, **env):
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("STEPS", "DEADLINE", "BENCH_", "PYTEST_ARGS_"))}
+    full.update(GPU_PRESET_PRINT="1", **env)
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, env=full, timeout=60)
+
+
+def _presets():
+    out = _run("list").stdout
+    return [line.split()[0] for line in out.splitlines() if line and not line.startswith(" ")]
+
+
+def test_list_names_the_presets():
+    assert _presets() == ["switches", "fp8_routes", "fp8_model", "hardening"]
+
+
+@pytest.mark.parametrize("preset", ["switches", "fp8_routes", "fp8_model", "hardening"])
+def test_every_step_exists(preset):
+    r = _run(preset)
+    assert r.returncode == 0, r.stderr
+    env = dict(line.split("=", 1) for line in r.stdout.splitlines())
+    assert int(env["DEADLINE"]) <= 560
+    for step in env["STEPS"].split():
+        kind, name = step.split(":", 1)
+        path = {"test": f"tests/gpu/{name}.py", "bench": f"benchmarks/{name}.py", "sh": f"scripts/{name}.sh"}[kind]
+        assert (ROOT / path).exists(), (preset, step)
+
+
+def test_environment_wins_and_unknown_preset_is_refused():
+    r = _run("switches", DEADLINE="300", STEPS="bench:grouped_ffn")
+    env = dict(line.split("=", 1) for line in r.stdout.splitlines())
+    assert env["DEADLINE"] == "300" and env["STEPS"] == "bench:grouped_ffn"
+    r = _run("no_such_preset")
+    assert r.returncode == 2 and "unknown preset" in r.stderr
