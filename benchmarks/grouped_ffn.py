@@ -16,6 +16,7 @@ Writes ``benchmarks/results/<device>/grouped_ffn.json``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -52,15 +53,14 @@ def fused(x, wi, wo, s):
 
 
 def step_of(f, dact_cfg=None):
+    """The jitted fwd+bwd step; ``dact_cfg``: the dact GEMM's tiles (through config_override, which
+    grouped_ffn keys its cached build on: a new configuration is a new trace)."""
+
     def run(x, wi, wo, s, dy):
-        prev = tri.DEFAULT_FFN_DACT
-        if dact_cfg is not None:  # read at trace time
-            tri.DEFAULT_FFN_DACT = dact_cfg
-        try:
+        ctx = tri.config_override(ffn_dact=dact_cfg) if dact_cfg is not None else contextlib.nullcontext()
+        with ctx:
             y, vjp = jax.vjp(lambda *a: f(*a, s), x, wi, wo)
             return (y, *vjp(dy))
-        finally:
-            tri.DEFAULT_FFN_DACT = prev
 
     return jax.jit(run)
 

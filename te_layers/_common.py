@@ -462,7 +462,9 @@ BF16_FUSED_FFN = False
 
 def _bf16_fused_ffn_applies(x, wi, wo, activation, backend) -> bool:
     """grouped_ffn takes the call: switched on, a named activation, the te_ops backend (or "auto" with
-    the 16-byte-aligned sizes its GPU kernels need), kernels of x's dtype or float32 masters."""
+    the 16-byte-aligned sizes its GPU kernels need), kernels of x's dtype or float32 masters. The
+    kernels' sharding is not looked at: grouped_ffn gathers kernels sharded along F (tensor
+    parallel), so the switch is for unsharded or expert-parallel experts."""
     from te_ops.dense.reference import ACTIVATIONS
 
     named = activation is None or (isinstance(activation, str) and activation in ACTIVATIONS)

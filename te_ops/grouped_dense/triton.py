@@ -110,10 +110,18 @@ _override = threading.local()
 
 
 @contextlib.contextmanager
-def config_override(fwd: GemmConfig | None = None, dx: GemmConfig | None = None, wgrad: WgradConfig | None = None):
-    """Uses these tile configurations for grouped_dense calls traced inside the block (benchmarks)."""
+def config_override(
+    fwd: GemmConfig | None = None,
+    dx: GemmConfig | None = None,
+    wgrad: WgradConfig | None = None,
+    ffn_act: GemmConfig | None = None,
+    ffn_dact: GemmConfig | None = None,
+):
+    """Uses these tile configurations for grouped_dense and grouped_ffn calls traced inside the block
+    (benchmarks): forward, dx and dkernels GEMMs, and grouped_ffn's act and dact GEMMs. The ops key
+    their cached builds on it, so a new configuration is a new trace."""
     prev = getattr(_override, "value", None)
-    _override.value = (fwd, dx, wgrad)
+    _override.value = (fwd, dx, wgrad, ffn_act, ffn_dact)
     try:
         yield
     finally:
@@ -121,13 +129,20 @@ def config_override(fwd: GemmConfig | None = None, dx: GemmConfig | None = None,
 
 
 def current_override() -> tuple | None:
-    """The (fwd, dx, wgrad) override active now (None outside :func:`config_override`)."""
+    """The (fwd, dx, wgrad, ffn_act, ffn_dact) override active now (None outside
+    :func:`config_override`)."""
     return getattr(_override, "value", None)
 
 
 def _configs() -> tuple[GemmConfig, GemmConfig, WgradConfig]:
-    fwd, dx, wg = getattr(_override, "value", None) or (None, None, None)
+    fwd, dx, wg, _, _ = getattr(_override, "value", None) or (None,) * 5
     return fwd or DEFAULT_FWD, dx or DEFAULT_DX, wg or DEFAULT_WGRAD
+
+
+def ffn_configs() -> tuple[GemmConfig, GemmConfig]:
+    """grouped_ffn's (act GEMM, dact GEMM) tile configurations: the override's, else the defaults."""
+    _, _, _, act, dact = getattr(_override, "value", None) or (None,) * 5
+    return act or DEFAULT_FFN_ACT, dact or DEFAULT_FFN_DACT
 
 
 def _k():
@@ -297,14 +312,15 @@ def _ffn_launch(kernel, name, a, b, h, group_sizes, f, out_shape, cfg: GemmConfi
 
 def ffn_act_gemm(x, wi, group_sizes, *, activation, gated: bool, cfg: GemmConfig | None = None):
     """(h, act): ``h = grouped_gemm(x, wi)`` ([M, W]) and the activation of h ([M, F], F = W / 2
-    gated), from one kernel (``grouped_gemm_act_kernel``); both zero on the rows past the groups."""
+    gated), from one kernel (``grouped_gemm_act_kernel``); both zero on the rows past the groups.
+    ``cfg``: the tiles (default :func:`ffn_configs`)."""
     m = x.shape[0]
     w = wi.shape[2]
     f = w // 2 if gated else w
     if m == 0 or f == 0:
         return jnp.zeros((m, w), x.dtype), jnp.zeros((m, f), x.dtype)
     h, act = _ffn_launch(_k().grouped_gemm_act_kernel, "te_grouped_gemm_act", x, wi, None, group_sizes, f,
-                         [SDS((m, w), x.dtype), SDS((m, f), x.dtype)], cfg or DEFAULT_FFN_ACT, activation,
+                         [SDS((m, w), x.dtype), SDS((m, f), x.dtype)], cfg or ffn_configs()[0], activation,
                          gated)  # fmt: skip
     return h, act
 
@@ -318,7 +334,7 @@ def ffn_dact_gemm(dy, wo, h, group_sizes, *, activation, gated: bool, cfg: GemmC
     if m == 0 or f == 0:
         return jnp.zeros((m, w), h.dtype)
     return _ffn_launch(_k().grouped_gemm_dact_kernel, "te_grouped_gemm_dact", dy.astype(h.dtype), wo, h, group_sizes,
-                       f, [SDS((m, w), h.dtype)], cfg or DEFAULT_FFN_DACT, activation, gated)[0]  # fmt: skip
+                       f, [SDS((m, w), h.dtype)], cfg or ffn_configs()[1], activation, gated)[0]  # fmt: skip
 
 
 def forward(x, kernels, group_sizes, bias=None, *, has_bias: bool):
