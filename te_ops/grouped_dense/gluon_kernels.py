@@ -126,18 +126,25 @@ def _producer(
     sa_desc=None,
     sa_bufs=None,
     SCALES_TMA: gl.constexpr = False,
+    b2_bufs=None,
+    DUAL_B: gl.constexpr = False,
 ):
     """TMA loads of the A and B tiles of each K step into the ``STAGES``-deep ring, one "ready"
     barrier per stage. ``SCALES_TMA`` (the FP8 GEMM's variant, te_ops/fp8/gluon_kernels.py): also the
     BM float32 row scales of A at the step into ``sa_bufs``, on the same barrier: elements
     ``ki * M + row ..`` of sa^T seen flat (rank-1 ``sa_desc``; past its end TMA's zero fill; rows
-    past M or past the group are never stored, so whatever scales they get do not matter)."""
+    past M or past the group are never stored, so whatever scales they get do not matter).
+    ``DUAL_B`` (not with TRANS_B; the gated FFN's act GEMM, gluon_ffn_kernels.py): also the B tile
+    NOUT columns to the right (the linear half of ``[G * KC, 2 * NOUT]``) into ``b2_bufs``, on the
+    same barrier."""
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     gi, start, end, m_tiles_g, tiles_g, cum_tiles, group_tiles, used_rows, tail_m_tiles, n_tiles, total = _schedule(
         gs_ptr, G, M, NOUT, BM, BN, BLOCK_G, layout
     )
     k_iters = gl.cdiv(KC, BK)
-    nbytes: gl.constexpr = (BM * BK + BK * BN) * a_desc.dtype.primitive_bitwidth // 8 + (BM * 4 if SCALES_TMA else 0)
+    nbytes: gl.constexpr = (BM * BK + (2 if DUAL_B else 1) * BK * BN) * a_desc.dtype.primitive_bitwidth // 8 + (
+        BM * 4 if SCALES_TMA else 0
+    )
     it = 0
     for t in range(gl.program_id(0), total, num_programs):
         in_group, g, row, row_end, nt = _tile(
@@ -171,6 +178,10 @@ def _producer(
                     tma.async_copy_global_to_shared(
                         b_desc, [g * KC + ki * BK, nt * BN], ready.index(s), b_bufs.index(s)
                     )
+                    if DUAL_B:
+                        tma.async_copy_global_to_shared(
+                            b_desc, [g * KC + ki * BK, NOUT + nt * BN], ready.index(s), b2_bufs.index(s)
+                        )
                 if SCALES_TMA:
                     tma.async_copy_global_to_shared(sa_desc, [ki * M + row], ready.index(s), sa_bufs.index(s))
                 it += 1

@@ -66,7 +66,9 @@ class GemmConfig:
     USE_TMA: bool = False
     # Hopper (sm_90): the Gluon warp-specialized kernel (gluon_kernels.py: a TMA producer warp, two
     # wgmma consumer warpgroups, num_stages-deep ring, TMA-store epilogue) where K is a multiple of
-    # BK; needs num_warps=8 and BM=128. Elsewhere (other GPUs, other K) the Triton kernel runs.
+    # BK; needs num_warps=8 and BM=128. Elsewhere (other GPUs, other K) the Triton kernel runs. As
+    # grouped_ffn's ffn_act / ffn_dact config: gluon_ffn_kernels.py's versions (BN 64 or 128;
+    # num_stages lowered to what fits in shared memory: :func:`_ffn_gluon_stages`).
     GLUON_WS: bool = False
     maxnreg: int = 168  # GLUON_WS: 12 warps x 168 registers fit the register file; setmaxnreg moves them
     # GLUON_WS with PINGPONG: two 4-warp consumer warpgroups on alternate BM x BN tiles (one's epilogue
@@ -94,7 +96,8 @@ class WgradConfig:
 DEFAULT_FWD = GemmConfig(GLUON_WS=True)
 DEFAULT_DX = GemmConfig(GLUON_WS=True)
 DEFAULT_WGRAD = WgradConfig()
-# grouped_ffn's two fused GEMMs (the Triton kernels: the Gluon kernel has no activation epilogue).
+# grouped_ffn's two fused GEMMs (the Triton kernels; GLUON_WS=True selects the Gluon warp-specialized
+# versions in gluon_ffn_kernels.py, opt-in until measured).
 # Gated, the forward tile holds BN activation and BN linear columns: 128 x (2 x 128) as the plain
 # forward's 128 x 256. The dact epilogue loads two [BM, BN] tiles of h on top of the accumulator.
 DEFAULT_FFN_ACT = GemmConfig(BN=128)
@@ -289,52 +292,96 @@ def grouped_wgrad(x, dy, group_sizes, g: int, *, cfg: WgradConfig, out_dtype):
     )[0]
 
 
-def _ffn_launch(kernel, name, a, b, h, group_sizes, f, out_shape, cfg: GemmConfig, activation, gated):
+# Shared memory of one Hopper SM a block may use (227 KB), for the Gluon FFN kernels' STAGES
+SMEM_BYTES = 227 * 1024
+# Registers of the Gluon FFN kernels' producer warp (setmaxnreg): at the ws kernel's 24 its tile
+# schedule spills 12 to 28 bytes a thread (sm_90a, Triton 3.6); at 32 nothing spills, and the consumer
+# warps get 232 (12 warps x maxnreg 168, the producer's warpgroup padded to 4 warps).
+FFN_PRODUCER_REGS = 32
+
+
+def _ffn_gluon_stages(cfg: GemmConfig, kc: int, gated: bool, dact: bool, itemsize: int = 2) -> int:
+    """STAGES of the Gluon warp-specialized FFN kernel for ``cfg`` (gluon_ffn_kernels.py), or 0 where it
+    does not apply (the Triton kernel runs): GLUON_WS set, sm_90 with Gluon, KC a multiple of BK, BM
+    128, 8 consumer warps, BN 64 or 128 (gated act: two BM x BN accumulators), BK a multiple of 64
+    (128-byte swizzled tiles). cfg.num_stages, lowered to what fits in shared memory with the two
+    epilogue tiles (gated act at 128 x 128 x 64: 3 stages of 48 KB + 64 KB); at least 2."""
+    if not (cfg.GLUON_WS and cfg.BM == 128 and cfg.num_warps == 8 and cfg.BN in (64, 128) and cfg.BK % 64 == 0):
+        return 0
+    if kc % cfg.BK or gluon_ws_unavailable_reason():
+        return 0
+    b_tiles = 2 if gated and not dact else 1
+    per_stage = (cfg.BM * cfg.BK + b_tiles * cfg.BK * cfg.BN) * itemsize
+    epilogue = (1 if dact and not gated else 2) * cfg.BM * cfg.BN * itemsize
+    stages = min(cfg.num_stages, (SMEM_BYTES - 1024 - epilogue) // per_stage)  # 1 KB: barriers, alignment
+    return stages if stages >= 2 else 0
+
+
+def _ffn_launch(kind, a, b, h, group_sizes, f, out_shape, cfg: GemmConfig, activation, gated):
+    """Launches grouped_gemm_{kind}_kernel (kind "act" or "dact"), or its Gluon warp-specialized
+    version (``_ffn_gluon_stages``)."""
     m, kc = a.shape
     g = b.shape[0]
     grid = max(1, min(num_sms(), (_cdiv(m, cfg.BM) + g + 1) * _cdiv(f, cfg.BN)))
     args = (a, b) + ((h,) if h is not None else ()) + (group_sizes.astype(jnp.int32), np.int32(m), np.int32(kc // 8),
                                                       np.int32(f // 8), np.int32(g), np.int32(grid))  # fmt: skip
+    common = dict(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M, BLOCK_G=max(16, _pow2(g)),
+                  ACT=ACT_CODES[activation], GATED=bool(gated))  # fmt: skip
+    stages = _ffn_gluon_stages(cfg, kc, gated, kind == "dact", jnp.dtype(a.dtype).itemsize)
+    if stages:
+        from te_ops.grouped_dense import gluon_ffn_kernels
+
+        return tb.triton_call(
+            getattr(gluon_ffn_kernels, f"grouped_gemm_{kind}_ws_kernel"),
+            *args,
+            out_shape=out_shape,
+            grid=(grid,),
+            constexprs=dict(common, STAGES=stages, NUM_WARPS=cfg.num_warps, PRODUCER_REGS=FFN_PRODUCER_REGS),
+            num_warps=cfg.num_warps,
+            num_stages=1,
+            maxnreg=cfg.maxnreg,
+            scratch_bytes_per_program=TMA_SCRATCH_BYTES,  # 4 descriptors: a, b, h and act / dh
+            name=f"te_grouped_gemm_{kind}_ws",
+        )
     return tb.triton_call(
-        kernel,
+        getattr(_k(), f"grouped_gemm_{kind}_kernel"),
         *args,
         out_shape=out_shape,
         grid=(grid,),
-        constexprs=dict(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M, BLOCK_G=max(16, _pow2(g)),
-                        ACT=ACT_CODES[activation], GATED=bool(gated), EVEN_K=(kc % cfg.BK == 0),
-                        HW=tb.hardware_conversions()),
+        constexprs=dict(common, EVEN_K=(kc % cfg.BK == 0), HW=tb.hardware_conversions()),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         scratch_bytes_per_program=0,  # the te_scratch parameter, unused (no TMA descriptors)
-        name=name,
-    )  # fmt: skip
+        name=f"te_grouped_gemm_{kind}",
+    )
 
 
 def ffn_act_gemm(x, wi, group_sizes, *, activation, gated: bool, cfg: GemmConfig | None = None):
     """(h, act): ``h = grouped_gemm(x, wi)`` ([M, W]) and the activation of h ([M, F], F = W / 2
-    gated), from one kernel (``grouped_gemm_act_kernel``); both zero on the rows past the groups.
+    gated), from one kernel (``grouped_gemm_act_kernel``, or with ``cfg.GLUON_WS`` on sm_90
+    gluon_ffn_kernels' ``grouped_gemm_act_ws_kernel``); both zero on the rows past the groups.
     ``cfg``: the tiles (default :func:`ffn_configs`)."""
     m = x.shape[0]
     w = wi.shape[2]
     f = w // 2 if gated else w
     if m == 0 or f == 0:
         return jnp.zeros((m, w), x.dtype), jnp.zeros((m, f), x.dtype)
-    h, act = _ffn_launch(_k().grouped_gemm_act_kernel, "te_grouped_gemm_act", x, wi, None, group_sizes, f,
-                         [SDS((m, w), x.dtype), SDS((m, f), x.dtype)], cfg or ffn_configs()[0], activation,
-                         gated)  # fmt: skip
+    h, act = _ffn_launch("act", x, wi, None, group_sizes, f, [SDS((m, w), x.dtype), SDS((m, f), x.dtype)],
+                         cfg or ffn_configs()[0], activation, gated)  # fmt: skip
     return h, act
 
 
 def ffn_dact_gemm(dy, wo, h, group_sizes, *, activation, gated: bool, cfg: GemmConfig | None = None):
     """dh ([M, W], h's shape): the gradient of the activation at h for ``da = dy @ wo[g]^T`` (da
     rounded to h's dtype first, as the unfused path stores it), from one kernel
-    (``grouped_gemm_dact_kernel``); zero on the rows past the groups."""
+    (``grouped_gemm_dact_kernel``, or with ``cfg.GLUON_WS`` on sm_90 ``grouped_gemm_dact_ws_kernel``);
+    zero on the rows past the groups."""
     m, w = h.shape
     f = wo.shape[1]
     if m == 0 or f == 0:
         return jnp.zeros((m, w), h.dtype)
-    return _ffn_launch(_k().grouped_gemm_dact_kernel, "te_grouped_gemm_dact", dy.astype(h.dtype), wo, h, group_sizes,
-                       f, [SDS((m, w), h.dtype)], cfg or ffn_configs()[1], activation, gated)[0]  # fmt: skip
+    return _ffn_launch("dact", dy.astype(h.dtype), wo, h, group_sizes, f, [SDS((m, w), h.dtype)],
+                       cfg or ffn_configs()[1], activation, gated)[0]  # fmt: skip
 
 
 def forward(x, kernels, group_sizes, bias=None, *, has_bias: bool):

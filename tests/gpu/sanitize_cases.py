@@ -109,6 +109,7 @@ def _load() -> None:
 NORM = "te_ops.normalization.triton_kernels."
 GDT = "te_ops.grouped_dense.triton_kernels."
 GDG = "te_ops.grouped_dense.gluon_kernels."
+GDF = "te_ops.grouped_dense.gluon_ffn_kernels."
 F8T = "te_ops.fp8.triton_kernels."
 F8G = "te_ops.fp8.gluon_kernels."
 PMT = "te_ops.permutation.triton_kernels."
@@ -573,6 +574,32 @@ def _gffn(c):
         return lambda x, wi, wo, s: te_ops.grouped_ffn(x, wi, wo, s, implementation=impl)
 
     c.vjp(make, args, "triton", argnums=(0, 1, 2))
+
+
+@case(
+    "grouped_ffn_gluon_ws_gated_silu_bf16",
+    "grouped_ffn",
+    "triton (Gluon warp-specialized act / dact GEMMs, opt-in)",
+    triton=(GDF + "grouped_gemm_act_ws_kernel", GDF + "grouped_gemm_dact_ws_kernel", GDT + "grouped_gemm_kernel",
+            GDT + "grouped_wgrad_kernel"),
+)  # fmt: skip
+def _gffn_gluon(c):
+    # H = O = 128 (multiples of BK: the Gluon route); F = 72 not a multiple of BN (the masked last column
+    # tile of each half) and M = 45 (a partial row tile); an empty group; rows past the groups. The wo
+    # GEMM (K = F) and the wi dx GEMM (K = 2F) run the Triton kernel (K not a multiple of BK)
+    from te_ops.grouped_dense import triton as gd
+
+    m, h, f, o, sizes = 45, 128, 72, 128, [10, 0, 20, 5]
+    g = len(sizes)
+    args = [c.normal((m, h), "bfloat16"), c.normal((g, h, 2 * f), "bfloat16", 1 / np.sqrt(h)),
+            c.normal((g, f, o), "bfloat16", 1 / np.sqrt(f)), np.asarray(sizes, np.int32)]  # fmt: skip
+
+    def make(impl):
+        return lambda x, wi, wo, s: te_ops.grouped_ffn(x, wi, wo, s, implementation=impl)
+
+    ws = gd.GemmConfig(BN=128, GLUON_WS=True)
+    with gd.config_override(ffn_act=ws, ffn_dact=ws):
+        c.vjp(make, args, "triton", argnums=(0, 1, 2))
 
 
 # --- fused_attention (native: cuDNN graphs; the kernels are cuDNN's) --------------------------------

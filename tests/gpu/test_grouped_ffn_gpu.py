@@ -2,8 +2,10 @@
 epilogues for None / relu / silu, plain GEMMs around XLA for the GELUs) against the reference (the
 unfused composition run on the same GPU through XLA), forward and backward, random uneven group
 sizes with empty groups and rows past the groups, bf16 and fp16, float32 master kernels, every kernel
-output NaN-poisoned; the fused intermediates h and act against their unfused values; and the tile
-configurations the benchmark may pick. Budget: < 60 s on an H200."""
+output NaN-poisoned; the fused intermediates h and act against their unfused values; the tile
+configurations the benchmark may pick; and the opt-in Gluon warp-specialized act / dact kernels
+(GLUON_WS) against the reference at odd shapes and group sizes and against the Triton kernels.
+Budget: < 60 s on an H200 before the Gluon cases were added (those not yet run on a GPU)."""
 
 import jax
 import jax.numpy as jnp
@@ -85,11 +87,15 @@ def test_triton_matches_reference(shape, dtype, activation, gated):
 
 @needs_triton
 @pytest.mark.parametrize("gated", [True, False])
-@pytest.mark.parametrize("cfg", [None, tri.GemmConfig(BN=64), tri.GemmConfig(BN=128, num_stages=4)])
+@pytest.mark.parametrize(
+    "cfg",
+    [None, tri.GemmConfig(BN=64), tri.GemmConfig(BN=128, num_stages=4), tri.GemmConfig(BN=128, GLUON_WS=True)],
+    ids=["default", "bn64", "stages4", "gluon"],
+)
 def test_fused_intermediates_match_unfused(gated, cfg):
     """h and act of the act GEMM, dh of the dact GEMM, each against the unfused computation on the
     same inputs (grouped_dense's Triton GEMM and the activation in XLA), in the default and the
-    alternative tile configurations."""
+    alternative tile configurations (GLUON_WS: the Gluon warp-specialized kernels on sm_90)."""
     m, h, f, o, g = 4096, 512, 384, 256, 6
     x, wi, wo, s, dy = make(7, m, h, f, o, g, gated, BF16)
     with native.poisoned_outputs():
@@ -119,3 +125,116 @@ def test_float32_master_kernels(dtype):
     np.testing.assert_array_equal(np.asarray(got[1], np.float32), np.asarray(cast[1], np.float32))
     T.assert_close(got[2], cast[2], dtype, scale=4)
     T.assert_close(got[3], cast[3], dtype, scale=4)
+
+
+# ----------------------------------------------------------------------------------------------
+# The Gluon warp-specialized FFN kernels (opt-in: ffn_act / ffn_dact GemmConfig with GLUON_WS=True)
+# ----------------------------------------------------------------------------------------------
+
+GLUON = tri.GemmConfig(BN=128, GLUON_WS=True)
+needs_gluon = pytest.mark.skipif(
+    _reason() is not None or tri.gluon_ws_unavailable_reason() is not None,
+    reason=f"Gluon ws FFN kernels: {_reason() or tri.gluon_ws_unavailable_reason()}",
+)
+
+
+def _run_gluon(monkeypatch, x, wi, wo, s, dy, activation, gated):
+    """``run("triton", ...)`` with the Gluon act and dact kernels, checking that they were lowered (the
+    bridge's launcher call, made once per kernel each time a new jitted step is lowered)."""
+    names = []
+    real = tri.tb._launcher_call
+
+    def spy(params, compiled, grid, platform, name):
+        names.append(name)
+        return real(params, compiled, grid, platform, name)
+
+    with monkeypatch.context() as mp, tri.config_override(ffn_act=GLUON, ffn_dact=GLUON):
+        mp.setattr(tri.tb, "_launcher_call", spy)
+        got = run("triton", x, wi, wo, s, dy, activation, gated)
+    assert "te_grouped_gemm_act_ws" in names and "te_grouped_gemm_dact_ws" in names, names
+    return got
+
+
+def _check_tail(got, s, m):
+    used = int(np.minimum(np.cumsum(np.maximum(np.asarray(s), 0)), m)[-1])
+    assert np.all(np.asarray(got[0][used:], np.float32) == 0), "tail rows of y must be zero"
+    assert np.all(np.asarray(got[1][used:], np.float32) == 0), "tail rows of dx must be zero"
+
+
+# (M, H, F, O, G): H and O multiples of BK = 64 (the route's condition); M not a multiple of 128; F
+# not a multiple of BN = 128 (the last column tile of each half masked) or a multiple of it. Every
+# fused activation at the first shape, gated SiLU and ReLU at the others.
+_ODD = (2000, 320, 200, 192, 5)
+GLUON_CASES = [(_ODD, BF16, act, gated) for act, gated in
+               [("silu", True), ("relu", False), ("relu", True), (None, False), (None, True), ("silu", False)]] + [
+    (shape, dtype, act, gated)
+    for shape, dtype in [(_ODD, F16), ((4096, 1024, 512, 1024, 8), BF16), ((777, 64, 128, 64, 1), BF16)]
+    for act, gated in [("silu", True), ("relu", False)]
+]  # fmt: skip
+
+
+@needs_gluon
+@pytest.mark.parametrize("shape,dtype,activation,gated", GLUON_CASES)
+def test_gluon_route_matches_reference(shape, dtype, activation, gated, monkeypatch):
+    """The Gluon act and dact kernels inside the op against the reference, forward and backward:
+    uneven random groups with two empty ones, rows past the groups (zero in y and dx), every output
+    NaN-poisoned (an element no kernel writes shows up)."""
+    m, h, f, o, g = shape
+    x, wi, wo, s, dy = make(sum(shape) + 1, m, h, f, o, g, gated, dtype)
+    got = _run_gluon(monkeypatch, x, wi, wo, s, dy, activation, gated)
+    want = run("reference", x, wi, wo, s, dy, activation, gated)
+    check(got, want, dtype)
+    _check_tail(got, s, m)
+
+
+@needs_gluon
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        [0, 0, 640, 0, 0, 0],
+        [0] * 6,  # no group rows: every tile is a zero tile
+        [300, 300, 300, 0, 0, 0],  # clipped at M: group 2 is rows [600, 640)
+        [1, 2, 3, 4, 5, 6],
+        [128, 128, 0, 129, 1, 200],  # whole tiles, a group ending one row into a tile
+        [5, -3, 20, 30, 0, 1],  # a negative size counts as 0
+    ],
+)
+def test_gluon_route_edge_sizes(sizes, monkeypatch):
+    """Group sizes at the tile edges (M = 640, BM = 128): the Gluon kernels' TMA-store tiles, masked
+    partial tiles and zero tiles never write another group's rows; against the reference."""
+    m, h, f, o = 640, 192, 136, 128
+    x, wi, wo, _, dy = make(3, m, h, f, o, len(sizes), True, BF16)
+    s = jnp.asarray(sizes, jnp.int32)
+    for activation, gated in (("silu", True), ("relu", False)):
+        wi_ = wi if gated else wi[:, :, :f]
+        got = _run_gluon(monkeypatch, x, wi_, wo, s, dy, activation, gated)
+        want = run("reference", x, wi_, wo, s, dy, activation, gated)
+        check(got, want, BF16)
+        _check_tail(got, s, m)
+
+
+@needs_gluon
+@pytest.mark.parametrize("gated", [True, False])
+def test_gluon_intermediates_match_triton_kernels(gated):
+    """h, act and dh of the Gluon kernels against the Triton fused kernels' on the same inputs (the
+    same tiles, roundings and activation formulas: equal up to the float32 accumulation order), at
+    odd sizes (M = 3001, F = 328: masked rows and columns), with a zero-size group."""
+    m, h, f, o, g = 3001, 256, 328, 192, 6
+    x, wi, wo, s, dy = make(19, m, h, f, o, g, gated, BF16)
+    s = s.at[2].set(0)
+    out = {}
+    for tag, cfg in (("triton", tri.GemmConfig(BN=128)), ("gluon", GLUON)):
+        with native.poisoned_outputs():
+            hh, a = jax.jit(lambda *v, cfg=cfg: tri.ffn_act_gemm(*v, activation="silu", gated=gated, cfg=cfg))(x, wi, s)
+            # both dact kernels on the Triton kernel's h
+            h_in = out["triton"][0] if out else hh
+            dh = jax.jit(lambda *v, cfg=cfg: tri.ffn_dact_gemm(*v, activation="silu", gated=gated, cfg=cfg))(
+                dy, wo, h_in, s
+            )
+        out[tag] = (hh, a, dh)
+    for name, got, want in zip(("h", "act", "dh"), out["gluon"], out["triton"], strict=True):
+        got32, want32 = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        assert not np.isnan(got32).any(), f"{name}: unwritten (NaN-poisoned) element"
+        used = int(np.minimum(np.cumsum(np.maximum(np.asarray(s), 0)), m)[-1])
+        assert np.all(got32[used:] == 0), f"{name}: rows past the groups must be zero"
+        T.assert_close(got, want, BF16, scale=max(1.0, float(np.abs(want32).max())), err_msg=name)

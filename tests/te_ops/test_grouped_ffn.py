@@ -272,6 +272,65 @@ def test_triton_lowering_for_sm90_without_gpu(stub_triton_launcher):
     assert len(dact) == 1 and dact[0].shared == 3 * (128 * 64 + 64 * 64) * 2, [c.shared for c in dact]
 
 
+@pytest.mark.parametrize("activation,gated", [("silu", True), ("relu", False)])
+def test_gluon_ffn_kernels_compile_for_sm90_without_spills(activation, gated, stub_triton_launcher):
+    """The Gluon warp-specialized act and dact kernels (gluon_ffn_kernels.py; opt-in: ffn_act /
+    ffn_dact GemmConfig with GLUON_WS=True), lowered through the op for sm_90a here at a training
+    shape: both launched instead of the Triton ones, 8 consumer warps + the producer warpgroup with
+    setmaxnreg, wgmma, TMA loads and stores, descriptors in the te_scratch buffer, the ring and the
+    epilogue tiles within 227 KB, and no register spill in any partition (Triton's bundled ptxas).
+    Where the route does not apply, the launcher falls back to the Triton kernels."""
+    import re
+
+    from te_ops._core import testing as T
+    from te_ops._core import triton_bridge as tb
+    from te_ops.grouped_dense import triton as tri
+
+    if tb.gluon_unavailable_reason() is not None:
+        pytest.skip(f"needs Triton with Gluon: {tb.gluon_unavailable_reason()}")
+    ptxas = T.bundled_ptxas()
+    if ptxas is None:
+        pytest.skip("Triton's bundled ptxas is missing")
+    launches = stub_triton_launcher
+
+    def loss(x, wi, wo, gs):
+        y = grouped_ffn(x, wi, wo, gs, activation=activation, gated=gated, implementation="triton")
+        return jnp.sum(y.astype(jnp.float32))
+
+    S = jax.ShapeDtypeStruct
+    m, h, f, g = 4096, 1024, 2048, 8
+    w = 2 * f if gated else f
+    args = (S((m, h), jnp.bfloat16), S((g, h, w), jnp.bfloat16), S((g, f, h), jnp.bfloat16), S((g,), jnp.int32))
+    ws = tri.GemmConfig(BN=128, GLUON_WS=True)
+    with tb.target_override(("cuda", 90, 32)), tri.config_override(ffn_act=ws, ffn_dact=ws):
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*args).lower(lowering_platforms=("cuda",))
+        # the routing rule: STAGES lowered to what fits (gated act: 3 of 48 KB + 64 KB of epilogue
+        # tiles), else the Triton kernel (0): K not a multiple of BK, 4 warps, 256-wide tiles
+        assert tri._ffn_gluon_stages(tri.GemmConfig(BN=128, num_stages=4, GLUON_WS=True), h, True, False) == 3
+        assert tri._ffn_gluon_stages(tri.GemmConfig(BN=128, num_stages=4, GLUON_WS=True), h, True, True) == 4
+        assert tri._ffn_gluon_stages(ws, h + 8, gated, False) == 0
+        assert tri._ffn_gluon_stages(tri.GemmConfig(BN=128, num_warps=4, GLUON_WS=True), h, gated, True) == 0
+        assert tri._ffn_gluon_stages(tri.GemmConfig(GLUON_WS=True), h, gated, False) == 0
+        assert tri._ffn_gluon_stages(tri.GemmConfig(BN=128), h, gated, False) == 0
+    names = sorted(n for n, _, _ in launches)
+    assert names.count("te_grouped_gemm_act_ws") == 1 and names.count("te_grouped_gemm_dact_ws") == 1, names
+    assert "te_grouped_gemm_act" not in names and "te_grouped_gemm_dact" not in names, names
+    epilogue = 2 * 128 * 128 * 2
+    ring = {"te_grouped_gemm_act_ws": 3 * (128 * 64 + (2 if gated else 1) * 64 * 128) * 2,
+            "te_grouped_gemm_dact_ws": 3 * (128 * 64 + 128 * 64) * 2}  # fmt: skip
+    for name, compiled, grid in launches:
+        if name not in ring:
+            continue
+        ptx = compiled.asm["ptx"]
+        assert compiled.num_warps == 12 and "setmaxnreg" in ptx and "wgmma.mma_async" in ptx, name
+        assert "cp.async.bulk.tensor" in ptx and compiled.global_scratch_size == 0 and grid[0] <= 132, name
+        want = ring[name] + (epilogue if gated or name == "te_grouped_gemm_act_ws" else epilogue // 2)
+        assert want <= compiled.shared <= min(want + 1024, 227 * 1024), (name, compiled.shared, want)
+        report = T.ptxas_report(ptxas, ptx, name)
+        spilled = [int(v) for v in re.findall(r"(\d+) bytes spill (?:stores|loads)", report)]
+        assert T.spill_store_bytes(report) == 0 and not any(spilled), (name, report[-2000:])
+
+
 # ----------------------------------------------------------------------------------------------
 # Interpreter harness (a subprocess with TRITON_INTERPRET=1)
 # ----------------------------------------------------------------------------------------------
