@@ -5,8 +5,10 @@ one process, rounds interleaved, on the same inputs.
 
 Shapes: the train_moe benchmark's experts (H 1024, F 2048 gated, 16 experts, uneven groups) at its
 16 x 1024 and 64 x 1024 tokens per step, top-2 (32768 and 131072 rows). Also times the fused path
-with 128 x 64 dact tiles (no register spill; tests/te_ops/test_grouped_ffn.py) and checks the
-fused results against the unfused ones.
+with 128 x 64 dact tiles (no register spill; tests/te_ops/test_grouped_ffn.py) and with the Gluon
+warp-specialized act and dact kernels (``GemmConfig(BN=128, GLUON_WS=True)`` for ffn_act and
+ffn_dact through config_override; te_ops/grouped_dense/gluon_ffn_kernels.py, Hopper only: elsewhere
+the row repeats the Triton kernels), and checks the fused results against the unfused ones.
 
     python benchmarks/grouped_ffn.py [--repeats 6] [--calls 10] [--only 32768]
 
@@ -32,6 +34,8 @@ from te_ops.grouped_dense import ffn_activation, grouped_dense, grouped_ffn  # n
 from te_ops.grouped_dense import triton as tri  # noqa: E402
 
 CASES = [(32768, 1024, 2048, 16), (131072, 1024, 2048, 16)]  # (rows, H, F, experts)
+# the Gluon warp-specialized act and dact kernels (opt-in until this benchmark has timed them)
+GLUON_FFN = tri.GemmConfig(BN=128, GLUON_WS=True)
 
 
 def make(m, h, f, g, seed=0):
@@ -52,12 +56,13 @@ def fused(x, wi, wo, s):
     return grouped_ffn(x, wi, wo, s, implementation="triton")
 
 
-def step_of(f, dact_cfg=None):
-    """The jitted fwd+bwd step; ``dact_cfg``: the dact GEMM's tiles (through config_override, which
-    grouped_ffn keys its cached build on: a new configuration is a new trace)."""
+def step_of(f, dact_cfg=None, act_cfg=None):
+    """The jitted fwd+bwd step; ``dact_cfg`` / ``act_cfg``: the dact and act GEMMs' tiles (through
+    config_override, which grouped_ffn keys its cached build on: a new configuration is a new trace)."""
 
     def run(x, wi, wo, s, dy):
-        ctx = tri.config_override(ffn_dact=dact_cfg) if dact_cfg is not None else contextlib.nullcontext()
+        overridden = dact_cfg is not None or act_cfg is not None
+        ctx = tri.config_override(ffn_act=act_cfg, ffn_dact=dact_cfg) if overridden else contextlib.nullcontext()
         with ctx:
             y, vjp = jax.vjp(lambda *a: f(*a, s), x, wi, wo)
             return (y, *vjp(dy))
@@ -82,6 +87,7 @@ def main():
             "unfused (grouped_dense x2, XLA SwiGLU)": step_of(unfused),
             "grouped_ffn (fused epilogues)": step_of(fused),
             "grouped_ffn, 128x64 dact tiles": step_of(fused, tri.GemmConfig(BN=64)),
+            "grouped_ffn, Gluon ws act+dact": step_of(fused, GLUON_FFN, GLUON_FFN),
         }
         outs = {n: jax.block_until_ready(fn(x, wi, wo, s, dy)) for n, fn in fns.items()}
         ref = outs["unfused (grouped_dense x2, XLA SwiGLU)"]
