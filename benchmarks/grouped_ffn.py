@@ -75,6 +75,7 @@ def main():
     p.add_argument("--repeats", type=int, default=6)
     p.add_argument("--calls", type=int, default=10)
     p.add_argument("--only", default=None, help="substring of a case name")
+    p.add_argument("--skip", default=None, help="leave out the implementations whose name holds this substring")
     a = p.parse_args()
     rows = []
     for m, h, f, g in CASES:
@@ -89,6 +90,8 @@ def main():
             "grouped_ffn, 128x64 dact tiles": step_of(fused, tri.GemmConfig(BN=64)),
             "grouped_ffn, Gluon ws act+dact": step_of(fused, GLUON_FFN, GLUON_FFN),
         }
+        if a.skip:
+            fns = {n: fn for n, fn in fns.items() if a.skip not in n or n.startswith("unfused")}
         outs = {n: jax.block_until_ready(fn(x, wi, wo, s, dy)) for n, fn in fns.items()}
         ref = outs["unfused (grouped_dense x2, XLA SwiGLU)"]
         ms, _ = _timing.time_interleaved(fns, [(x, wi, wo, s, dy)], repeats=a.repeats, calls=a.calls)
