@@ -91,9 +91,14 @@ def build_models(cfg: dict, names: list[str]) -> dict[str, tuple]:
         elif name == "te_layers_master":  # float32 master expert kernels (te_layers._common.BF16_MASTER_KERNELS)
             out[name] = (ex.MoELM(dict(cfg, norm="te")), "te_layers, float32 master expert kernels (float32 expert "
                          "gradients)", {"master_kernels": True})  # fmt: skip
-        elif name == "te_layers_fused_ffn":  # the bf16 experts as one op (te_layers._common.BF16_FUSED_FFN)
-            out[name] = (ex.MoELM(dict(cfg, norm="te")), "te_layers, fused expert FFN (activation in the grouped "
-                         "GEMM epilogues)", {"bf16_fused_ffn": True})  # fmt: skip
+        elif name in ("te_layers_fused_ffn", "te_layers_fused_ffn_gluon"):
+            # the bf16 experts as one op (te_layers._common.BF16_FUSED_FFN); _gluon: its act and dact GEMMs
+            # as the Gluon warp-specialized kernels (te_ops.grouped_dense.gluon_ffn_kernels)
+            gluon = name.endswith("_gluon")
+            label = "te_layers, fused expert FFN (activation in the grouped GEMM epilogues"
+            label += ", Gluon warp-specialized kernels)" if gluon else ")"
+            out[name] = (ex.MoELM(dict(cfg, norm="te")), label,
+                         {"bf16_fused_ffn": True, **({"ffn_kernel": "gluon"} if gluon else {})})  # fmt: skip
         elif name == "te_layers_flax_norm":  # the same with flax.linen.RMSNorm: what the fused norms bring
             out[name] = (ex.MoELM(dict(cfg, norm="flax")), "te_layers with flax RMSNorm", {})
         elif name == "ragged_dot":
@@ -109,7 +114,8 @@ def build_models(cfg: dict, names: list[str]) -> dict[str, tuple]:
             raise SystemExit(f"train_moe benchmark: unknown model {name!r} in --models; known: te_layers, "
                              "te_layers_flax_norm, te_layers_ws, te_layers_pp, te_layers_tma, te_layers_fp8_current, "
                              "te_layers_fp8_block, te_layers_fp8_block_fused, te_layers_fp8_block_experts, "
-                             "te_layers_fp8_block_experts_fused, te_layers_master, te_layers_fused_ffn, ragged_dot, "
+                             "te_layers_fp8_block_experts_fused, te_layers_master, te_layers_fused_ffn, "
+                             "te_layers_fused_ffn_gluon, ragged_dot, "
                              "strong_cf<factor>")  # fmt: skip
     return out
 
@@ -150,9 +156,15 @@ def _switch(flag: str):
 
 
 def _context(extra: dict):
-    """The trace-time setting a model variant needs (``extra["grouped_gemm"]``), else None."""
+    """The trace-time setting a model variant needs (a switch of SWITCHES, ``extra["grouped_gemm"]``
+    or ``extra["ffn_kernel"]``), else None."""
     for field, flag in SWITCHES.items():
         if extra.get(field):
+            if extra.get("ffn_kernel") == "gluon":
+                from te_ops.grouped_dense import triton as tri
+
+                ws = tri.GemmConfig(BN=128, GLUON_WS=True)
+                return lambda: _both(_switch(flag)(), tri.config_override(ffn_act=ws, ffn_dact=ws))
             return _switch(flag)
     kind = extra.get("grouped_gemm")
     if kind is None:
@@ -166,6 +178,12 @@ def _context(extra: dict):
     else:
         cfgs = (tri.GemmConfig(USE_TMA=True),) * 2 + (tri.WgradConfig(USE_TMA=True),)
     return lambda: tri.config_override(*cfgs)
+
+
+@contextlib.contextmanager
+def _both(first, second):
+    with first, second:
+        yield
 
 
 class Runner:

@@ -20,6 +20,10 @@ switches     GPU tests of the off-by-default switches and their end-to-end effec
              benchmarks/grouped_ffn.py) -> te_layers._common.BF16_FUSED_FFN; the FP8 fused FFN and
              requantize tests -> FP8_FUSED_FFN, te_ops.fp8.dispatch.REQUANTIZE_KERNEL; master kernels;
              train_moe with te_layers, te_layers_fused_ffn, strong_cf1.25, te_layers_fp8_block(_fused).
+             The Gluon FFN kernels (never yet run on a GPU) are left out until the last step, their tests.
+ffn_gluon    The Gluon warp-specialized grouped_ffn kernels: their GPU tests, benchmarks/grouped_ffn.py
+             (all variants) and train_moe te_layers vs te_layers_fused_ffn(_gluon) -> DEFAULT_FFN_ACT /
+             DEFAULT_FFN_DACT in te_ops/grouped_dense/triton.py.
 fp8_routes   The Gluon dense / cuBLASLt FP8 routes and the Gluon dual quantize: test_fp8_cublaslt_gpu and
              benchmarks/fp8.py dense,quant,ffn -> te_ops.fp8.triton GEMM_KERNEL / DUAL_KERNEL.
 fp8_model    benchmarks/fp8.py gemm,grouped_model and benchmarks/grouped_dense.py (torch rows).
@@ -29,9 +33,12 @@ EOF
     exit 0
     ;;
   switches)
-    set_default STEPS "test:test_grouped_ffn_gpu bench:grouped_ffn test:test_fp8_gpu test:test_grouped_dense_gpu bench:train_moe"
-    set_default PYTEST_ARGS_test_grouped_ffn_gpu "-n 4"
+    set_default STEPS "test:test_grouped_ffn_gpu bench:grouped_ffn test:test_fp8_gpu test:test_grouped_dense_gpu bench:train_moe test:test_grouped_ffn_gpu"
+    set_default PYTEST_ARGS_test_grouped_ffn_gpu "-n 4 -k 'not gluon'"
     set_default TEST_TIMEOUT_test_grouped_ffn_gpu 120
+    set_default PYTEST_ARGS_test_grouped_ffn_gpu_repeat "-n 4 -k gluon"
+    set_default TEST_TIMEOUT_test_grouped_ffn_gpu_repeat 90
+    set_default BENCH_ARGS_grouped_ffn "--skip Gluon"
     set_default BENCH_TIMEOUT_grouped_ffn 90
     set_default PYTEST_ARGS_test_fp8_gpu "-n 4 -k 'gluon_dual or requantize or ffn or grouped_dense_triton_path or fp8_dense_triton_path'"
     set_default TEST_TIMEOUT_test_fp8_gpu 150
@@ -39,6 +46,14 @@ EOF
     set_default TEST_TIMEOUT_test_grouped_dense_gpu 60
     set_default BENCH_ARGS_train_moe "--models te_layers,te_layers_fused_ffn,strong_cf1.25,te_layers_fp8_block,te_layers_fp8_block_fused --rounds 3"
     set_default BENCH_TIMEOUT_train_moe 230
+    ;;
+  ffn_gluon)
+    set_default STEPS "test:test_grouped_ffn_gpu bench:grouped_ffn bench:train_moe"
+    set_default PYTEST_ARGS_test_grouped_ffn_gpu "-n 4 -k gluon"
+    set_default TEST_TIMEOUT_test_grouped_ffn_gpu 120
+    set_default BENCH_TIMEOUT_grouped_ffn 120
+    set_default BENCH_ARGS_train_moe "--models te_layers,te_layers_fused_ffn,te_layers_fused_ffn_gluon,strong_cf1.25 --rounds 3"
+    set_default BENCH_TIMEOUT_train_moe 240
     ;;
   fp8_routes)
     set_default STEPS "test:test_fp8_cublaslt_gpu bench:fp8"

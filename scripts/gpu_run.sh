@@ -117,9 +117,18 @@ for step in $STEPS; do
     stamp "GPU tests: $f"
     v="PYTEST_ARGS_$name"; if [ -n "${!v+x}" ]; then file_args=${!v}; else file_args=${PYTEST_ARGS:-}; fi
     v="TEST_TIMEOUT_$name"; file_timeout=${!v:-${TEST_TIMEOUT:-300}}
+    # A test file named again in STEPS runs with PYTEST_ARGS_<name>_repeat / TEST_TIMEOUT_<name>_repeat
+    # where set (e.g. the risky cases last, on their own) and reports to <name>.repeat<k>.xml.
+    truns=$(( $(eval echo "\${TRUNS_$name:-0}") + 1 )); eval "TRUNS_$name=$truns"; xml="$name"
+    if [ "$truns" -gt 1 ]; then
+      xml="$name.repeat$truns"
+      v="PYTEST_ARGS_${name}_repeat"; if [ -n "${!v+x}" ]; then file_args=${!v}; fi
+      v="TEST_TIMEOUT_${name}_repeat"; file_timeout=${!v:-$file_timeout}
+    fi
     eval "file_argv=( ${file_args:-} )"  # shell quoting honoured: -n 3 -k 'ffn or requantize'
+    stamp "pytest args: ${file_args:-} (run $truns)"
     XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s INT -k 20 $(( left < file_timeout ? left - 25 : file_timeout )) $PY -m pytest -m gpu "$f" -q -rs \
-      -p no:cacheprovider -o junit_family=xunit2 --junitxml "$OUT/results/$name.xml" "${file_argv[@]}" \
+      -p no:cacheprovider -o junit_family=xunit2 --junitxml "$OUT/results/$xml.xml" "${file_argv[@]}" \
       || { rc=$?; test_rc=$rc; stamp "$f rc=$rc"; }
   elif [ "$kind" = sh ]; then
     # sh:<name> runs scripts/<name>.sh (e.g. sh:sanitize, compute-sanitizer over the kernels); its

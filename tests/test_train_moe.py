@@ -293,3 +293,34 @@ def test_benchmark_tiny_profile_runs_on_cpu(tmp_path):
 
     rows = list(perf_table.READERS["train_moe"](d))
     assert len(rows) == 2 and rows[0].alternative_ms == models["strong_cf1.25"]["ms_per_step"]
+
+
+def test_model_variant_contexts_set_their_switches_and_kernels():
+    """The benchmark's model variants trace under the switch / kernel configuration their name says
+    (read back inside the context), and leave the defaults as they were after it."""
+    import importlib.util
+
+    from te_layers import _common as C
+    from te_ops.grouped_dense import triton as tri
+
+    spec = importlib.util.spec_from_file_location("bench_train_moe", os.path.join(ROOT, "benchmarks", "train_moe.py"))
+    tm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tm)  # (not "import train_moe": examples/train_moe.py has that name)
+    prev = C.BF16_FUSED_FFN
+    names = ["te_layers", "te_layers_fused_ffn", "te_layers_fused_ffn_gluon", "te_layers_ws"]
+    built = tm.build_models(tm.TINY_CONFIG, names)
+    seen = {}
+    for name, (_, _, extra) in built.items():
+        ctx = tm._context(extra)
+        if ctx is None:
+            seen[name] = (C.BF16_FUSED_FFN, tri.ffn_configs(), tri.current_override())
+            continue
+        with ctx():
+            seen[name] = (C.BF16_FUSED_FFN, tri.ffn_configs(), tri.current_override())
+    default_ffn = (tri.DEFAULT_FFN_ACT, tri.DEFAULT_FFN_DACT)
+    assert seen["te_layers"] == (prev, default_ffn, None)
+    assert seen["te_layers_fused_ffn"][:2] == (True, default_ffn)
+    ws = tri.GemmConfig(BN=128, GLUON_WS=True)
+    assert seen["te_layers_fused_ffn_gluon"][:2] == (True, (ws, ws))
+    assert seen["te_layers_ws"][2][:2] == (tri.GemmConfig(GLUON_WS=True),) * 2
+    assert C.BF16_FUSED_FFN is prev and tri.current_override() is None

@@ -13,7 +13,8 @@ SCRIPT = ROOT / "scripts" / "gpu_preset.sh"
 
 
 def _run(*args, **env):
-    full = {k: v for k, v in os.environ.items() if not k.startswith(("STEPS", "DEADLINE", "BENCH_", "PYTEST_ARGS_"))}
+    full = {k: v for k, v in os.environ.items()
+            if not k.startswith(("STEPS", "DEADLINE", "BENCH_", "PYTEST_ARGS_", "TEST_TIMEOUT_"))}  # fmt: skip
     full.update(GPU_PRESET_PRINT="1", **env)
     return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, env=full, timeout=60)
 
@@ -24,10 +25,10 @@ def _presets():
 
 
 def test_list_names_the_presets():
-    assert _presets() == ["switches", "fp8_routes", "fp8_model", "hardening"]
+    assert _presets() == ["switches", "ffn_gluon", "fp8_routes", "fp8_model", "hardening"]
 
 
-@pytest.mark.parametrize("preset", ["switches", "fp8_routes", "fp8_model", "hardening"])
+@pytest.mark.parametrize("preset", ["switches", "ffn_gluon", "fp8_routes", "fp8_model", "hardening"])
 def test_every_step_exists(preset):
     r = _run(preset)
     assert r.returncode == 0, r.stderr
@@ -45,3 +46,15 @@ def test_environment_wins_and_unknown_preset_is_refused():
     assert env["DEADLINE"] == "300" and env["STEPS"] == "bench:grouped_ffn"
     r = _run("no_such_preset")
     assert r.returncode == 2 and "unknown preset" in r.stderr
+
+
+def test_switches_runs_the_untried_gluon_ffn_cases_last_and_apart():
+    """A hang in the never-run Gluon FFN kernels must not take the switches' other measurements with
+    it: the first test step and the benchmark leave them out, the repeated test step (gpu_run.sh's
+    PYTEST_ARGS_<name>_repeat) runs only them, last."""
+    env = dict(line.split("=", 1) for line in _run("switches").stdout.splitlines())
+    steps = env["STEPS"].split()
+    assert steps.count("test:test_grouped_ffn_gpu") == 2 and steps[-1] == "test:test_grouped_ffn_gpu"
+    assert "not gluon" in env["PYTEST_ARGS_test_grouped_ffn_gpu"]
+    assert env["PYTEST_ARGS_test_grouped_ffn_gpu_repeat"].endswith("-k gluon")
+    assert env["BENCH_ARGS_grouped_ffn"] == "--skip Gluon"
