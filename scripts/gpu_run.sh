@@ -106,6 +106,9 @@ if [ -z "${PYTEST_ARGS+x}" ]; then
   if $PY -c "import xdist" 2>/dev/null; then PYTEST_ARGS="-n 4"; else PYTEST_ARGS=""; fi
   stamp "PYTEST_ARGS defaulted to '${PYTEST_ARGS}'"
 fi
+# count_run <step name>: the how-many-th time this step is reached, in $run_no (test stems start with
+# test_, benchmark names do not, so one counter per name serves both kinds).
+count_run() { local v="RUNS_$1"; printf -v "$v" '%d' $(( ${!v:-0} + 1 )); run_no=${!v}; }
 test_rc=0
 for step in $STEPS; do
   kind=${step%%:*}; name=${step#*:}
@@ -119,7 +122,7 @@ for step in $STEPS; do
     v="TEST_TIMEOUT_$name"; file_timeout=${!v:-${TEST_TIMEOUT:-300}}
     # A test file named again in STEPS runs with PYTEST_ARGS_<name>_repeat / TEST_TIMEOUT_<name>_repeat
     # where set (e.g. the risky cases last, on their own) and reports to <name>.repeat<k>.xml.
-    truns=$(( $(eval echo "\${TRUNS_$name:-0}") + 1 )); eval "TRUNS_$name=$truns"; xml="$name"
+    count_run "$name"; truns=$run_no; xml="$name"
     if [ "$truns" -gt 1 ]; then
       xml="$name.repeat$truns"
       v="PYTEST_ARGS_${name}_repeat"; if [ -n "${!v+x}" ]; then file_args=${!v}; fi
@@ -139,7 +142,7 @@ for step in $STEPS; do
     # The first run of a benchmark writes benchmarks/results/<device>/<name>.json in this tree (or
     # $TE_BENCH_OUT when set); a benchmark named again (a fresh process: plans are timed anew) writes
     # its JSON under $OUT/results/repeat<k>/ and takes BENCH_ARGS_<name>_repeat when that is set.
-    runs=$(( $(eval echo "\${RUNS_$name:-0}") + 1 )); eval "RUNS_$name=$runs"
+    count_run "$name"; runs=$run_no
     dir="${TE_BENCH_OUT:-}"; args=$(eval echo "\${BENCH_ARGS_$name:-}")
     if [ "$runs" -gt 1 ]; then
       dir="$OUT/results/repeat$runs"

@@ -217,3 +217,21 @@ def ptxas_report(ptxas: str, ptx: str, tag: str) -> str:
 def spill_store_bytes(report: str) -> int:
     """The largest "N bytes spill stores" of a ptxas ``-v`` report (0 when it reports none)."""
     return max((int(v) for v in re.findall(r"(\d+) bytes spill stores", report)), default=0)
+
+
+def recorded_kernel_names(monkeypatch: Any) -> list[str]:
+    """Records the name of every Triton/Gluon kernel the bridge lowers from now on (its launcher call,
+    made once per kernel each time a new jitted function is lowered), in order, and still lowers it:
+    GPU tests check which kernel a route took. ``monkeypatch`` is pytest's fixture (or a
+    ``monkeypatch.context()``), which undoes the spy."""
+    from te_ops._core import triton_bridge as tb
+
+    names: list[str] = []
+    real = tb._launcher_call
+
+    def spy(params, compiled, grid, platform, name):
+        names.append(name)
+        return real(params, compiled, grid, platform, name)
+
+    monkeypatch.setattr(tb, "_launcher_call", spy)
+    return names

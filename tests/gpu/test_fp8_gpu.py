@@ -157,9 +157,7 @@ def test_gluon_dual_quantize_matches_reference_bytes(shape, fmt, pow2, kernel, s
     from te_ops.fp8 import triton as tri
 
     monkeypatch.setattr(tri, "DUAL_KERNEL", "gluon")
-    names = []
-    launch = tb._launcher_call
-    monkeypatch.setattr(tb, "_launcher_call", lambda *a: names.append(a[-1]) or launch(*a))
+    names = T.recorded_kernel_names(monkeypatch)
     x = _dual_x(11, shape)
     with native.poisoned_outputs():
         q, qt = jax.jit(lambda x: tri.dual_quantize(x, 128, fmt, power_of_2=pow2, t_square=square))(x)

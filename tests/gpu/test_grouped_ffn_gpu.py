@@ -141,15 +141,8 @@ needs_gluon = pytest.mark.skipif(
 def _run_gluon(monkeypatch, x, wi, wo, s, dy, activation, gated):
     """``run("triton", ...)`` with the Gluon act and dact kernels, checking that they were lowered (the
     bridge's launcher call, made once per kernel each time a new jitted step is lowered)."""
-    names = []
-    real = tri.tb._launcher_call
-
-    def spy(params, compiled, grid, platform, name):
-        names.append(name)
-        return real(params, compiled, grid, platform, name)
-
     with monkeypatch.context() as mp, tri.config_override(ffn_act=GLUON, ffn_dact=GLUON):
-        mp.setattr(tri.tb, "_launcher_call", spy)
+        names = T.recorded_kernel_names(mp)
         got = run("triton", x, wi, wo, s, dy, activation, gated)
     assert "te_grouped_gemm_act_ws" in names and "te_grouped_gemm_dact_ws" in names, names
     return got

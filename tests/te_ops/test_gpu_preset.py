@@ -58,3 +58,17 @@ def test_switches_runs_the_untried_gluon_ffn_cases_last_and_apart():
     assert "not gluon" in env["PYTEST_ARGS_test_grouped_ffn_gpu"]
     assert env["PYTEST_ARGS_test_grouped_ffn_gpu_repeat"].endswith("-k gluon")
     assert env["BENCH_ARGS_grouped_ffn"] == "--skip Gluon"
+
+
+def test_gpu_run_counts_each_step_name_apart():
+    """gpu_run.sh's count_run numbers the runs of each step name on its own (the second run of a test
+    file or a benchmark takes its _repeat settings and its own report), in the shell that runs the
+    steps, not a subshell."""
+    lines = (ROOT / "scripts" / "gpu_run.sh").read_text().splitlines()
+    define = [line for line in lines if line.startswith("count_run()")]
+    assert len(define) == 1
+    script = define[0] + "\n" + "\n".join(
+        f'count_run {name}; echo "{name} $run_no"'
+        for name in ["test_a", "a", "test_a", "b", "test_a", "a"])
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30).stdout.split("\n")
+    assert out[:6] == ["test_a 1", "a 1", "test_a 2", "b 1", "test_a 3", "a 2"]

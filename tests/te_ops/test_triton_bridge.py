@@ -418,3 +418,17 @@ def test_redirect_global_scratch_points_the_scratch_load_at_te_scratch():
     assert "ld.param.b64 %rd1, [k_param_0];" in out  # other parameters untouched
     with pytest.raises(ValueError, match="unexpected way"):
         tb.redirect_global_scratch(ptx.replace("[k_param_3]", "k_param_3"), "k")
+
+
+def test_recorded_kernel_names_sees_each_lowered_kernel_and_still_lowers(monkeypatch, stub_triton_launcher):
+    """te_ops._core.testing.recorded_kernel_names (the GPU tests' check of which kernel a route took)
+    records every kernel the bridge lowers, in order, and passes the launch on (here to the stub)."""
+    from te_ops import fp8
+    from te_ops._core import testing as T
+    from te_ops.fp8 import triton as tri
+
+    names = T.recorded_kernel_names(monkeypatch)
+    fn = jax.jit(lambda x: tri.block_quantize(x, (1, 128), fp8.E4M3, power_of_2=True))
+    with tb.target_override(("cuda", 90, 32)):
+        fn.trace(jnp.ones((2, 64, 256), jnp.bfloat16)).lower(lowering_platforms=("cuda",))
+    assert len(stub_triton_launcher) == 1 and names == [stub_triton_launcher[0].name], (names, stub_triton_launcher)
