@@ -39,7 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from te_ops.grouped_dense.gluon_kernels import _producer, _schedule, _tile
+from te_ops.grouped_dense.gluon_kernels import _producer, _schedule, _tile, _wait_ready
 
 
 @gluon.jit
@@ -96,37 +96,19 @@ def _half_consumer(
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
     row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
-    gi, start, end, m_tiles_g, tiles_g, cum_tiles, group_tiles, used_rows, tail_m_tiles, n_tiles, total = _schedule(
-        gs_ptr, G, M, NOUT, BM, BN, BLOCK_G, layout
-    )
+    sched, total = _schedule(gs_ptr, G, M, NOUT, BM, BN, BLOCK_G, layout)
     k_iters = gl.cdiv(K, BK)
     zero = gl.zeros([HM, BN], gl.float32, mma_layout)
     c_smem = c_bufs.index(HALF)
     it = 0
     for t in range(gl.program_id(0), total, num_programs):
-        in_group, g, row, row_end, nt = _tile(
-            t,
-            gi,
-            start,
-            end,
-            m_tiles_g,
-            tiles_g,
-            cum_tiles,
-            group_tiles,
-            used_rows,
-            tail_m_tiles,
-            n_tiles,
-            G,
-            M,
-            BM,
-            GROUP_M,
-        )
+        in_group, g, row, row_end, nt = _tile(t, sched, G, M, BM, GROUP_M)
         acc = gl.zeros([HM, BN], gl.float32, mma_layout)
         hrow = row + HALF * HM
         rows = hrow + gl.arange(0, HM, layout=row_layout)
         if in_group:
             rows_ld = gl.minimum(rows, M - 1)  # rows past M (last tile): clamped, never stored
-            sb_base = sb_ptr + (g.to(gl.int64) * n_tiles + nt) * k_iters  # sb [G, cdiv(NOUT, BN), n_kb]
+            sb_base = sb_ptr + (g.to(gl.int64) * sched[9] + nt) * k_iters  # sb [G, cdiv(NOUT, BN), n_kb]
             if SCALES_TMA:
                 # A's row scales of each step are in the stage (the producer's TMA load); B's block
                 # scale, one per tile and step, still comes from global memory one step ahead
@@ -134,8 +116,7 @@ def _half_consumer(
             else:
                 sc = _scales(sa_ptr, sb_base, 0, M, rows_ld)
             for ki in range(k_iters):
-                s = it % STAGES
-                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+                s = _wait_ready(ready, it, STAGES)
                 part = warpgroup_mma(
                     a_bufs.index(s).slice(HALF * HM, HM, dim=0),
                     b_bufs.index(s).permute((1, 0)),

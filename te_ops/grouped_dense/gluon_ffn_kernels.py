@@ -5,8 +5,8 @@ of them runs (this module imports triton).
 Same contracts as ``triton_kernels.grouped_gemm_act_kernel`` and ``grouped_gemm_dact_kernel`` (same
 runtime arguments, tile schedule over F, roundings, activation formulas: ``te_ops._core.triton_math``'s
 ``_act`` / ``_dact`` / ``_round_to`` with the GPU's conversions, and the zero rows past the groups),
-built like ``gluon_kernels.grouped_gemm_ws_kernel``, whose schedule (``_schedule``, ``_tile``) and
-TMA producer warp (``_producer``) they reuse:
+built like ``gluon_kernels.grouped_gemm_ws_kernel``, whose schedule (``_schedule``, ``_tile``), TMA
+producer warp (``_producer``) and consumer mainloop (``_mma_k_loop``) they reuse:
 
 * **Producer** (one warp, 24 registers): per K step the A tile ``[BM, BK]`` and the B tile(s) into a
   ``STAGES``-deep ring on one "ready" mbarrier. Act, gated: two B tiles ``[BK, BN]`` of
@@ -34,16 +34,10 @@ Shared memory (bf16, BM = 128, BN = 128, BK = 64): act gated 3 stages x 48 KB + 
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
-    mbarrier,
-    tma,
-    warpgroup_mma,
-    warpgroup_mma_wait,
-)
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from te_ops._core.triton_math import _act, _dact, _round_to
-from te_ops.grouped_dense.gluon_kernels import _producer, _schedule, _tile
+from te_ops.grouped_dense.gluon_kernels import _mma_k_loop, _producer, _schedule, _tile
 
 
 @gluon.jit
@@ -98,50 +92,20 @@ def _act_consumer(
     col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
     dt: gl.constexpr = h_desc.dtype
     W = 2 * F if GATED else F
-    gi, start, end, m_tiles_g, tiles_g, cum_tiles, group_tiles, used_rows, tail_m_tiles, n_tiles, total = _schedule(
-        gs_ptr, G, M, F, BM, BN, BLOCK_G, layout
-    )
+    sched, total = _schedule(gs_ptr, G, M, F, BM, BN, BLOCK_G, layout)
     k_iters = gl.cdiv(KC, BK)
     it = 0
     for t in range(gl.program_id(0), total, num_programs):
-        in_group, g, row, row_end, nt = _tile(
-            t,
-            gi,
-            start,
-            end,
-            m_tiles_g,
-            tiles_g,
-            cum_tiles,
-            group_tiles,
-            used_rows,
-            tail_m_tiles,
-            n_tiles,
-            G,
-            M,
-            BM,
-            GROUP_M,
-        )
+        in_group, g, row, row_end, nt = _tile(t, sched, G, M, BM, GROUP_M)
         acc = gl.zeros([BM, BN], gl.float32, mma_layout)
         if GATED:
             acc_u = gl.zeros([BM, BN], gl.float32, mma_layout)
         if in_group:
-            for ki in range(k_iters):
-                s = it % STAGES
-                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-                acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s), acc, is_async=True)
-                if GATED:
-                    acc_u = warpgroup_mma(a_bufs.index(s), bu_bufs.index(s), acc_u, is_async=True)
-                    # both wgmmas of the previous step have retired: its stage can be refilled
-                    acc, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc, acc_u))
-                else:
-                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=ki > 0)
-                it += 1
-            if GATED:
-                acc, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_u))
+            if GATED:  # the linear half's wgmma beside the activation half's, on the same stage
+                acc, acc_u, it = _mma_k_loop(a_bufs, b_bufs, ready, empty, it, acc, acc_u, k_iters, STAGES, False,
+                                             bu_bufs, True)  # fmt: skip
             else:
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
+                acc, it = _mma_k_loop(a_bufs, b_bufs, ready, empty, it, acc, None, k_iters, STAGES, False)
         # the Triton kernel's epilogue: h rounded to its dtype, the activation from the rounded values
         z = _round_to(acc, dt, True)
         y = _act(z, ACT)
@@ -339,30 +303,12 @@ def _dact_consumer(
     dt: gl.constexpr = dh_desc.dtype
     h_bytes: gl.constexpr = (2 if GATED else 1) * BM * BN * dt.primitive_bitwidth // 8
     W = 2 * F if GATED else F
-    gi, start, end, m_tiles_g, tiles_g, cum_tiles, group_tiles, used_rows, tail_m_tiles, n_tiles, total = _schedule(
-        gs_ptr, G, M, F, BM, BN, BLOCK_G, layout
-    )
+    sched, total = _schedule(gs_ptr, G, M, F, BM, BN, BLOCK_G, layout)
     k_iters = gl.cdiv(KC, BK)
     it = 0  # ring position (K steps of group tiles)
     j = 0  # tiles of this program: the phase of hbar
     for t in range(gl.program_id(0), total, num_programs):
-        in_group, g, row, row_end, nt = _tile(
-            t,
-            gi,
-            start,
-            end,
-            m_tiles_g,
-            tiles_g,
-            cum_tiles,
-            group_tiles,
-            used_rows,
-            tail_m_tiles,
-            n_tiles,
-            G,
-            M,
-            BM,
-            GROUP_M,
-        )
+        in_group, g, row, row_end, nt = _tile(t, sched, G, M, BM, GROUP_M)
         # this tile's h into the epilogue buffers while the mainloop runs (the previous tile's dh
         # stores have read them; rows past M are TMA's zero fill, as the Triton kernel's masked load)
         tma.store_wait(pendings=0)
@@ -372,15 +318,7 @@ def _dact_consumer(
             tma.async_copy_global_to_shared(h_desc, [row, F + nt * BN], hbar, e_bufs.index(1))
         acc = gl.zeros([BM, BN], gl.float32, mma_layout)
         if in_group:
-            for ki in range(k_iters):
-                s = it % STAGES
-                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-                acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=ki > 0)
-                it += 1
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
+            acc, it = _mma_k_loop(a_bufs, b_bufs, ready, empty, it, acc, None, k_iters, STAGES, True)
         # the Triton kernel's epilogue: da rounded to h's dtype, the gradient in float32, rounded
         da = _round_to(acc, dt, True)
         mbarrier.wait(hbar, j & 1)

@@ -45,7 +45,10 @@ def _add(a, b):
 @gluon.jit
 def _schedule(gs_ptr, G, M, NOUT, BM: gl.constexpr, BN: gl.constexpr, BLOCK_G: gl.constexpr, layout: gl.constexpr):
     """Per-group tables and the tile counts: the same rule as ``triton_kernels._group_table`` (sizes
-    clamped >= 0, bounds clipped at M, the start is the clipped exclusive prefix sum in int64)."""
+    clamped >= 0, bounds clipped at M, the start is the clipped exclusive prefix sum in int64).
+    Returns ``(sched, total)``: the tables as one tuple, which the partitions hand to :func:`_tile`
+    whole (so a change to them touches these two functions only; ``sched[6]`` is the number of group
+    tiles, ``sched[9]`` the number of N tiles), and the number of tiles."""
     gi = gl.arange(0, BLOCK_G, layout=layout)
     sizes = gl.load(gs_ptr + gi, mask=gi < G, other=0)
     sizes = gl.maximum(sizes, 0).to(gl.int64)
@@ -60,29 +63,14 @@ def _schedule(gs_ptr, G, M, NOUT, BM: gl.constexpr, BN: gl.constexpr, BLOCK_G: g
     used_rows = gl.max(end, axis=0)
     tail_m_tiles = (M - used_rows + BM - 1) // BM
     total = group_tiles + tail_m_tiles * n_tiles
-    return gi, start, end, m_tiles_g, tiles_g, cum_tiles, group_tiles, used_rows, tail_m_tiles, n_tiles, total
+    return (gi, start, end, m_tiles_g, tiles_g, cum_tiles, group_tiles, used_rows, tail_m_tiles, n_tiles), total
 
 
 @gluon.jit
-def _tile(
-    t,
-    gi,
-    start,
-    end,
-    m_tiles_g,
-    tiles_g,
-    cum_tiles,
-    group_tiles,
-    used_rows,
-    tail_m_tiles,
-    n_tiles,
-    G,
-    M,
-    BM: gl.constexpr,
-    GROUP_M: gl.constexpr,
-):
-    """(in_group, group, first row, row end, N tile) of tile ``t`` (GROUP_M bands inside a group;
-    tiles past the groups cover rows [used_rows, M) with zeros)."""
+def _tile(t, sched, G, M, BM: gl.constexpr, GROUP_M: gl.constexpr):
+    """(in_group, group, first row, row end, N tile) of tile ``t`` of ``sched`` (from :func:`_schedule`;
+    GROUP_M bands inside a group; tiles past the groups cover rows [used_rows, M) with zeros)."""
+    gi, start, end, m_tiles_g, tiles_g, cum_tiles, group_tiles, used_rows, tail_m_tiles, n_tiles = sched
     in_group = t < group_tiles
     g = gl.minimum(gl.sum((cum_tiles <= t).to(gl.int32), axis=0), G - 1)
     sel = gi == g
@@ -100,6 +88,72 @@ def _tile(
     mt = first_m + (lt % per_band) % band_m
     nt = (lt % per_band) // band_m
     return in_group, g, row0 + mt * BM, row_end, nt
+
+
+@gluon.jit
+def _wait_ready(ready, it, STAGES: gl.constexpr):
+    """The ring stage of K step ``it`` (counted over the program's group tiles, as the producer
+    counts them), once its TMA loads have landed. The phase waited for is the parity of the ring's
+    lap: the producer refills a stage only after its "empty" barrier, so "ready" is never more than
+    one lap ahead."""
+    s = it % STAGES
+    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+    return s
+
+
+@gluon.jit
+def _mma_k_loop(
+    a_bufs,
+    b_bufs,
+    ready,
+    empty,
+    it,
+    acc,
+    acc2,
+    k_iters,
+    STAGES: gl.constexpr,
+    TRANS_B: gl.constexpr,
+    b2_bufs=None,
+    DUAL_B: gl.constexpr = False,
+):
+    """The consumer's mainloop over one tile's ``k_iters`` K steps from ring position ``it``:
+    ``acc += A @ B`` by asynchronous wgmma (B read transposed with TRANS_B; with DUAL_B also ``acc2
+    += A @ B2`` from ``b2_bufs``, the gated FFN's linear half; acc2 is None without). Returns (acc,
+    the ring position after the tile), with DUAL_B (acc, acc2, the ring position).
+
+    One step's wgmma stays in flight while the next is issued, so a stage is handed back to the
+    producer one step late, once the wgmma that read it has retired (the first step has none to hand
+    back); the last stage goes back after the final wait.
+
+    The parameter order is deliberate: the loop carries its values in the order their names were
+    bound (defaulted parameters first), and ``it``, ``acc``, ``acc2`` without a default give the
+    order the consumers' own loops had before they shared this one, so no kernel's PTX changed (with
+    acc2 first, the gated FFN act kernel's two accumulators trade PTX registers)."""
+    for ki in range(k_iters):
+        s = _wait_ready(ready, it, STAGES)
+        if TRANS_B:
+            acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
+        else:
+            acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s), acc, is_async=True)
+        if DUAL_B:
+            acc2 = warpgroup_mma(a_bufs.index(s), b2_bufs.index(s), acc2, is_async=True)
+            # both wgmmas of the previous step have retired: its stage can be refilled
+            acc, acc2 = warpgroup_mma_wait(num_outstanding=2, deps=(acc, acc2))
+        else:
+            # the wgmma of the previous step has retired: its stage can be refilled
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=ki > 0)
+        it += 1
+    if DUAL_B:
+        acc, acc2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc2))
+    else:
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
+    # (a constexpr choice of what to return: a None in the returned tuple does not compile)
+    if DUAL_B:
+        return acc, acc2, it
+    else:
+        return acc, it
 
 
 @gluon.jit
@@ -138,32 +192,14 @@ def _producer(
     NOUT columns to the right (the linear half of ``[G * KC, 2 * NOUT]``) into ``b2_bufs``, on the
     same barrier."""
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    gi, start, end, m_tiles_g, tiles_g, cum_tiles, group_tiles, used_rows, tail_m_tiles, n_tiles, total = _schedule(
-        gs_ptr, G, M, NOUT, BM, BN, BLOCK_G, layout
-    )
+    sched, total = _schedule(gs_ptr, G, M, NOUT, BM, BN, BLOCK_G, layout)
     k_iters = gl.cdiv(KC, BK)
     nbytes: gl.constexpr = (BM * BK + (2 if DUAL_B else 1) * BK * BN) * a_desc.dtype.primitive_bitwidth // 8 + (
         BM * 4 if SCALES_TMA else 0
     )
     it = 0
     for t in range(gl.program_id(0), total, num_programs):
-        in_group, g, row, row_end, nt = _tile(
-            t,
-            gi,
-            start,
-            end,
-            m_tiles_g,
-            tiles_g,
-            cum_tiles,
-            group_tiles,
-            used_rows,
-            tail_m_tiles,
-            n_tiles,
-            G,
-            M,
-            BM,
-            GROUP_M,
-        )
+        in_group, g, row, row_end, nt = _tile(t, sched, G, M, BM, GROUP_M)
         if in_group:
             for ki in range(k_iters):
                 s = it % STAGES
@@ -219,44 +255,14 @@ def _consumer(
     )
     row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
-    gi, start, end, m_tiles_g, tiles_g, cum_tiles, group_tiles, used_rows, tail_m_tiles, n_tiles, total = _schedule(
-        gs_ptr, G, M, NOUT, BM, BN, BLOCK_G, layout
-    )
+    sched, total = _schedule(gs_ptr, G, M, NOUT, BM, BN, BLOCK_G, layout)
     k_iters = gl.cdiv(KC, BK)
     it = 0
     for t in range(gl.program_id(0), total, num_programs):
-        in_group, g, row, row_end, nt = _tile(
-            t,
-            gi,
-            start,
-            end,
-            m_tiles_g,
-            tiles_g,
-            cum_tiles,
-            group_tiles,
-            used_rows,
-            tail_m_tiles,
-            n_tiles,
-            G,
-            M,
-            BM,
-            GROUP_M,
-        )
+        in_group, g, row, row_end, nt = _tile(t, sched, G, M, BM, GROUP_M)
         acc = gl.zeros([BM, BN], gl.float32, mma_layout)
         if in_group:
-            for ki in range(k_iters):
-                s = it % STAGES
-                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-                if TRANS_B:
-                    acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
-                else:
-                    acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s), acc, is_async=True)
-                # the wgmma of the previous step has retired: its stage can be refilled
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=ki > 0)
-                it += 1
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
+            acc, it = _mma_k_loop(a_bufs, b_bufs, ready, empty, it, acc, None, k_iters, STAGES, TRANS_B)
         cols = nt * BN + gl.arange(0, BN, layout=col_layout)
         if HAS_BIAS:
             bias = gl.load(bias_ptr + g.to(gl.int64) * NOUT + cols, mask=(cols < NOUT) & in_group, other=0.0)
@@ -433,33 +439,15 @@ def _pp_consumer(
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
-    gi, start, end, m_tiles_g, tiles_g, cum_tiles, group_tiles, used_rows, tail_m_tiles, n_tiles, total = _schedule(
-        gs_ptr, G, M, NOUT, BM, BN, BLOCK_G, layout
-    )
+    sched, total = _schedule(gs_ptr, G, M, NOUT, BM, BN, BLOCK_G, layout)
     k_iters = gl.cdiv(KC, BK)
     c_smem = c_bufs.index(WHICH)
     it = 0  # ring position of the next group tile's first K step
     j = 0  # index of the tile in this program's sequence
     for t in range(gl.program_id(0), total, num_programs):
-        in_group = t < group_tiles
+        in_group = t < sched[6]  # the number of group tiles
         if j % 2 == WHICH:
-            in_group, g, row, row_end, nt = _tile(
-                t,
-                gi,
-                start,
-                end,
-                m_tiles_g,
-                tiles_g,
-                cum_tiles,
-                group_tiles,
-                used_rows,
-                tail_m_tiles,
-                n_tiles,
-                G,
-                M,
-                BM,
-                GROUP_M,
-            )
+            in_group, g, row, row_end, nt = _tile(t, sched, G, M, BM, GROUP_M)
             acc = gl.zeros([BM, BN], gl.float32, mma_layout)
             # the other warpgroup's mainloop of tile j - 1 is done: the ring is consumed in tile order,
             # so no consumer ever waits more than one lap ahead of the producer (mbarrier phases are
@@ -468,8 +456,7 @@ def _pp_consumer(
                 mbarrier.wait(turn.index(WHICH), ((j - 1) // 2) & 1)
             if in_group:
                 for ki in range(k_iters):
-                    s = (it + ki) % STAGES
-                    mbarrier.wait(ready.index(s), ((it + ki) // STAGES) & 1)
+                    s = _wait_ready(ready, it + ki, STAGES)
                     if TRANS_B:
                         acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
                     else:
