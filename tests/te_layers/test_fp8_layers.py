@@ -433,8 +433,11 @@ def test_moe_delayed_three_front_ends_agree():
 
 def test_moe_delayed_expert_parallel_state_matches_unsharded():
     """Experts split over 8 CPU devices: each expert's kernel state comes from its own shard, and the
-    x / g states (rows split over the shards) are combined by max, so the updated state is
-    bit-identical to the unsharded block's; outputs and gradients agree."""
+    x / g states (rows split over the shards) are combined by max. The x and w states see the same
+    values as the unsharded block's, so they are bit-identical; the g states are amaxes of gradients
+    that went through float32 dots of other shapes (each shard's own), which XLA's CPU backend may
+    sum in another order (jax 0.12.1 does), so they agree within float32 rounding; outputs and
+    gradients agree."""
     from jax.sharding import Mesh
 
     if len(jax.devices()) < 8:
@@ -450,7 +453,16 @@ def test_moe_delayed_expert_parallel_state_matches_unsharded():
         vg = jax.jit(te_linen.fp8_value_and_grad(lambda v, x, mod=mod: _loss_of(mod.apply(v, x))))
         outs.append(vg(variables, x))
     (v0, g0, n0), (v1, g1, n1) = outs
-    jax.tree.map(lambda a, b: _exact(a, b, "state"), n1["fp8_state"], n0["fp8_state"])
+    got, want = n1["fp8_state"], n0["fp8_state"]
+    for w in ("wi", "wo"):
+        for role in ("x", "w", "g"):
+            for field in ("amax_history", "scale"):
+                a, b, msg = got[w][role][field], want[w][role][field], f"{w} {role} {field}"
+                if role == "g":
+                    assert_close(a, b, jnp.float32, scale=float(jnp.max(jnp.abs(b))), err_msg=msg)
+                else:
+                    _exact(a, b, msg)
+        assert float(want[w]["g"]["amax_history"][0]) > 0  # the gradients were recorded
     np.testing.assert_allclose(float(v1), float(v0), rtol=1e-5)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
