@@ -39,7 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from te_ops.grouped_dense.gluon_kernels import _producer, _schedule, _tile, _wait_ready
+from te_ops.grouped_dense.gluon_kernels import SCHED_N_TILES, _producer, _schedule, _tile, _wait_ready
 
 
 @gluon.jit
@@ -108,7 +108,7 @@ def _half_consumer(
         rows = hrow + gl.arange(0, HM, layout=row_layout)
         if in_group:
             rows_ld = gl.minimum(rows, M - 1)  # rows past M (last tile): clamped, never stored
-            sb_base = sb_ptr + (g.to(gl.int64) * sched[9] + nt) * k_iters  # sb [G, cdiv(NOUT, BN), n_kb]
+            sb_base = sb_ptr + (g.to(gl.int64) * sched[SCHED_N_TILES] + nt) * k_iters  # sb [G, cdiv(NOUT, BN), n_kb]
             if SCALES_TMA:
                 # A's row scales of each step are in the stage (the producer's TMA load); B's block
                 # scale, one per tile and step, still comes from global memory one step ahead

@@ -36,6 +36,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+# Positions in the schedule tuple of :func:`_schedule` that loops outside :func:`_tile` read.
+SCHED_GROUP_TILES = gl.constexpr(6)  # the number of group tiles (tiles past it are zero tiles)
+SCHED_N_TILES = gl.constexpr(9)  # the number of N tiles, cdiv(NOUT, BN)
+
 
 @gluon.jit
 def _add(a, b):
@@ -47,8 +51,8 @@ def _schedule(gs_ptr, G, M, NOUT, BM: gl.constexpr, BN: gl.constexpr, BLOCK_G: g
     """Per-group tables and the tile counts: the same rule as ``triton_kernels._group_table`` (sizes
     clamped >= 0, bounds clipped at M, the start is the clipped exclusive prefix sum in int64).
     Returns ``(sched, total)``: the tables as one tuple, which the partitions hand to :func:`_tile`
-    whole (so a change to them touches these two functions only; ``sched[6]`` is the number of group
-    tiles, ``sched[9]`` the number of N tiles), and the number of tiles."""
+    whole (so a change to them touches these two functions and the ``SCHED_*`` positions only), and
+    the number of tiles."""
     gi = gl.arange(0, BLOCK_G, layout=layout)
     sizes = gl.load(gs_ptr + gi, mask=gi < G, other=0)
     sizes = gl.maximum(sizes, 0).to(gl.int64)
@@ -445,7 +449,7 @@ def _pp_consumer(
     it = 0  # ring position of the next group tile's first K step
     j = 0  # index of the tile in this program's sequence
     for t in range(gl.program_id(0), total, num_programs):
-        in_group = t < sched[6]  # the number of group tiles
+        in_group = t < sched[SCHED_GROUP_TILES]
         if j % 2 == WHICH:
             in_group, g, row, row_end, nt = _tile(t, sched, G, M, BM, GROUP_M)
             acc = gl.zeros([BM, BN], gl.float32, mma_layout)
