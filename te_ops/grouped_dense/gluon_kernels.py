@@ -67,6 +67,7 @@ def _schedule(gs_ptr, G, M, NOUT, BM: gl.constexpr, BN: gl.constexpr, BLOCK_G: g
     used_rows = gl.max(end, axis=0)
     tail_m_tiles = (M - used_rows + BM - 1) // BM
     total = group_tiles + tail_m_tiles * n_tiles
+    # SCHED_GROUP_TILES and SCHED_N_TILES (top of this module) name positions in this tuple
     return (gi, start, end, m_tiles_g, tiles_g, cum_tiles, group_tiles, used_rows, tail_m_tiles, n_tiles), total
 
 
