@@ -8,8 +8,9 @@ runtime arguments, tile schedule over F, roundings, activation formulas: ``te_op
 built like ``gluon_kernels.grouped_gemm_ws_kernel``, whose schedule (``_schedule``, ``_tile``), TMA
 producer warp (``_producer``) and consumer mainloop (``_mma_k_loop``) they reuse:
 
-* **Producer** (one warp, 24 registers): per K step the A tile ``[BM, BK]`` and the B tile(s) into a
-  ``STAGES``-deep ring on one "ready" mbarrier. Act, gated: two B tiles ``[BK, BN]`` of
+* **Producer** (one warp, ``PRODUCER_REGS`` registers: the launcher's ``FFN_PRODUCER_REGS``, 32):
+  per K step the A tile ``[BM, BK]`` and the B tile(s) into a ``STAGES``-deep ring on one "ready"
+  mbarrier. Act, gated: two B tiles ``[BK, BN]`` of
   ``wi[g]`` seen as ``[G * KC, W]``, at columns ``nt * BN`` (activation half) and ``F + nt * BN``
   (linear half). Past F the activation tile reads linear columns and the linear tile TMA's zero
   fill: column j of a product depends only on column j of B, and those columns are not stored.
