@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -459,7 +460,9 @@ def fp8_dense(
     block_ok = not isinstance(recipe, BlockScaling) or (recipe.act_block, recipe.weight_block) == ((1, 128), (128, 128))
     impl = resolve(implementation) if (implementation is not None or block_ok) else "reference"
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x.reshape(math.prod(lead), x.shape[-1])  # not -1: that cannot be inferred when K == 0
+    if x.shape[-1] == 0:  # an empty contraction: the sum is 0 and y = activation(bias); the kernels want K > 0
+        impl = "reference"
     if isinstance(recipe, DelayedScaling):
         y = _fp8_dense_delayed(x2, kernel, bias, state, recipe, impl, activation)
     else:

@@ -700,6 +700,8 @@ def gluon_gemm_unavailable_reason(
             return "the Gluon FP8 GEMM's bias epilogue has not run on a GPU yet"
         if any(d is not None and jnp.dtype(d) != e4m3 for d in (a_dtype, b_dtype)):
             return f"the Gluon FP8 GEMM has run on a GPU with E4M3 operands only, got {a_dtype} x {b_dtype}"
+    if k == 0:  # the kernel loads a tile's first scales before its K loop
+        return "the Gluon FP8 GEMM needs K > 0, got K=0"
     if k is not None and k % 16:
         return f"the Gluon FP8 GEMM needs K % 16 == 0 (16-byte TMA rows), got K={k}"
     if n is not None and n % 8:

@@ -1050,6 +1050,44 @@ def test_fp8_dense_bias(recipe):
         fp8.fp8_dense(x, w, recipe, bias=jnp.ones(199), **kw)
 
 
+@pytest.mark.parametrize("recipe", [fp8.BlockScaling(), fp8.CurrentScaling(), fp8.DelayedScaling(history_len=2)],
+                         ids=lambda r: type(r).__name__)  # fmt: skip
+def test_fp8_dense_empty_contraction(recipe):
+    """K == 0: the sum over K is 0, so y = activation(bias) on every row, dbias = sum of dy * act'(z), and
+    dx / dkernel are empty (it used to fail in the reshape with a ZeroDivisionError)."""
+    rng = np.random.default_rng(37)
+    x = jnp.zeros((2, 3, 0), jnp.bfloat16)
+    w = jnp.zeros((0, 24), jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal(24) * 2, jnp.float32)
+    dy = jnp.asarray(rng.standard_normal((2, 3, 24)), jnp.bfloat16)
+    kw = {"state": fp8.initial_dense_state(recipe)} if isinstance(recipe, fp8.DelayedScaling) else {}
+
+    def want_fn(b):  # the formulation in plain jnp: z in x's dtype, the activation in float32
+        z = jnp.broadcast_to(b, (2, 3, 24)).astype(jnp.bfloat16)
+        return jax.nn.gelu(z.astype(jnp.float32), approximate=False).astype(jnp.bfloat16)
+
+    y, vjp = jax.jit(jax.vjp, static_argnums=0)(
+        lambda x, w, b: fp8.fp8_dense(x, w, recipe, bias=b, activation="gelu", **kw), x, w, b
+    )
+    dx, dw, db = vjp(dy)
+    want_y, want_vjp = jax.vjp(want_fn, b)
+    assert y.shape == (2, 3, 24) and y.dtype == jnp.bfloat16
+    T.assert_close(y, want_y, jnp.bfloat16)
+    assert dx.shape == x.shape and dw.shape == w.shape and db.dtype == b.dtype
+    T.assert_close(db, want_vjp(dy)[0], jnp.bfloat16, scale=4.0)
+
+
+def test_gluon_fp8_gemm_refuses_empty_contraction(monkeypatch):
+    """The Gluon block-scaled GEMM loads a tile's first scales before its K loop, so K == 0 goes to
+    the Triton kernel (whose K loop is empty) even where the Gluon kernel could run."""
+    from te_ops.fp8 import triton as tri
+    from te_ops.grouped_dense import triton as gd
+
+    monkeypatch.setattr(gd, "gluon_ws_unavailable_reason", lambda: None)
+    assert "K > 0" in tri.gluon_gemm_unavailable_reason(0, 256, jnp.bfloat16)
+    assert tri.gluon_gemm_unavailable_reason(256, 256, jnp.bfloat16) is None
+
+
 _ACT_FNS = {
     None: lambda z: z,
     "gelu": lambda z: jax.nn.gelu(z, approximate=False),
