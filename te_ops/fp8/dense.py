@@ -245,7 +245,15 @@ def _bwd_impl(recipe, implementation, activation, res, dy):
         from te_ops.fp8.api import dact_dbias_quantize
 
         dact_impl = "triton" if implementation == "triton" and isinstance(recipe, BlockScaling) else "reference"
-        qdy, qdy_t, dbias = dact_dbias_quantize(dy, z, recipe, activation=activation, implementation=dact_impl)
+        # dact_dbias_quantize returns dbias in its dy's dtype: for a bias of another dtype it gets float32 dy
+        # and z (the same dz, the same FP8 operands), so dbias is the float32 sum rounded once to bias's dtype.
+        # That case (a direct call with, say, bf16 x and a float32 bias; the layers cast bias to x's dtype)
+        # takes the pure-JAX pass: the fused kernel has only been run with dy in x's dtype.
+        wide = b_proto is not None and jnp.dtype(b_proto.dtype) != jnp.dtype(dy.dtype)
+        dy_, z_ = (dy.astype(F32), z.astype(F32)) if wide else (dy, z)
+        dact_impl = "reference" if wide else dact_impl
+        qdy, qdy_t, dbias = dact_dbias_quantize(dy_, z_, recipe, activation=activation, implementation=dact_impl)
+        qdy, qdy_t = (dataclasses.replace(q, dtype=jnp.dtype(dy.dtype)) for q in (qdy, qdy_t))
         dbias = None if b_proto is None else dbias.astype(b_proto.dtype)
     dx = gemm(qdy, _transpose(qw_t), dy.dtype)  # dz @ w^T: b_t = w [K, N]
     dw = gemm(qx_t, qdy_t, w_proto.dtype)  # x^T @ dz: a = x^T [K, M], b_t = dz^T [N, M]

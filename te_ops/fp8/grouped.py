@@ -368,6 +368,11 @@ def fp8_grouped_dense(
     recipe = BlockScaling() if recipe is None else recipe
     x = check_float(OP, "x", x, DTYPES, rank=2, layout="[M, K]")
     kernels = check_float(OP, "kernels", kernels, DTYPES, rank=3, layout="[G, K, N]")
+    if kernels.shape[0] == 0:  # grouped_dense's rule (docs/semantics.md, "Grouped GEMM": G >= 1)
+        raise ValueError(
+            err(OP, f"kernels must have at least one group (G >= 1), got shape {tuple(kernels.shape)}. With no "
+                    "experts there is nothing to compute: skip the call.")
+        )  # fmt: skip
     group_sizes = check_int_array(OP, "group_sizes", group_sizes, shape=(kernels.shape[0],))
     block_ok = isinstance(recipe, BlockScaling) and recipe.act_block == (1, 128) and recipe.weight_block == (128, 128)
     if not (block_ok or isinstance(recipe, (CurrentScaling, DelayedScaling))):
