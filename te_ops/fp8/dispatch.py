@@ -85,14 +85,17 @@ class FP8DispatchResult(NamedTuple):
 def _as_pairs(data: jax.Array) -> jax.Array:
     """FP8 [T, H] -> bfloat16 [T, ceil(H / 2)] with the same bytes (one zero column if H is odd)."""
     t, h = data.shape
+    # Pad as bytes: XLA:CPU's pad and slice of an E5M2 array rewrite its NaN bytes (0xFE -> 0x7F).
+    data = jax.lax.bitcast_convert_type(data, jnp.uint8)
     if h % 2:
         data = jnp.pad(data, ((0, 0), (0, 1)))
-    return jax.lax.bitcast_convert_type(data.reshape(t, -1, 2), jnp.bfloat16)
+    return jax.lax.bitcast_convert_type(data.reshape(t, (h + 1) // 2, 2), jnp.bfloat16)  # no -1: T may be 0
 
 
 def _from_pairs(pairs: jax.Array, fmt, h: int) -> jax.Array:
-    n = pairs.shape[0]
-    return jax.lax.bitcast_convert_type(pairs, fmt).reshape(n, -1)[:, :h]
+    n, h2 = pairs.shape
+    data = jax.lax.bitcast_convert_type(pairs, jnp.uint8).reshape(n, 2 * h2)[:, :h]  # no -1: N may be 0
+    return jax.lax.bitcast_convert_type(data, fmt)
 
 
 def _move(q: QuantizedTensor, routing_map, num_out_tokens, align_size, implementation) -> QuantizedDispatchResult:
@@ -101,9 +104,11 @@ def _move(q: QuantizedTensor, routing_map, num_out_tokens, align_size, implement
     data = _from_pairs(d.out, q.data.dtype, q.data.shape[1])
     if q.block is None:
         sinv = q.scale_inv
-    else:  # per-row scales: a second dispatch of the float32 scale rows; holes (zero rows) get 1
-        s = token_dispatch(q.scale_inv, routing_map, num_out_tokens, **kw).out
-        sinv = jnp.where(s == 0, jnp.ones((), F32), s)
+    else:  # per-row scales: a second dispatch of the float32 scale rows, with a column of ones that marks the
+        # rows holding a token (a kept row's inverse scale may itself be 0); holes (zero rows) get 1
+        rows = jnp.concatenate([q.scale_inv, jnp.ones((q.scale_inv.shape[0], 1), F32)], axis=1)
+        s = token_dispatch(rows, routing_map, num_out_tokens, **kw).out
+        sinv = jnp.where(s[:, -1:] == 0, jnp.ones((), F32), s[:, :-1])
     out = QuantizedTensor(data, sinv, q.block, q.dtype)
     return QuantizedDispatchResult(out, d.row_id_map, d.pad_offsets, d.tokens_per_expert, d.num_dropped)
 
@@ -330,6 +335,11 @@ def fp8_dispatch_grouped_dense(
         raise ValueError(
             err(OP, f"routing_map must be [T, E] with T = x.shape[0] = {x.shape[0]}, got {tuple(routing_map.shape)}.")
         )
+    if kernels.shape[0] == 0:  # fp8_grouped_dense's rule (docs/semantics.md, "Grouped GEMM": G >= 1)
+        raise ValueError(
+            err(OP, f"kernels must have at least one expert (E >= 1), got shape {tuple(kernels.shape)}. With no "
+                    "experts there is nothing to compute: skip the call.")
+        )  # fmt: skip
     if kernels.shape[0] != routing_map.shape[1]:
         raise ValueError(
             err(OP, f"kernels must hold one kernel per expert ([E, H, N] with E = routing_map.shape[1] = "

@@ -316,8 +316,8 @@ def backward(
     dq = contract("bhqk,bkhd->bqhd", ds, kf) * jnp.float32(scale)
     dk_full = contract("bhqk,bqhd->bkhd", ds, q.astype(jnp.float32)) * jnp.float32(scale)
     group = hq // hk
-    dk = dk_full.reshape(b, k.shape[1], hk, group, -1).sum(3)
-    dv = dv_full.reshape(b, v.shape[1], hk, group, -1).sum(3)
+    dk = dk_full.reshape(b, k.shape[1], hk, group, k.shape[3]).sum(3)
+    dv = dv_full.reshape(b, v.shape[1], hk, group, v.shape[3]).sum(3)
     dbias = None
     if bias is not None:
         dbias = ds
