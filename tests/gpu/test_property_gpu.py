@@ -13,10 +13,11 @@ the largest reference value (test_fp8_gpu.py's bound); fused attention by relati
 (test_fused_attention_gpu.py's REL_TOL, against a float32 reference). Every kernel output is
 NaN-poisoned (``native.poisoned_outputs``), so an unwritten element fails the comparison.
 
-FP8 ops and fused attention have no CPU property tests (no numpy formulation of their GEMMs in
-tests/property): their cases come from the GPU-only strategies below (the grouped FP8 GEMM reuses
+The FP8 GEMMs and fused attention draw from the GPU-only strategies below (the grouped FP8 GEMM reuses
 tests/property's grouped_dense case generator: uneven sizes, empty groups, all rows in one group,
-negative / overflowing sizes).
+negative / overflowing sizes). Their CPU property tests (tests/property/test_fp8_gemm_props.py,
+test_attention_props.py, test_fp8_dispatch_props.py: the reference against numpy) have their own
+strategies, which this file does not draw from yet.
 
 Runtime: each new shape compiles (XLA, Triton, cuDNN), so the example count is an environment
 variable and shapes stay small to moderate::
@@ -77,6 +78,7 @@ from tests.property.test_dense_props import (
     grouped_ffn_case,
     grouped_ffn_inputs,
 )
+from tests.property.test_fp8_gemm_props import grouped_vjp
 from tests.property.test_fp8_props import (
     BLOCK_ARGS,
     CURRENT_ARGS,
@@ -867,7 +869,7 @@ def test_fp8_quantize_outside_triton_constraints(lead, r, c, block, dtype, forma
 
 
 # ----------------------------------------------------------------------------------------------
-# fp8_dense (triton, xla): GPU-only generator (no CPU property test). Triton with block scaling takes
+# fp8_dense (triton, xla): GPU-only generator (the CPU one checks the reference). Triton with block scaling takes
 # 1 x 128 / 128 x 128 blocks only; its GEMM is the Gluon kernel where K % 16 == 0 and N % 8 == 0
 # (16-byte TMA rows), the tiled Triton kernel elsewhere ("triton-gluon" draws such K and N);
 # "tiled" / "persistent" force the other Triton GEMM kernels. "xla" takes current / delayed scaling.
@@ -1061,19 +1063,7 @@ FP8_GROUPED_VARIANTS = _variants(
 
 
 def _fp8_grouped_make(recipe):
-    def make(impl):
-        def f(x, w, gs, st, dy):
-            if st is None:
-                fn = lambda x, w: fp8.fp8_grouped_dense(x, w, gs, recipe, implementation=impl)  # noqa: E731
-                y, vjp = jax.vjp(fn, x, w)
-            else:
-                fn = lambda x, w, s: fp8.fp8_grouped_dense(x, w, gs, recipe, state=s, implementation=impl)  # noqa: E731
-                y, vjp = jax.vjp(fn, x, w, st)
-            return y, vjp(dy)
-
-        return f
-
-    return make
+    return lambda impl: grouped_vjp(recipe, impl)
 
 
 @pytest.mark.parametrize("v", FP8_GROUPED_VARIANTS)

@@ -442,17 +442,24 @@ def grouped_expected(recipe, x32, w32, dy32, sizes, scales=None):
     return y, dx, dw
 
 
-def run_grouped(recipe, x, w, gs, state, dy):
+def grouped_vjp(recipe, impl):
+    """``f(x, w, gs, state, dy) -> (y, gradients)`` of fp8_grouped_dense with ``impl`` (state None
+    unless DelayedScaling); tests/gpu/test_property_gpu.py builds its implementations with it."""
+
     def f(x, w, gs, state, dy):
         if state is None:
-            fn = lambda x, w: fp8.fp8_grouped_dense(x, w, gs, recipe, implementation=IMPL)  # noqa: E731
+            fn = lambda x, w: fp8.fp8_grouped_dense(x, w, gs, recipe, implementation=impl)  # noqa: E731
             y, vjp = jax.vjp(fn, x, w)
         else:
-            fn = lambda x, w, s: fp8.fp8_grouped_dense(x, w, gs, recipe, state=s, implementation=IMPL)  # noqa: E731
+            fn = lambda x, w, s: fp8.fp8_grouped_dense(x, w, gs, recipe, state=s, implementation=impl)  # noqa: E731
             y, vjp = jax.vjp(fn, x, w, state)
         return y, vjp(dy)
 
-    return jax.jit(f)(x, w, gs, state, dy)
+    return f
+
+
+def run_grouped(recipe, x, w, gs, state, dy):
+    return jax.jit(grouped_vjp(recipe, IMPL))(x, w, gs, state, dy)
 
 
 def check_grouped(recipe, m, k, n, g, sizes, dtype, master, tail, state_kind, seed):
