@@ -112,6 +112,16 @@ def check_int_array(
     return x
 
 
+def check_groups(op: str, kernels: jax.Array, unit: str = "group", count: str = "G") -> None:
+    """A grouped GEMM's kernels ``[G, ...]`` must hold at least one group (``unit``: "group" or
+    "expert", ``count``: the letter the op's docs use)."""
+    if kernels.shape[0] == 0:
+        raise ValueError(
+            err(op, f"kernels must have at least one {unit} ({count} >= 1), got shape {tuple(kernels.shape)}. "
+                    "With no experts there is nothing to compute: skip the call.")
+        )  # fmt: skip
+
+
 def check_bool(op: str, name: str, x: Any, *, shape: tuple[int, ...] | None = None, hint: str = "") -> jax.Array:
     """``x`` as a bool array (of ``shape`` when given)."""
     x = as_array(op, name, x)

@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from te_ops._core.partitioning import match_vma
-from te_ops._core.validation import check_bool, check_float, check_rank, err, static_choice, static_int
+from te_ops._core.validation import check_bool, check_float, check_groups, check_rank, err, static_choice, static_int
 from te_ops.fp8 import grouped as G
 from te_ops.fp8 import reference as ref
 from te_ops.fp8.dense import DenseScalingState
@@ -335,11 +335,7 @@ def fp8_dispatch_grouped_dense(
         raise ValueError(
             err(OP, f"routing_map must be [T, E] with T = x.shape[0] = {x.shape[0]}, got {tuple(routing_map.shape)}.")
         )
-    if kernels.shape[0] == 0:  # fp8_grouped_dense's rule (docs/semantics.md, "Grouped GEMM": G >= 1)
-        raise ValueError(
-            err(OP, f"kernels must have at least one expert (E >= 1), got shape {tuple(kernels.shape)}. With no "
-                    "experts there is nothing to compute: skip the call.")
-        )  # fmt: skip
+    check_groups(OP, kernels, "expert", "E")  # fp8_grouped_dense's rule (G >= 1)
     if kernels.shape[0] != routing_map.shape[1]:
         raise ValueError(
             err(OP, f"kernels must hold one kernel per expert ([E, H, N] with E = routing_map.shape[1] = "

@@ -37,7 +37,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from te_ops._core.validation import check_float, check_int_array, err, static_choice
+from te_ops._core.validation import check_float, check_groups, check_int_array, err, static_choice
 from te_ops.fp8 import reference as ref
 from te_ops.fp8.dense import DenseScalingState, check_kernel_dtype
 from te_ops.fp8.recipes import BlockScaling, CurrentScaling, DelayedScaling
@@ -368,11 +368,7 @@ def fp8_grouped_dense(
     recipe = BlockScaling() if recipe is None else recipe
     x = check_float(OP, "x", x, DTYPES, rank=2, layout="[M, K]")
     kernels = check_float(OP, "kernels", kernels, DTYPES, rank=3, layout="[G, K, N]")
-    if kernels.shape[0] == 0:  # grouped_dense's rule (docs/semantics.md, "Grouped GEMM": G >= 1)
-        raise ValueError(
-            err(OP, f"kernels must have at least one group (G >= 1), got shape {tuple(kernels.shape)}. With no "
-                    "experts there is nothing to compute: skip the call.")
-        )  # fmt: skip
+    check_groups(OP, kernels)  # grouped_dense's rule (docs/semantics.md, "Grouped GEMM": G >= 1)
     group_sizes = check_int_array(OP, "group_sizes", group_sizes, shape=(kernels.shape[0],))
     block_ok = isinstance(recipe, BlockScaling) and recipe.act_block == (1, 128) and recipe.weight_block == (128, 128)
     if not (block_ok or isinstance(recipe, (CurrentScaling, DelayedScaling))):

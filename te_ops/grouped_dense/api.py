@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from te_ops._core import registry
 from te_ops._core import triton_bridge as tb
 from te_ops._core.partitioning import batch_folding, match_vma, partitioned
-from te_ops._core.validation import check_float, check_int_array, err, is_master_kernel, sequential_fold
+from te_ops._core.validation import check_float, check_groups, check_int_array, err, is_master_kernel, sequential_fold
 from te_ops.grouped_dense import reference as ref
 from te_ops.grouped_dense import sharding
 from te_ops.grouped_dense import triton as tri
@@ -69,14 +69,7 @@ def _validate(x, kernels, group_sizes, bias):
                 f"{tuple(kernels.shape)}. Transpose the kernels if they are [G, N, K].",
             )
         )
-    if g == 0:
-        raise ValueError(
-            err(
-                OP,
-                f"kernels must have at least one group (G >= 1), got shape {tuple(kernels.shape)}. With no "
-                "experts there is nothing to compute: skip the call.",
-            )
-        )
+    check_groups(OP, kernels)
     if jnp.dtype(x.dtype) != jnp.dtype(kernels.dtype) and not _master(x, kernels):
         raise TypeError(
             err(
